@@ -1,0 +1,4 @@
+fn main() {
+    eprintln!("generate: being written");
+    std::process::exit(1);
+}

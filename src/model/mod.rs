@@ -1,0 +1,1 @@
+//! The forward pass. (being written)

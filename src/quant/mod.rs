@@ -1,0 +1,1 @@
+//! Block formats: CPU dequantization and dot products. (being written)
