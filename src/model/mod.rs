@@ -15,7 +15,9 @@ use crate::config::ConfigError;
 use crate::config::ModelConfig;
 use crate::gguf::{GgufError, GgufFile};
 use crate::trace::{StageData, Trace};
-use crate::weights::{DenseFfn, Ffn, GgufTensors, ModelWeights, TensorSource, WeightsError};
+use crate::weights::{
+    DenseFfn, Ffn, GgufTensors, ModelWeights, TensorRef, TensorSource, WeightsError,
+};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -131,8 +133,21 @@ impl<B: Backend> Model<B> {
         backend: B,
         source: &dyn TensorSource,
     ) -> Result<Model<B>, WeightsError> {
-        let weights =
-            ModelWeights::load(&cfg, source, &mut |t, role| backend.load_weight(t, role))?;
+        Model::load_with_progress(cfg, backend, source, &mut |_| {})
+    }
+
+    /// `load`, calling `progress` after each tensor is resident (for a progress bar).
+    pub fn load_with_progress(
+        cfg: ModelConfig,
+        backend: B,
+        source: &dyn TensorSource,
+        progress: &mut dyn FnMut(&TensorRef),
+    ) -> Result<Model<B>, WeightsError> {
+        let weights = ModelWeights::load(&cfg, source, &mut |t, role| {
+            let w = backend.load_weight(t, role);
+            progress(t);
+            w
+        })?;
         let rope = rope::rope_frequencies(cfg.head_dim_rope, cfg.rope_base, cfg.yarn.as_ref());
         Ok(Model {
             cfg,
