@@ -215,9 +215,11 @@ impl Reader<'_> {
         let arch = match arch_name {
             "deepseek2" => Arch::Deepseek2,
             "glm-dsa" => Arch::GlmDsa,
-            other => return Err(self.unsupported(format!(
+            other => {
+                return Err(self.unsupported(format!(
                 "architecture {other:?} is not supported: this engine runs deepseek2 and glm-dsa"
-            ))),
+            )))
+            }
         };
         let k = |name: &str| format!("{arch_name}.{name}");
         let mut warnings = Vec::new();
