@@ -353,7 +353,7 @@ fn bad_alignment() {
 #[test]
 fn invalid_tensor_entries() {
     // Each: (n_dims, ne, ggml type id) and the field and expectation the error must name.
-    let cases: [(u32, &[u64], u32, &str, &str); 5] = [
+    let cases: [(u32, &[u64], u32, &str, &str); 6] = [
         (
             5,
             &[1, 1, 1, 1, 1],
@@ -382,6 +382,14 @@ fn invalid_tensor_entries() {
             0,
             "tensor \"t\" shape",
             "each dimension below 2^63",
+        ),
+        // Found by the fuzzer: 2^62 F32 elements are countable but their bytes are not.
+        (
+            1,
+            &[1 << 62],
+            0,
+            "tensor \"t\" shape",
+            "a byte size below 2^64",
         ),
     ];
     for (n_dims, ne, type_id, field_expected, expected_expected) in cases {
@@ -434,4 +442,23 @@ fn empty_tensors_may_share_an_offset() {
         [0, 0]
     );
     assert_eq!(f.tensor_data(&f.tensors()[0]), &[] as &[u8]);
+}
+
+/// Inputs on which the fuzzer (fuzz/fuzz_targets/gguf_parse.rs) once crashed the parser. Each
+/// must now be refused with an error naming the file and an offset.
+#[test]
+fn fuzz_regressions() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_fuzz_regressions");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let err = GgufFile::open(&path).expect_err("each regression input is invalid");
+        let name = path.file_name().unwrap().to_str().unwrap();
+        assert!(
+            err.to_string().contains(&format!("{name}: offset ")),
+            "{err}"
+        );
+        n += 1;
+    }
+    assert!(n >= 1);
 }

@@ -62,7 +62,8 @@ pub fn tensor_bytes(ty: GgmlType, ne: &[u64]) -> Result<u64, (String, String)> {
         ));
     }
     // Up to 8 bytes per element (F64, I64): 2^62 elements already overflow u64.
-    (row_len / block * ty.type_size() as u64)
-        .checked_mul(n_rows)
+    (row_len / block)
+        .checked_mul(ty.type_size() as u64)
+        .and_then(|row_bytes| row_bytes.checked_mul(n_rows))
         .ok_or_else(|| ("a byte size below 2^64".into(), shape()))
 }
