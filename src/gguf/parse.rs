@@ -77,14 +77,14 @@ pub fn parse_header(bytes: &[u8], path: &Path) -> Result<Header, GgufError> {
 
     let tensor_count_at = c.at();
     let tensor_count = c.u64(&|| "tensor count".into())?;
-    let kv_count_at = c.at();
-    let kv_count = c.u64(&|| "metadata count".into())?;
     c.check_count(
         tensor_count,
         MIN_TENSOR_ENTRY,
         tensor_count_at,
         "tensor count",
     )?;
+    let kv_count_at = c.at();
+    let kv_count = c.u64(&|| "metadata count".into())?;
     c.check_count(kv_count, MIN_KV_ENTRY, kv_count_at, "metadata count")?;
 
     let mut metadata = Vec::with_capacity(kv_count as usize);
