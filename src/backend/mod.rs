@@ -1,1 +1,3 @@
 //! Backends. (being written)
+
+pub mod cuda;
