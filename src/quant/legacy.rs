@@ -13,8 +13,8 @@
 //! | Q5_1 | 24 | 0: d, 2: m, 4: qh (u32), 8: qs[16] | d * (nibble j \| bit j of qh << 4) + m |
 //! | Q8_0 | 34 | 0: d, 2: qs[32] (i8) | d * qs[j] |
 //!
-//! All arithmetic is f32: the integer converts exactly, then one multiply (and one add for the
-//! `m` formats, not fused), as gguf-py computes it. DeepSeek files use these where a row is not
+//! All arithmetic is f32: the integer converts exactly, then one exact multiply (and one
+//! rounded add for the `m` formats), as gguf-py computes it. DeepSeek files use these where a row is not
 //! a multiple of 256 (attn_k_b, attn_v_b), as the quantizer's fallback for the K-quants.
 
 // The format types are named as ggml names them (Q4_K, IQ4_XS).
