@@ -31,7 +31,8 @@
 //! m = (b[s + 4] >> 4) | (b[s] >> 6) << 4.
 //!
 //! Each product in the table is one f32 operation, in the order written (`d*sc` first, then times
-//! q, then minus `dmin*m`, never fused), as gguf-py computes it. DeepSeek/GLM files use Q4_K to
+//! q, then minus `dmin*m`), as gguf-py computes it; all but the last rounding are exact, so a
+//! fused or reordered evaluation gives the same bits (see mod.rs). DeepSeek/GLM files use Q4_K to
 //! Q6_K for most weights; Q2_K/Q3_K appear in the smallest Unsloth files.
 
 // The format types are named as ggml names them (Q4_K, IQ4_XS).

@@ -13,8 +13,8 @@
 //! | Q5_1 | 24 | 0: d, 2: m, 4: qh (u32), 8: qs[16] | d * (nibble j \| bit j of qh << 4) + m |
 //! | Q8_0 | 34 | 0: d, 2: qs[32] (i8) | d * qs[j] |
 //!
-//! All arithmetic is f32: the integer converts exactly, then one multiply (and one add for the
-//! `m` formats, not fused), as gguf-py computes it. DeepSeek files use these where a row is not
+//! All arithmetic is f32: the integer converts exactly, then one exact multiply (and one
+//! rounded add for the `m` formats), as gguf-py computes it. DeepSeek files use these where a row is not
 //! a multiple of 256 (attn_k_b, attn_v_b), as the quantizer's fallback for the K-quants.
 
 // The format types are named as ggml names them (Q4_K, IQ4_XS).
@@ -33,13 +33,14 @@ fn nibbles(qs: &[u8]) -> [u8; 32] {
     q
 }
 
-/// The 32 5-bit codes of a `qh` (4 bytes) + `qs` (16 bytes) pair, in element order.
+/// The 32 5-bit codes of a `qh` (4 bytes) + `qs` (16 bytes) pair, in element order. Bit j of
+/// the little-endian u32 `qh` is bit j % 8 of byte j / 8; testing it against a constant mask
+/// (rather than shifting by j) lets the compiler do all 32 lanes at once.
 #[inline(always)]
 fn five_bit_codes(qh: &[u8], qs: &[u8]) -> [u8; 32] {
-    let high = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
     let mut q = nibbles(qs);
-    for (j, qj) in q.iter_mut().enumerate() {
-        *qj |= (((high >> j) & 1) as u8) << 4;
+    for j in 0..32 {
+        q[j] |= ((qh[j / 8] & (1 << (j % 8)) != 0) as u8) << 4;
     }
     q
 }

@@ -13,8 +13,12 @@
 //! and dot products, once for all formats.
 //!
 //! [`dequantize`] reproduces gguf-py's dequantization bit for bit: the same f32 operations in
-//! the same order (one multiply, then one add, never fused). `tests/quant.rs` checks it
-//! against fixtures made by gguf-py. [`dot`] is the CPU engine's hot path: it unpacks one block
+//! the same order (one multiply, then one add). `tests/quant.rs` checks it against fixtures
+//! made by gguf-py. In every format here the products are exact in f32 (an f16 scale has 11
+//! significant bits, the integer factors together at most 13, and Q6_K's 25-bit product is
+//! rounded once whichever pair multiplies first), so each value is the exact real result
+//! rounded at most once: a kernel that fuses the add or multiplies in another order (a GPU
+//! kernel with FMA) still gets the same bits. [`dot`] is the CPU engine's hot path: it unpacks one block
 //! at a time on the stack and folds the scales out of the inner loop (sum of scale * (code . x)
 //! per sub-block), so the row is never materialized and the inner loop is integer-to-float
 //! multiply-adds over eight SIMD lanes.
