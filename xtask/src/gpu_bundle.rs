@@ -1,6 +1,8 @@
 //! `cargo xtask gpu-bundle`: one folder that runs the GPU tests on a machine with a GPU and no
-//! Rust toolchain: the nextest archive of the workspace's tests, the `cargo-nextest` binary
-//! that runs it, the `generate` binary, the golden fixtures the tests read, and `run.sh`.
+//! Rust toolchain: the nextest archive of the GPU test binaries (tests/cuda_*.rs and
+//! tests/nvrtc_compile.rs), the `cargo-nextest` binary that runs it, the `generate` binary, the
+//! golden fixtures the tests read (models, references, manifest), and `run.sh`. Binaries are
+//! stripped of symbols to keep the folder small enough to carry to the GPU host (64 MiB).
 //!
 //! The tests find the fixtures at this machine's workspace path (compiled in), so `run.sh`
 //! points that path at the bundle's copy when it does not exist on the GPU host.
@@ -60,12 +62,17 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&out)?;
 
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run_cmd(
-        Command::new(&cargo)
-            .current_dir(&root)
-            .args(["nextest", "archive", "--workspace", "--archive-file"])
-            .arg(out.join("tests.tar.zst")),
-    )?;
+    let mut archive = Command::new(&cargo);
+    archive.current_dir(&root).args(["nextest", "archive"]);
+    for entry in std::fs::read_dir(root.join("tests"))? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if let Some(stem) = name.strip_suffix(".rs") {
+            if stem.starts_with("cuda_") || stem == "nvrtc_compile" {
+                archive.args(["--test", stem]);
+            }
+        }
+    }
+    run_cmd(archive.arg("--archive-file").arg(out.join("tests.tar.zst")))?;
 
     let mut build = Command::new(&cargo);
     build
@@ -87,9 +94,28 @@ pub fn run(args: Args) -> Result<()> {
     if nextest.is_empty() {
         bail!("cargo-nextest is not on PATH (cargo install cargo-nextest)");
     }
-    std::fs::copy(&nextest, out.join("cargo-nextest")).context("copying cargo-nextest")?;
+    for (from, to) in [
+        (PathBuf::from(nextest), "cargo-nextest"),
+        (out.join("generate"), "generate"),
+    ] {
+        run_cmd(
+            Command::new("strip")
+                .arg("-o")
+                .arg(out.join(format!("{to}.stripped")))
+                .arg(&from),
+        )?;
+        std::fs::rename(out.join(format!("{to}.stripped")), out.join(to))?;
+    }
 
-    copy_dir(&root.join("golden"), &out.join("workspace/golden"))?;
+    let golden = root.join("golden");
+    copy_dir(&golden.join("models"), &out.join("workspace/golden/models"))?;
+    copy_dir(&golden.join("refs"), &out.join("workspace/golden/refs"))?;
+    if golden.join("manifest.json").exists() {
+        std::fs::copy(
+            golden.join("manifest.json"),
+            out.join("workspace/golden/manifest.json"),
+        )?;
+    }
 
     let script = RUN_SH.replace("@WORKSPACE@", &root.display().to_string());
     std::fs::write(out.join("run.sh"), script)?;
