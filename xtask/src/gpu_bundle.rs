@@ -64,14 +64,17 @@ pub fn run(args: Args) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut archive = Command::new(&cargo);
     archive.current_dir(&root).args(["nextest", "archive"]);
+    let mut binaries = Vec::new();
     for entry in std::fs::read_dir(root.join("tests"))? {
         let name = entry?.file_name().to_string_lossy().into_owned();
         if let Some(stem) = name.strip_suffix(".rs") {
             if stem.starts_with("cuda_") || stem == "nvrtc_compile" {
                 archive.args(["--test", stem]);
+                binaries.push(format!("binary({stem})"));
             }
         }
     }
+    binaries.sort();
     run_cmd(archive.arg("--archive-file").arg(out.join("tests.tar.zst")))?;
 
     let mut build = Command::new(&cargo);
@@ -107,6 +110,14 @@ pub fn run(args: Args) -> Result<()> {
         std::fs::rename(out.join(format!("{to}.stripped")), out.join(to))?;
     }
 
+    // `nextest run --workspace-remap` wants a workspace there: its manifests, and a stub for
+    // the library's root file that the manifest names (the tests are already built).
+    let ws = out.join("workspace");
+    std::fs::create_dir_all(ws.join("src"))?;
+    std::fs::copy(root.join("Cargo.toml"), ws.join("Cargo.toml"))?;
+    std::fs::write(ws.join("src/lib.rs"), "")?;
+    copy_dir(&root.join("xtask"), &ws.join("xtask"))?;
+
     let golden = root.join("golden");
     copy_dir(&golden.join("models"), &out.join("workspace/golden/models"))?;
     copy_dir(&golden.join("refs"), &out.join("workspace/golden/refs"))?;
@@ -117,7 +128,9 @@ pub fn run(args: Args) -> Result<()> {
         )?;
     }
 
-    let script = RUN_SH.replace("@WORKSPACE@", &root.display().to_string());
+    let script = RUN_SH
+        .replace("@WORKSPACE@", &root.display().to_string())
+        .replace("@FILTER@", &binaries.join(" | "));
     std::fs::write(out.join("run.sh"), script)?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(out.join("run.sh"), std::fs::Permissions::from_mode(0o755))?;
@@ -127,7 +140,7 @@ pub fn run(args: Args) -> Result<()> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs mla-engine's GPU tests on a host with an NVIDIA GPU and no Rust toolchain.
-# Usage: run.sh [NEXTEST_FILTER]    (default: the CUDA test binaries)
+# Usage: run.sh [NEXTEST_FILTER]    (default: every test binary in the archive)
 # Logs go to $OUT when set (the device tool's output folder), else ./out.
 # Needs the NVIDIA driver (libcuda) and libnvrtc on the loader path.
 set -uo pipefail
@@ -146,7 +159,7 @@ export MLA_CUBIN_CACHE=${MLA_CUBIN_CACHE:-/tmp/mla-cubin}
 { nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } >"$out/gpu.txt" 2>&1
 head -n 20 "$out/gpu.txt"
 
-filter=${1:-"binary(cuda_kernels) | binary(cuda_forward) | binary(nvrtc_compile)"}
+filter=${1:-"@FILTER@"}
 "$here/cargo-nextest" nextest run --archive-file "$here/tests.tar.zst" \
   --workspace-remap "$here/workspace" -E "$filter" --no-fail-fast \
   --success-output final --failure-output final 2>&1 | tee "$out/tests.log"
