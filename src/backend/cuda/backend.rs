@@ -433,7 +433,7 @@ impl Backend for Cuda {
         );
         let n = x.rows;
         let y = self.out(n, heads * dout);
-        if !transpose && n < MATMUL_MIN_ROWS {
+        if !transpose && (n < MATMUL_MIN_ROWS || din % 32 != 0) {
             // One matrix-vector item per (token, head), matrix index = head.
             let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
             let dids = self.upload_i32(&ids);
