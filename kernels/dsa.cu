@@ -1,8 +1,8 @@
 // DSA (DeepSeek sparse attention) lightning indexer: which keys each query may attend to.
 //
-// dsa_scores: scores[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k[s, :]) for s <= pos0 + t,
+// dsa_scores: scores[t, s] = sum_h w[t, h] * relu(scale * q[t, h, :] . k[s, :]) for s <= pos0 + t,
 //   -inf for later keys. q: [T, heads, dim], k: [S, dim] (the indexer key cache, one head),
-//   w: [T, heads] (the head weights with every scale folded in), scores: [T, s_stride].
+//   w: [T, heads] (the head weights), scores: [T, s_stride].
 //   grid (ceil(S / 128), T), block 128: one key per thread, the query in shared memory.
 //   heads * dim <= 8192.
 //
@@ -13,7 +13,8 @@
 //   k-th largest value, then a block scan writes the selected positions in order.
 
 extern "C" __global__ void dsa_scores(const float* q, const float* k, const float* w, int heads,
-                                      int dim, int S, int pos0, float* scores, i64 s_stride) {
+                                      int dim, int S, int pos0, float scale, float* scores,
+                                      i64 s_stride) {
     __shared__ float qs[8192];
     __shared__ float ws[64];
     int t = blockIdx.y, s = blockIdx.x * blockDim.x + threadIdx.x;
@@ -29,7 +30,7 @@ extern "C" __global__ void dsa_scores(const float* q, const float* k, const floa
             const float* qr = qs + h * dim;
             float dot = 0.0f;
             for (int d = 0; d < dim; d++) dot += qr[d] * kr[d];
-            total += ws[h] * fmaxf(dot, 0.0f);
+            total += ws[h] * fmaxf(scale * dot, 0.0f);
         }
     }
     scores[(i64)t * s_stride + s] = total;

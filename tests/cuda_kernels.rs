@@ -239,9 +239,11 @@ fn embed_every_type_matches_dequantize() {
 fn matmul_every_type_on_tensor_cores() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matmul");
-    let (m, n, k) = (70, 136, 512);
+    let (m, k) = (70, 512);
     for &t in KERNEL_TYPES {
         for transposed in [false, true] {
+            // Transposed rows are n long: a whole number of blocks of every type.
+            let n = if transposed { 256 } else { 136 };
             // W is [n, k] (rows of k) or, transposed, [k, n] (rows of n).
             let (wr, wc) = if transposed { (k, n) } else { (n, k) };
             let w = random_rows(&mut rng, t, wr, wc);
@@ -366,7 +368,7 @@ fn rope_rotates_adjacent_pairs_only_in_its_columns() {
     let pos: Vec<i32> = (0..tokens).map(|_| rng.below(5000) as i32).collect();
     // YaRN-like spread of frequencies: from 1 down to 1e-4 rad per position.
     let inv_freq: Vec<f32> = (0..dims / 2)
-        .map(|i| (10000f64.powf(-(2 * i) as f64 / dims as f64) * (0.5 + rng.uniform())) as f32)
+        .map(|i| (10000f64.powf(-((2 * i) as f64) / dims as f64) * (0.5 + rng.uniform())) as f32)
         .collect();
     let mscale = 1.15f32;
     let (dx, dp, df) = (
@@ -683,6 +685,7 @@ fn dsa_scores_and_topk_match() {
         g.upload(&w).unwrap(),
     );
     let dscores = poisoned(&g, tokens * s_len);
+    let scale = 0.088f32;
     g.dsa_scores(
         g.ptr(&dq, 0),
         g.ptr(&dk, 0),
@@ -692,6 +695,7 @@ fn dsa_scores_and_topk_match() {
         tokens,
         s_len,
         pos0,
+        scale,
         g.ptr(&dscores, 0),
         s_len,
     )
@@ -708,7 +712,8 @@ fn dsa_scores_and_topk_match() {
             let kr = &keys[s * dim..][..dim];
             let total: f64 = (0..heads)
                 .map(|h| {
-                    w[t * heads + h] as f64 * dot64(&q[(t * heads + h) * dim..][..dim], kr).max(0.0)
+                    let dot = dot64(&q[(t * heads + h) * dim..][..dim], kr);
+                    w[t * heads + h] as f64 * (scale as f64 * dot).max(0.0)
                 })
                 .sum();
             got.push(v);

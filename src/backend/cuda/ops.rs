@@ -378,6 +378,7 @@ impl Gpu {
         tokens: usize,
         keys: usize,
         pos0: usize,
+        scale: f32,
         scores: Ptr,
         s_stride: usize,
     ) -> Result<(), CudaError> {
@@ -385,7 +386,7 @@ impl Gpu {
             format!("{heads} heads x {dim} over the 8192-float query tile")
         })?;
         launch!(self, "dsa_scores", (grid1(keys, 128), tokens as u32, 1), 128, 0;
-            q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scores, s_stride as i64);
+            q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores, s_stride as i64);
         Ok(())
     }
 
