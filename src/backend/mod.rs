@@ -18,6 +18,7 @@
 //!   never reachable from user input, which `crate::config` validates at load).
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::weights::TensorRef;
 use std::ops::Range;

@@ -1,6 +1,24 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
-fn main() {
-    eprintln!("xtask: being written");
-    std::process::exit(1);
+mod gpu_bundle;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "mla-engine developer commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build the folder that runs the GPU tests on a GPU host without Rust (bundle/).
+    GpuBundle(gpu_bundle::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::GpuBundle(args) => gpu_bundle::run(args),
+    }
 }
