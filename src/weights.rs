@@ -10,6 +10,7 @@ use crate::config::{KvLayout, ModelConfig};
 use crate::gguf::{GgmlType, GgufFile};
 use crate::quant;
 use std::fmt;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// Bytes of one tensor, borrowed from an owner (the mapped file, or an owned buffer for
@@ -194,13 +195,46 @@ pub struct Moe<W> {
     pub up_exps: W,
     /// ffn_down_exps {F_exp, E, n_expert}
     pub down_exps: W,
-    /// ffn_{gate,up,down}_shexp, width F_exp * n_shared
+    /// ffn_{gate,up,down}_shexp, width F_exp * n_shared (this rank's rows of it under TP;
+    /// None on ranks that do not hold it)
     pub shared: Option<DenseFfn<W>>,
+    /// The routed experts held here, as router ids (all at TP = 1): the `*_exps` stacks hold
+    /// `experts.len()` experts, the first being `experts.start`.
+    pub experts: Range<usize>,
 }
 
 pub enum Ffn<W> {
     Dense(DenseFfn<W>),
     Moe(Moe<W>),
+    /// Tensor parallelism: this layer's dense FFN could not be split and another rank computes
+    /// it whole; this rank adds nothing to the all-reduce.
+    OtherRank,
+}
+
+/// What one tensor-parallel rank holds besides its heads (its `ModelConfig::n_head` is already
+/// the rank's head count). `Share::whole` at TP = 1; made by `crate::tp` for each rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Share {
+    /// Dense FFN width held (ffn_gate/up rows, ffn_down columns); None: another rank's.
+    pub n_ff: Option<usize>,
+    /// Shared-expert width held; None: another rank's (or the model has none).
+    pub n_ff_shared: Option<usize>,
+    /// Routed experts held, as router ids.
+    pub experts: Range<usize>,
+    /// LM head rows (vocabulary entries) held; the logits are gathered after.
+    pub n_vocab_head: usize,
+}
+
+impl Share {
+    /// Everything: one rank.
+    pub fn whole(cfg: &ModelConfig) -> Share {
+        Share {
+            n_ff: Some(cfg.n_ff),
+            n_ff_shared: cfg.moe.as_ref().map(|m| m.n_ff_expert * m.n_shared),
+            experts: 0..cfg.moe.as_ref().map_or(0, |m| m.n_expert),
+            n_vocab_head: cfg.n_vocab,
+        }
+    }
 }
 
 pub struct LayerWeights<W> {
@@ -295,6 +329,17 @@ impl<W> ModelWeights<W> {
         source: &dyn TensorSource,
         load: &mut dyn FnMut(&TensorRef, WeightRole) -> Result<W, BackendError>,
     ) -> Result<ModelWeights<W>, WeightsError> {
+        ModelWeights::load_share(cfg, &Share::whole(cfg), source, load)
+    }
+
+    /// `load` for a tensor-parallel rank: `source` hands out the rank's shards, whose shapes
+    /// `cfg` (heads) and `share` (the rest) describe.
+    pub fn load_share(
+        cfg: &ModelConfig,
+        share: &Share,
+        source: &dyn TensorSource,
+        load: &mut dyn FnMut(&TensorRef, WeightRole) -> Result<W, BackendError>,
+    ) -> Result<ModelWeights<W>, WeightsError> {
         use WeightRole::{Heads, Matrix, Vector};
         let mut l = Loader { source, load };
         let (e, v, h) = (cfg.n_embd, cfg.n_vocab, cfg.n_head);
@@ -304,7 +349,7 @@ impl<W> ModelWeights<W> {
         let token_embd = l.get("token_embd.weight", &[e, v], Matrix)?;
         let output_norm = l.get("output_norm.weight", &[e], Vector)?;
         let output = if l.has("output.weight") {
-            Some(l.get("output.weight", &[e, v], Matrix)?)
+            Some(l.get("output.weight", &[e, share.n_vocab_head], Matrix)?)
         } else {
             None
         };
@@ -374,30 +419,33 @@ impl<W> ModelWeights<W> {
                     } else {
                         None
                     };
-                    let shared = if m.n_shared > 0 {
-                        let fs = f * m.n_shared;
-                        Some(DenseFfn {
+                    let shared = match share.n_ff_shared {
+                        Some(fs) if m.n_shared > 0 => Some(DenseFfn {
                             gate: l.get(&n("ffn_gate_shexp.weight"), &[e, fs], Matrix)?,
                             up: l.get(&n("ffn_up_shexp.weight"), &[e, fs], Matrix)?,
                             down: l.get(&n("ffn_down_shexp.weight"), &[fs, e], Matrix)?,
-                        })
-                    } else {
-                        None
+                        }),
+                        _ => None,
                     };
+                    let xs = share.experts.len();
                     Ffn::Moe(Moe {
                         router: l.get(&n("ffn_gate_inp.weight"), &[e, x], Matrix)?,
                         selection_bias,
-                        gate_exps: l.get(&n("ffn_gate_exps.weight"), &[e, f, x], Matrix)?,
-                        up_exps: l.get(&n("ffn_up_exps.weight"), &[e, f, x], Matrix)?,
-                        down_exps: l.get(&n("ffn_down_exps.weight"), &[f, e, x], Matrix)?,
+                        gate_exps: l.get(&n("ffn_gate_exps.weight"), &[e, f, xs], Matrix)?,
+                        up_exps: l.get(&n("ffn_up_exps.weight"), &[e, f, xs], Matrix)?,
+                        down_exps: l.get(&n("ffn_down_exps.weight"), &[f, e, xs], Matrix)?,
                         shared,
+                        experts: share.experts.clone(),
                     })
                 }
-                _ => Ffn::Dense(DenseFfn {
-                    gate: l.get(&n("ffn_gate.weight"), &[e, cfg.n_ff], Matrix)?,
-                    up: l.get(&n("ffn_up.weight"), &[e, cfg.n_ff], Matrix)?,
-                    down: l.get(&n("ffn_down.weight"), &[cfg.n_ff, e], Matrix)?,
-                }),
+                _ => match share.n_ff {
+                    Some(ff) => Ffn::Dense(DenseFfn {
+                        gate: l.get(&n("ffn_gate.weight"), &[e, ff], Matrix)?,
+                        up: l.get(&n("ffn_up.weight"), &[e, ff], Matrix)?,
+                        down: l.get(&n("ffn_down.weight"), &[ff, e], Matrix)?,
+                    }),
+                    None => Ffn::OtherRank,
+                },
             };
             layers.push(LayerWeights {
                 attn_norm: l.get(&n("attn_norm.weight"), &[e], Vector)?,

@@ -16,7 +16,7 @@ use crate::config::ModelConfig;
 use crate::gguf::{GgufError, GgufFile};
 use crate::trace::{StageData, Trace};
 use crate::weights::{
-    DenseFfn, Ffn, GgufTensors, ModelWeights, TensorRef, TensorSource, WeightsError,
+    DenseFfn, Ffn, GgufTensors, ModelWeights, Share, TensorRef, TensorSource, WeightsError,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -143,7 +143,21 @@ impl<B: Backend> Model<B> {
         source: &dyn TensorSource,
         progress: &mut dyn FnMut(&TensorRef),
     ) -> Result<Model<B>, WeightsError> {
-        let weights = ModelWeights::load(&cfg, source, &mut |t, role| {
+        let share = Share::whole(&cfg);
+        Model::load_rank(cfg, &share, backend, source, Box::new(SingleRank), progress)
+    }
+
+    /// One tensor-parallel rank (`crate::tp` calls it): `cfg` with the rank's head count,
+    /// `share` the rest of what it holds, `source` its shards, `comm` joining it to the others.
+    pub fn load_rank(
+        cfg: ModelConfig,
+        share: &Share,
+        backend: B,
+        source: &dyn TensorSource,
+        comm: Box<dyn Communicator<B>>,
+        progress: &mut dyn FnMut(&TensorRef),
+    ) -> Result<Model<B>, WeightsError> {
+        let weights = ModelWeights::load_share(&cfg, share, source, &mut |t, role| {
             let w = backend.load_weight(t, role);
             progress(t);
             w
@@ -154,7 +168,7 @@ impl<B: Backend> Model<B> {
             backend,
             weights,
             rope,
-            comm: Box::new(SingleRank),
+            comm,
         })
     }
 
@@ -248,6 +262,7 @@ impl<B: Backend> Model<B> {
                     y
                 }
                 Ffn::Moe(m) => moe::forward(self, il, m, &h, taps),
+                Ffn::OtherRank => b.zeros(tokens.len(), cfg.n_embd),
             };
             self.comm.all_reduce(b, &mut ffn_out);
             b.add_assign(&mut x, &ffn_out);

@@ -9,6 +9,7 @@ use super::{dense_ffn, Model, Taps};
 use crate::backend::Backend;
 use crate::config::{Gating, MoeConfig};
 use crate::weights::Moe;
+use std::ops::Range;
 
 /// The chosen experts of `n` tokens: `ids` and `weights` [n * k], by descending selection score.
 #[derive(Clone, Debug, PartialEq)]
@@ -86,6 +87,36 @@ fn best(values: &[f32], k: usize) -> Vec<usize> {
     order
 }
 
+/// The choices among the experts this rank holds (`held`: all of them at TP = 1, where this
+/// returns the routing unchanged), renumbered from `held.start`, `k_held` per token: tokens with
+/// fewer held choices are padded with expert 0 at weight 0, which adds exactly 0 (expert
+/// outputs are finite). The other choices are computed by the ranks that hold them and arrive
+/// through the all-reduce. Returns (ids, weights, k_held).
+fn held_choices(r: &Routing, held: &Range<usize>, k: usize) -> (Vec<u32>, Vec<f32>, usize) {
+    let per_token: Vec<Vec<(u32, f32)>> = r
+        .ids
+        .chunks_exact(k)
+        .zip(r.weights.chunks_exact(k))
+        .map(|(ids, ws)| {
+            ids.iter()
+                .zip(ws)
+                .filter(|(&e, _)| held.contains(&(e as usize)))
+                .map(|(&e, &w)| (e - held.start as u32, w))
+                .collect()
+        })
+        .collect();
+    let k_held = per_token.iter().map(Vec::len).max().unwrap_or(0);
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    for choices in &per_token {
+        for j in 0..k_held {
+            let (e, w) = choices.get(j).copied().unwrap_or((0, 0.0));
+            ids.push(e);
+            weights.push(w);
+        }
+    }
+    (ids, weights, k_held)
+}
+
 /// The MoE block of layer `il` for `x` (ffn_norm output, [n, E]): routed experts plus the
 /// shared expert, [n, E].
 pub fn forward<B: Backend>(
@@ -108,15 +139,12 @@ pub fn forward<B: Backend>(
         taps.host_f32(|| format!("L{il}.topk_weights"), n, &r.weights);
     }
 
-    let mut out = b.moe_experts(
-        x,
-        &w.gate_exps,
-        &w.up_exps,
-        &w.down_exps,
-        &r.ids,
-        &r.weights,
-        m.n_used,
-    );
+    let (ids, weights, k) = held_choices(&r, &w.experts, m.n_used);
+    let mut out = if k == 0 {
+        b.zeros(n, model.cfg.n_embd)
+    } else {
+        b.moe_experts(x, &w.gate_exps, &w.up_exps, &w.down_exps, &ids, &weights, k)
+    };
     taps.tensor(b, || format!("L{il}.moe_out"), &out);
     if let Some(shared) = &w.shared {
         let s = dense_ffn(b, shared, x);

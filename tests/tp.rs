@@ -1,0 +1,588 @@
+//! Tensor parallelism on the CPU backend: TP = 2, 4 and 8 against the engine's TP = 1.
+//!
+//! What "equal" means: a split changes only the order of float additions (the two all-reduces
+//! per layer sum per-rank partial sums of attn_output, of the FFN / shared expert and of the
+//! routed experts, in rank order). Two orders of the same m-term f32 sum differ by at most
+//! 2 * gamma_(m-1) * sum|x_i| (Higham, Accuracy and Stability, section 4.2) and in practice by
+//! about sqrt(m) * 2^-24 relative; the largest reductions here (m <= 256) give a few 1e-7, and
+//! the network then propagates such perturbations exactly as it propagates f32 rounding. So
+//! each stage is held to the bound the engine's golden stage tests use for f32 rounding:
+//! max(1e-5, 4 x the reference's measured f32-vs-f64 noise for that stage) relative, ids
+//! (experts, DSA top-k) and greedy tokens exactly. Replicated stages must be bit-identical on
+//! every rank.
+
+mod common;
+
+use common::*;
+use mla_engine::backend::cpu::Cpu;
+use mla_engine::backend::{Backend, Communicator};
+use mla_engine::config::ModelConfig;
+use mla_engine::gguf::{GgmlType, GgufFile, GgufWriter, Value};
+use mla_engine::model::{Model, Taps};
+use mla_engine::sampling::argmax;
+use mla_engine::tp::{Local, PlanError, ShardPlan, ShardedModel, Split, TpError};
+use mla_engine::trace::{compare, relative_error, Comparison, Trace};
+use mla_engine::weights::GgufTensors;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Every golden model file (split sets by their first shard).
+fn golden_files() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(golden_dir().join("models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            name.ends_with(".gguf") && (!name.contains("-of-") || name.contains("-00001-of-"))
+        })
+        .collect();
+    files.sort();
+    assert!(files.len() >= 2, "golden models missing: {files:?}");
+    files
+}
+
+/// The variant name of a golden file (`ds3.q8_0`, `v2lite.q8_0`).
+fn variant(path: &Path) -> String {
+    let name = path.file_stem().unwrap().to_string_lossy().to_string();
+    match name.find("-00001-of-") {
+        Some(i) => name[..i].to_string(),
+        None => name,
+    }
+}
+
+fn open(path: &Path) -> (Arc<GgufFile>, ModelConfig) {
+    let file = Arc::new(GgufFile::open(path).unwrap());
+    let cfg = ModelConfig::from_gguf(&file).unwrap();
+    (file, cfg)
+}
+
+/// The model at TP = 1, as the engine runs it.
+fn single(file: &Arc<GgufFile>, cfg: &ModelConfig) -> Model<Cpu> {
+    Model::load(cfg.clone(), Cpu, &GgufTensors(file.clone())).unwrap()
+}
+
+/// The model over `tp` in-process ranks.
+fn sharded(
+    file: &Arc<GgufFile>,
+    cfg: &ModelConfig,
+    tp: usize,
+) -> Result<ShardedModel<Cpu>, TpError> {
+    let plan = ShardPlan::new(file, cfg, tp)?;
+    let ranks = Local::group(tp)
+        .into_iter()
+        .map(|c| (Cpu, Box::new(c) as Box<dyn Communicator<Cpu>>))
+        .collect();
+    ShardedModel::load(file.clone(), plan, ranks)
+}
+
+fn traced_tp(m: &ShardedModel<Cpu>, tokens: &[u32]) -> Trace {
+    let mut trace = Trace::new();
+    let mut cache = m.new_cache(m.ranks[0].cfg.n_ctx);
+    let (_, mismatches) = m.forward(&mut cache, tokens, Some(&mut trace)).unwrap();
+    assert!(
+        mismatches.is_empty(),
+        "replicated stages differ between ranks: {mismatches:?}"
+    );
+    trace
+}
+
+/// Greedy continuation over the ranks, and the logits of every decode step.
+fn greedy_tp(m: &ShardedModel<Cpu>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+    let b = &m.ranks[0].backend;
+    let vocab = m.ranks[0].cfg.n_vocab;
+    let mut cache = m.new_cache(m.ranks[0].cfg.n_ctx);
+    let (l, _) = m.forward(&mut cache, prompt, None).unwrap();
+    let l = b.download(&l);
+    let mut next = argmax(&l[l.len() - vocab..]) as u32;
+    let (mut out, mut logits) = (vec![next], Vec::new());
+    while out.len() < n {
+        let (l, _) = m.forward(&mut cache, &[next], None).unwrap();
+        let l = b.download(&l);
+        next = argmax(&l) as u32;
+        logits.extend_from_slice(&l);
+        out.push(next);
+    }
+    (out, logits)
+}
+
+/// Decode-step logits at TP = 1 for the same token sequence.
+fn decode_logits(m: &Model<Cpu>, prompt: &[u32], continuation: &[u32]) -> Vec<f32> {
+    let mut cache = m.new_cache(m.cfg.n_ctx);
+    m.forward(&mut cache, prompt, &mut Taps::none()).unwrap();
+    let mut out = Vec::new();
+    for &t in &continuation[..continuation.len() - 1] {
+        out.extend(
+            m.backend
+                .download(&m.forward(&mut cache, &[t], &mut Taps::none()).unwrap()),
+        );
+    }
+    out
+}
+
+/// Compares every stage of `ours` with `base`; returns failures and the worst relative error.
+fn check_stages(
+    ours: &Trace,
+    base: &Trace,
+    tol: impl Fn(&str) -> f64,
+) -> (Vec<String>, f64, usize) {
+    let mut failures = Vec::new();
+    let mut worst = 0.0f64;
+    for name in base.names() {
+        if ours.get(name).is_none() {
+            failures.push(format!("{name}: missing at TP > 1"));
+        }
+    }
+    let rows = compare(ours, base);
+    for (name, cmp) in &rows {
+        let bad = match cmp {
+            Comparison::Relative(e) => {
+                worst = worst.max(*e);
+                *e > tol(name)
+            }
+            Comparison::Ids { differ, .. } => *differ > 0,
+            Comparison::Mismatch(_) => true,
+        };
+        if bad {
+            failures.push(format!("{name}: {cmp:?} (bound {:.1e})", tol(name)));
+        }
+    }
+    (failures, worst, rows.len())
+}
+
+/// TP = `tp` on every golden file and prompt: every stage, the greedy continuation and its
+/// decode logits equal TP = 1; where TP does not divide the heads or experts, the refusal.
+fn golden_at(tp: usize) {
+    let mut compared = 0;
+    for path in golden_files() {
+        let v = variant(&path);
+        let (file, cfg) = open(&path);
+        let m = match sharded(&file, &cfg, tp) {
+            Ok(m) => m,
+            Err(TpError::Plan(PlanError::Indivisible { what, count, .. })) => {
+                assert_ne!(count % tp, 0);
+                let expected = if what.contains("head") {
+                    cfg.n_head
+                } else {
+                    cfg.moe.as_ref().unwrap().n_expert
+                };
+                assert_eq!(count, expected, "{v}: {what}");
+                eprintln!("{v} TP={tp}: refused ({what} {count})");
+                continue;
+            }
+            Err(TpError::Plan(e @ PlanError::Blocks { cols, block, .. })) => {
+                assert_ne!(cols % block, 0);
+                eprintln!("{v} TP={tp}: refused ({e})");
+                continue;
+            }
+            Err(e) => panic!("{v} TP={tp}: {e}"),
+        };
+        let base = single(&file, &cfg);
+        for prompt in 0..2 {
+            let reference = load_ref(&v, prompt);
+            let tokens = ref_tokens(&reference);
+            let ours = traced_tp(&m, &tokens);
+            let one = traced_prefill(&base, &tokens);
+            let tol = |name: &str| {
+                let noise = manifest_noise(&v, prompt, name).unwrap_or(0.0);
+                (4.0 * noise).max(1e-5)
+            };
+            let (failures, worst, n) = check_stages(&ours, &one, tol);
+            assert!(n > 20, "{v} p{prompt}: only {n} stages");
+            assert!(
+                failures.is_empty(),
+                "{v} p{prompt} TP={tp}:\n{}",
+                failures.join("\n")
+            );
+
+            let (tokens_tp, logits_tp) = greedy_tp(&m, &tokens, 16);
+            let tokens_one = greedy(&base, &tokens, 16);
+            assert_eq!(tokens_tp, tokens_one, "{v} p{prompt} TP={tp}: greedy");
+            let logits_one = decode_logits(&base, &tokens, &tokens_one);
+            let decode_err = relative_error(&logits_tp, &logits_one);
+            assert!(
+                decode_err <= 1e-5,
+                "{v} p{prompt} TP={tp}: decode logits {decode_err:.2e}"
+            );
+            eprintln!(
+                "{v} p{prompt} TP={tp}: {n} stages, worst {worst:.2e}; 16 greedy tokens identical, decode logits {decode_err:.2e}; warnings {:?}",
+                m.plan.warnings
+            );
+            compared += 1;
+        }
+    }
+    assert!(compared >= 2, "TP={tp}: no golden file compared");
+}
+
+#[test]
+fn golden_models_at_tp2_equal_tp1() {
+    golden_at(2);
+}
+
+#[test]
+fn golden_models_at_tp4_equal_tp1() {
+    golden_at(4);
+}
+
+#[test]
+fn golden_models_at_tp8_are_refused_for_their_4_heads() {
+    for path in golden_files() {
+        let (file, cfg) = open(&path);
+        let err = ShardPlan::new(&file, &cfg, 8).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "--tp 8: the attention head count 4 cannot be divided among 8 ranks (TP must divide it)"
+        );
+    }
+}
+
+// ----- a synthetic model with 8 heads and 8 experts (random weights) -----------------------
+
+/// Shape changes from the ds3 golden model: heads, experts, expert groups, attn_output's type.
+struct Synth {
+    heads: usize,
+    experts: usize,
+    groups: Option<usize>,
+    attn_output: GgmlType,
+}
+
+/// A deterministic xorshift stream.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Random bytes of a tensor of `ty` with `n` elements of magnitude about `scale`: block
+/// scales set so the values have that size, quants random.
+fn random_tensor(rng: &mut Rng, ty: GgmlType, n: usize, scale: f32, around_one: bool) -> Vec<u8> {
+    let half = |v: f32| half::f16::from_f32(v).to_le_bytes();
+    match ty {
+        GgmlType::F32 => (0..n)
+            .flat_map(|_| {
+                let v = rng.uniform() * scale + if around_one { 1.0 } else { 0.0 };
+                v.to_le_bytes()
+            })
+            .collect(),
+        GgmlType::Q8_0 => (0..n / 32)
+            .flat_map(|_| {
+                let mut b = half(scale / 127.0).to_vec();
+                b.extend((0..32).map(|_| rng.next() as u8));
+                b
+            })
+            .collect(),
+        GgmlType::Q4_K => (0..n / 256)
+            .flat_map(|_| {
+                // value = d * sc * q - dmin * m with sc, m < 64 and q < 16.
+                let mut b = half(2.0 * scale / (63.0 * 15.0)).to_vec();
+                b.extend(half(scale / 63.0));
+                b.extend((0..140).map(|_| rng.next() as u8));
+                b
+            })
+            .collect(),
+        other => panic!("synth: no random {other}"),
+    }
+}
+
+/// Writes a ds3-shaped model with `s`'s changes next to the test binary and returns its path.
+fn synth(s: &Synth, tag: &str) -> PathBuf {
+    let base = GgufFile::open(model_path("ds3.q8_0")).unwrap();
+    let cfg = ModelConfig::from_gguf(&base).unwrap();
+    let arch = "deepseek2";
+    let path = std::env::temp_dir().join(format!("tp-synth-{tag}-{}.gguf", std::process::id()));
+    let mut w = GgufWriter::new(&path, 32).unwrap();
+    for (k, v) in base.metadata() {
+        let v = match k.strip_prefix(&format!("{arch}.")) {
+            Some("attention.head_count") => Value::U32(s.heads as u32),
+            Some("expert_count") => Value::U32(s.experts as u32),
+            Some("expert_group_count") if s.groups.is_some() => {
+                Value::U32(s.groups.unwrap() as u32)
+            }
+            Some("expert_group_used_count") if s.groups.is_some() => Value::U32(1),
+            _ => v.clone(),
+        };
+        if k != "general.alignment" {
+            w.add_kv(k, v).unwrap();
+        }
+    }
+    let (e, v, h, x) = (cfg.n_embd, cfg.n_vocab, s.heads, s.experts);
+    let (dn, dr, dv, kv) = (
+        cfg.head_dim_nope,
+        cfg.head_dim_rope,
+        cfg.head_dim_v,
+        cfg.kv_lora,
+    );
+    let r = cfg.q_lora.unwrap();
+    let m = cfg.moe.as_ref().unwrap();
+    let (f, fs) = (m.n_ff_expert, m.n_ff_expert * m.n_shared);
+    use GgmlType::{F32, Q4_K, Q8_0};
+    // (name, type, ne, is a norm)
+    let mut tensors: Vec<(String, GgmlType, Vec<usize>, bool)> = vec![
+        ("token_embd.weight".into(), Q4_K, vec![e, v], false),
+        ("output_norm.weight".into(), F32, vec![e], true),
+        ("output.weight".into(), Q8_0, vec![e, v], false),
+    ];
+    for il in 0..cfg.n_layer {
+        let n = |s: &str| format!("blk.{il}.{s}");
+        tensors.extend([
+            (n("attn_norm.weight"), F32, vec![e], true),
+            (n("attn_q_a.weight"), Q4_K, vec![e, r], false),
+            (n("attn_q_a_norm.weight"), F32, vec![r], true),
+            (n("attn_q_b.weight"), Q8_0, vec![r, h * (dn + dr)], false),
+            (n("attn_kv_a_mqa.weight"), Q8_0, vec![e, kv + dr], false),
+            (n("attn_kv_a_norm.weight"), F32, vec![kv], true),
+            (n("attn_k_b.weight"), Q8_0, vec![dn, kv, h], false),
+            (n("attn_v_b.weight"), Q8_0, vec![kv, dv, h], false),
+            (
+                n("attn_output.weight"),
+                s.attn_output,
+                vec![h * dv, e],
+                false,
+            ),
+            (n("ffn_norm.weight"), F32, vec![e], true),
+        ]);
+        if il < cfg.n_dense_lead {
+            tensors.extend([
+                (n("ffn_gate.weight"), Q4_K, vec![e, cfg.n_ff], false),
+                (n("ffn_up.weight"), Q4_K, vec![e, cfg.n_ff], false),
+                (n("ffn_down.weight"), Q8_0, vec![cfg.n_ff, e], false),
+            ]);
+        } else {
+            tensors.extend([
+                (n("ffn_gate_inp.weight"), F32, vec![e, x], false),
+                (n("exp_probs_b.bias"), F32, vec![x], false),
+                (n("ffn_gate_exps.weight"), Q4_K, vec![e, f, x], false),
+                (n("ffn_up_exps.weight"), Q4_K, vec![e, f, x], false),
+                (n("ffn_down_exps.weight"), Q8_0, vec![f, e, x], false),
+                (n("ffn_gate_shexp.weight"), Q4_K, vec![e, fs], false),
+                (n("ffn_up_shexp.weight"), Q4_K, vec![e, fs], false),
+                (n("ffn_down_shexp.weight"), Q8_0, vec![fs, e], false),
+            ]);
+        }
+    }
+    for (name, ty, ne, _) in &tensors {
+        let ne: Vec<u64> = ne.iter().map(|&d| d as u64).collect();
+        w.add_tensor(name, *ty, &ne).unwrap();
+    }
+    w.write_header().unwrap();
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    for (name, ty, ne, norm) in &tensors {
+        let n: usize = ne.iter().product();
+        let scale = if *norm {
+            0.2
+        } else {
+            2.0 / (ne[0] as f32).sqrt()
+        };
+        w.write_tensor(name, &random_tensor(&mut rng, *ty, n, scale, *norm))
+            .unwrap();
+    }
+    w.finish().unwrap();
+    path
+}
+
+fn eight_by_eight() -> PathBuf {
+    synth(
+        &Synth {
+            heads: 8,
+            experts: 8,
+            groups: None,
+            attn_output: GgmlType::Q8_0,
+        },
+        "8x8",
+    )
+}
+
+#[test]
+fn synthetic_8_heads_8_experts_at_tp2_4_8_equal_tp1() {
+    let path = eight_by_eight();
+    let (file, cfg) = open(&path);
+    let base = single(&file, &cfg);
+    let tokens: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % cfg.n_vocab as u32).collect();
+    let one = traced_prefill(&base, &tokens);
+    let greedy_one = greedy(&base, &tokens, 16);
+    let decode_one = decode_logits(&base, &tokens, &greedy_one);
+    for tp in [2, 4, 8] {
+        let m = sharded(&file, &cfg, tp).unwrap();
+        let ours = traced_tp(&m, &tokens);
+        let (failures, worst, n) = check_stages(&ours, &one, |_| 1e-5);
+        assert!(failures.is_empty(), "TP={tp}:\n{}", failures.join("\n"));
+        let (greedy_tp, decode_tp) = greedy_tp(&m, &tokens, 16);
+        assert_eq!(greedy_tp, greedy_one, "TP={tp}: greedy");
+        let decode_err = relative_error(&decode_tp, &decode_one);
+        assert!(
+            decode_err <= 1e-5,
+            "TP={tp}: decode logits {decode_err:.2e}"
+        );
+        eprintln!(
+            "synthetic 8x8 TP={tp}: {n} stages, worst {worst:.2e}; greedy identical; decode {decode_err:.2e}; warnings {:?}",
+            m.plan.warnings
+        );
+    }
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn each_rank_holds_its_share_read_from_the_map() {
+    let path = eight_by_eight();
+    let (file, cfg) = open(&path);
+    let tp = 8;
+    let m = sharded(&file, &cfg, tp).unwrap();
+    let total: usize = file.tensors().iter().map(|t| t.n_bytes as usize).sum();
+    let replicated: usize = m
+        .plan
+        .tensors
+        .iter()
+        .filter(|t| t.split == Split::Replicated)
+        .map(|t| t.n_bytes)
+        .sum();
+    // exp_probs_b biases are read to the host by the loader, not handed to the backend.
+    let host: usize = m
+        .plan
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with("exp_probs_b.bias"))
+        .map(|t| t.n_bytes)
+        .sum();
+    for rank in 0..tp {
+        let planned = m.plan.rank_bytes(rank);
+        // What the backend was handed equals the plan.
+        assert_eq!(m.loaded_bytes[rank] + host, planned.total(), "rank {rank}");
+        assert_eq!(planned.replicated, replicated);
+        eprintln!(
+            "rank {rank}: {} bytes ({} sharded + {} replicated) of a {total}-byte file",
+            planned.total(),
+            planned.sharded,
+            planned.replicated
+        );
+    }
+    // Split parts add up to the split tensors (rank 0 also holds the unsplit shared expert).
+    let split: usize = m
+        .plan
+        .tensors
+        .iter()
+        .filter(|t| matches!(t.split, Split::Rows | Split::Columns))
+        .map(|t| t.n_bytes)
+        .sum();
+    let first_rank: usize = m
+        .plan
+        .tensors
+        .iter()
+        .filter(|t| t.split == Split::FirstRank)
+        .map(|t| t.n_bytes)
+        .sum();
+    let sharded_sum: usize = (0..tp).map(|r| m.plan.rank_bytes(r).sharded).sum();
+    let tied = 0; // the synthetic file has its own output.weight
+    assert_eq!(sharded_sum, split + first_rank + tied);
+    assert!(
+        first_rank > 0,
+        "the shared expert (width 32) cannot split over 8 Q8_0 ranks"
+    );
+    assert_eq!(m.plan.warnings.len(), 1, "{:?}", m.plan.warnings);
+
+    // Row splits are views into the mapped file, not copies.
+    use mla_engine::tp::ShardSource;
+    use mla_engine::weights::TensorSource;
+    let source = ShardSource {
+        file: file.clone(),
+        plan: m.plan.clone(),
+        rank: 3,
+    };
+    for name in [
+        "blk.1.attn_q_b.weight",
+        "blk.2.ffn_gate_exps.weight",
+        "output.weight",
+    ] {
+        let info = file.tensor(name).unwrap();
+        let whole = file.tensor_data(info);
+        let part = source.tensor(name).unwrap();
+        let len = whole.len() / tp;
+        assert_eq!(
+            part.bytes.as_slice().as_ptr(),
+            whole[3 * len..].as_ptr(),
+            "{name}"
+        );
+        assert_eq!(part.bytes.as_slice(), &whole[3 * len..4 * len]);
+    }
+    // A column split holds the rank's blocks of every row.
+    let name = "blk.0.attn_output.weight";
+    let info = file.tensor(name).unwrap();
+    let whole = file.tensor_data(info);
+    let row = info.ggml_type.row_bytes(info.ne[0] as usize).unwrap();
+    let part = source.tensor(name).unwrap();
+    assert_eq!(part.ne, vec![info.ne[0] as usize / tp, info.ne[1] as usize]);
+    for (r, got) in part.bytes.as_slice().chunks_exact(row / tp).enumerate() {
+        assert_eq!(got, &whole[r * row + 3 * row / tp..r * row + 4 * row / tp]);
+    }
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn counts_tp_cannot_divide_are_refused_clearly() {
+    let five_heads = synth(
+        &Synth {
+            heads: 5,
+            experts: 8,
+            groups: None,
+            attn_output: GgmlType::Q8_0,
+        },
+        "5heads",
+    );
+    let (file, cfg) = open(&five_heads);
+    assert_eq!(
+        ShardPlan::new(&file, &cfg, 2).unwrap_err().to_string(),
+        "--tp 2: the attention head count 5 cannot be divided among 2 ranks (TP must divide it)"
+    );
+    std::fs::remove_file(&five_heads).unwrap();
+
+    let six_experts = synth(
+        &Synth {
+            heads: 8,
+            experts: 6,
+            groups: Some(1),
+            attn_output: GgmlType::Q8_0,
+        },
+        "6experts",
+    );
+    let (file, cfg) = open(&six_experts);
+    assert_eq!(
+        ShardPlan::new(&file, &cfg, 4).unwrap_err().to_string(),
+        "--tp 4: the routed expert count 6 cannot be divided among 4 ranks (TP must divide it)"
+    );
+    std::fs::remove_file(&six_experts).unwrap();
+
+    // attn_output in Q4_K (256-element blocks), 8 heads x 32 = 256 columns: two ranks would
+    // each hold half a block of every row.
+    let k_quant = synth(
+        &Synth {
+            heads: 8,
+            experts: 8,
+            groups: None,
+            attn_output: GgmlType::Q4_K,
+        },
+        "q4k-out",
+    );
+    let (file, cfg) = open(&k_quant);
+    assert_eq!(
+        ShardPlan::new(&file, &cfg, 2).unwrap_err().to_string(),
+        "--tp 2: tensor blk.0.attn_output.weight (Q4_K): each rank would hold 128 of its 256 columns, \
+         not a whole number of 256-element blocks"
+    );
+    // TP = 1 of the same file plans as everything whole.
+    let plan = ShardPlan::new(&file, &cfg, 1).unwrap();
+    assert_eq!(
+        plan.rank_bytes(0).total(),
+        file.tensors()
+            .iter()
+            .map(|t| t.n_bytes as usize)
+            .sum::<usize>()
+    );
+    std::fs::remove_file(&k_quant).unwrap();
+}
