@@ -1,6 +1,28 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
-fn main() {
-    eprintln!("xtask: being written");
-    std::process::exit(1);
+mod slice;
+mod synth;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "mla-engine developer commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a synthetic GGUF with the real GLM-5 or DeepSeek-V3 shapes and a few layers.
+    Synth(synth::Args),
+    /// Cut chosen layers (with embedding, output norm and head) out of a GGUF, byte for byte.
+    Slice(slice::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Synth(args) => synth::run(args),
+        Command::Slice(args) => slice::run(args),
+    }
 }
