@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
+mod gpu_bundle;
 mod slice;
 mod synth;
 
@@ -14,6 +15,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Build the folder that runs the GPU tests on a GPU host without Rust (bundle/).
+    GpuBundle(gpu_bundle::Args),
     /// Write a synthetic GGUF with the real GLM-5 or DeepSeek-V3 shapes and a few layers.
     Synth(synth::Args),
     /// Cut chosen layers (with embedding, output norm and head) out of a GGUF, byte for byte.
@@ -22,6 +25,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::GpuBundle(args) => gpu_bundle::run(args),
         Command::Synth(args) => synth::run(args),
         Command::Slice(args) => slice::run(args),
     }
