@@ -3,6 +3,7 @@
 //! of a split set. The slicer (and the synthetic generator for inputs with MTP blocks) are
 //! compiled in from xtask's source (xtask is a binary crate).
 
+mod common;
 #[allow(dead_code)]
 #[path = "../xtask/src/slice.rs"]
 mod slice;
@@ -210,4 +211,75 @@ fn bad_layer_lists_are_refused_with_a_reason() {
         );
         assert!(!out.exists(), "{layers:?}: no output is written");
     }
+}
+
+/// Logits [tokens, V] of one prefill of `tokens` by the CPU engine.
+fn logits(path: &Path, tokens: &[u32]) -> Vec<f32> {
+    use mla_engine::backend::{cpu::Cpu, Backend};
+    use mla_engine::model::{Model, Taps};
+    let model = Model::open(path, Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut cache = model.new_cache(tokens.len());
+    let out = model
+        .forward(&mut cache, tokens, &mut Taps::none())
+        .unwrap();
+    model.backend.download(&out)
+}
+
+/// A slice of every layer is the same model: the engine gives the same logits, bit for bit. A
+/// slice of some layers is a smaller valid model the engine runs.
+#[rstest::rstest]
+fn the_engine_runs_slices_of_golden_models(
+    #[values("ds3.q8_0", "glm5.q8_0", "v2lite.q8_0")] variant: &str,
+) {
+    let input = common::model_path(variant);
+    let n_layer = mla_engine::config::ModelConfig::from_gguf(&GgufFile::open(&input).unwrap())
+        .unwrap()
+        .n_layer;
+    let tokens = common::ref_tokens(&common::load_ref(variant, 1));
+    let dir = temp_dir(&format!("engine-{variant}"));
+    let all = dir.join("all.gguf");
+    let every_layer: Vec<usize> = (0..n_layer).collect();
+    slice::slice(&input, &every_layer, &all).unwrap();
+    assert!(
+        logits(&all, &tokens) == logits(&input, &tokens),
+        "{variant}: logits of the full slice differ"
+    );
+
+    let some = dir.join("some.gguf");
+    let first_and_last = [0, n_layer - 1];
+    slice::slice(&input, &first_and_last, &some).unwrap();
+    let out = logits(&some, &tokens);
+    assert!(out.iter().all(|x| x.is_finite()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// glm5's DSA layers [full, shared, full]: the types array follows the chosen layers, and a
+/// slice may not start with a layer that has no indexer of its own.
+#[test]
+fn indexer_types_follow_the_chosen_layers() {
+    let input = common::model_path("glm5.q8_0");
+    let source = GgufFile::open(&input).unwrap();
+    let types = source
+        .get_array("glm-dsa.attention.indexer.types")
+        .unwrap()
+        .to_vec();
+    assert_eq!(
+        types,
+        [Value::Bool(true), Value::Bool(false), Value::Bool(true)]
+    );
+    let dir = temp_dir("indexer-types");
+    let out = dir.join("slice.gguf");
+    slice::slice(&input, &[0, 1], &out).unwrap();
+    let sliced = GgufFile::open(&out).unwrap();
+    assert_eq!(
+        sliced.get_array("glm-dsa.attention.indexer.types").unwrap(),
+        &types[..2]
+    );
+    assert_byte_exact(&source, &sliced, &[0, 1]);
+    let err = slice::slice(&input, &[1, 2], &out).unwrap_err().to_string();
+    assert!(
+        err.contains("layer 1 reuses the DSA indexer top-k"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -259,3 +259,72 @@ fn full_width_plans_have_the_reference_shapes() {
         assert_eq!(synth::fit_type(mix, 192), fallback);
     }
 }
+
+/// The engine reads the metadata back as the shapes the file was written with, builds its
+/// tokenizer, and runs a prompt through every layer with logits of a sane size: the spread of
+/// the weights keeps activations from vanishing or blowing up.
+#[test]
+fn the_engine_loads_and_runs_a_synthetic_file() {
+    use mla_engine::backend::{cpu::Cpu, Backend};
+    use mla_engine::config::{Gating, ModelConfig};
+    use mla_engine::model::{Model, Taps};
+    use mla_engine::tokenizer::Tokenizer;
+
+    for arch in [SynthArch::Deepseek2, SynthArch::GlmDsa] {
+        let spec = Spec {
+            n_dense: 1,
+            ..tiny(arch, 3, 1, GgmlType::Q4_K)
+        };
+        let s = &spec.shape;
+        let path = temp_path(&format!("engine-{arch:?}.gguf"));
+        synth::synthesize(&spec, &path, false).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let cfg = ModelConfig::from_gguf(&file).unwrap();
+        assert_eq!((cfg.n_layer, cfg.n_nextn, cfg.n_dense_lead), (3, 1, 1));
+        assert_eq!(
+            (cfg.n_embd, cfg.n_head, cfg.q_lora, cfg.kv_lora),
+            (s.n_embd, s.n_head, Some(s.q_lora), s.kv_lora)
+        );
+        assert_eq!(
+            (cfg.head_dim_nope, cfg.head_dim_rope, cfg.head_dim_v),
+            (s.dn, s.dr, s.dv)
+        );
+        assert_eq!((cfg.n_vocab, cfg.n_ff), (s.n_vocab, s.n_ff));
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!(
+            (moe.n_expert, moe.n_used, moe.n_shared, moe.n_ff_expert),
+            (16, 4, 1, 256)
+        );
+        assert_eq!(
+            (moe.n_group, moe.n_group_used, moe.gating),
+            (s.n_group, s.n_group_used, Gating::Sigmoid)
+        );
+        assert_eq!(cfg.yarn.is_some(), arch == SynthArch::Deepseek2);
+        assert_eq!(
+            cfg.indexer
+                .as_ref()
+                .map(|i| (i.n_head, i.head_dim, i.top_k)),
+            s.indexer
+        );
+
+        let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+        let text = "In the beginning God created the heaven and the earth.";
+        let ids = tokenizer.encode(text, false).unwrap();
+        assert!(
+            ids.len() < text.len(),
+            "the merges shorten {text:?} to {ids:?}"
+        );
+        assert_eq!(tokenizer.decode(&ids), text);
+
+        let model = Model::open(&path, Cpu).unwrap();
+        let mut cache = model.new_cache(64);
+        let logits = model
+            .backend
+            .download(&model.forward(&mut cache, &ids, &mut Taps::none()).unwrap());
+        assert_eq!(logits.len(), ids.len() * s.n_vocab);
+        let (_, std) = spread(&logits);
+        assert!(logits.iter().all(|x| x.is_finite()));
+        assert!((0.1..10.0).contains(&std), "{arch:?}: logits std {std}");
+        std::fs::remove_file(&path).unwrap();
+    }
+}
