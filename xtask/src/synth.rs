@@ -286,7 +286,7 @@ impl Planned {
 /// (attn_k_b rows of 128 or 192): the 32-element type of about the same precision.
 pub fn fit_type(mix: GgmlType, row_len: usize) -> GgmlType {
     let fallback = match mix {
-        _ if row_len % mix.block_size() == 0 => return mix,
+        _ if row_len.is_multiple_of(mix.block_size()) => return mix,
         GgmlType::Q4_K => GgmlType::Q5_0,
         GgmlType::Q5_K => GgmlType::Q5_1,
         GgmlType::Q6_K => GgmlType::Q8_0,
@@ -294,7 +294,7 @@ pub fn fit_type(mix: GgmlType, row_len: usize) -> GgmlType {
         GgmlType::Q2_K | GgmlType::Q3_K => GgmlType::Q4_0,
         _ => GgmlType::F16,
     };
-    if row_len % fallback.block_size() == 0 {
+    if row_len.is_multiple_of(fallback.block_size()) {
         fallback
     } else {
         GgmlType::F16
