@@ -58,9 +58,14 @@ fn ok<T>(r: Result<T, CudaError>, op: &str) -> T {
 }
 
 impl Cuda {
+    /// Opens GPU `ordinal` and readies every kernel (compiled by NVRTC for its exact `sm_XX`
+    /// on first use, from the disk cache after): a missing driver, device or NVRTC is an error
+    /// here, before any weight is loaded.
     pub fn new(ordinal: usize) -> Result<Cuda, CudaError> {
+        let gpu = Gpu::new(ordinal)?;
+        gpu.load_all_kernels()?;
         Ok(Cuda {
-            gpu: Gpu::new(ordinal)?,
+            gpu,
             weight_bytes: AtomicUsize::new(0),
         })
     }
