@@ -369,3 +369,14 @@ fn split_set_badly_named_shard() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn writer_skip_of_an_empty_last_tensor_keeps_the_data_before_it() {
+    let mut w = GgufWriter::with_sink(Cursor::new(Vec::new()), "w.gguf", 32).unwrap();
+    w.add_tensor("full", GgmlType::F32, &[8]).unwrap();
+    w.add_tensor("empty", GgmlType::F32, &[0]).unwrap();
+    w.write_tensor("full", &[7; 32]).unwrap();
+    w.skip_tensor("empty").unwrap();
+    let f = GgufFile::from_bytes("w.gguf", w.finish().unwrap().into_inner()).unwrap();
+    assert_eq!(f.tensor_data(f.tensor("full").unwrap()), [7; 32]);
+}

@@ -2,10 +2,9 @@
 //! and gguf-py 0.19's dequantization of them (`values`), written by golden/quant_fixtures.py.
 
 use std::path::Path;
-use std::time::Instant;
 
 use mla_engine::gguf::ggml_type::GgmlType;
-use mla_engine::quant::{self, QuantError};
+use mla_engine::quant;
 use rstest::rstest;
 use safetensors::SafeTensors;
 
@@ -39,21 +38,21 @@ impl Rng {
 }
 
 #[rstest]
-#[case(GgmlType::F32)]
-#[case(GgmlType::F16)]
-#[case(GgmlType::BF16)]
-#[case(GgmlType::Q4_0)]
-#[case(GgmlType::Q4_1)]
-#[case(GgmlType::Q5_0)]
-#[case(GgmlType::Q5_1)]
-#[case(GgmlType::Q8_0)]
-#[case(GgmlType::Q2_K)]
-#[case(GgmlType::Q3_K)]
-#[case(GgmlType::Q4_K)]
-#[case(GgmlType::Q5_K)]
-#[case(GgmlType::Q6_K)]
-#[case(GgmlType::IQ4_NL)]
-#[case(GgmlType::IQ4_XS)]
+#[case::f32(GgmlType::F32)]
+#[case::f16(GgmlType::F16)]
+#[case::bf16(GgmlType::BF16)]
+#[case::q4_0(GgmlType::Q4_0)]
+#[case::q4_1(GgmlType::Q4_1)]
+#[case::q5_0(GgmlType::Q5_0)]
+#[case::q5_1(GgmlType::Q5_1)]
+#[case::q8_0(GgmlType::Q8_0)]
+#[case::q2_k(GgmlType::Q2_K)]
+#[case::q3_k(GgmlType::Q3_K)]
+#[case::q4_k(GgmlType::Q4_K)]
+#[case::q5_k(GgmlType::Q5_K)]
+#[case::q6_k(GgmlType::Q6_K)]
+#[case::iq4_nl(GgmlType::IQ4_NL)]
+#[case::iq4_xs(GgmlType::IQ4_XS)]
 fn dequantize_is_bit_exact_with_gguf_py(#[case] t: GgmlType) {
     let (blocks, expected) = fixture(t);
     assert_eq!(t.row_bytes(expected.len()), Some(blocks.len()));
@@ -92,21 +91,21 @@ fn d_offset_of_min_formats(t: GgmlType) -> Option<usize> {
 /// u = 2^-24, where |s_i| + |m_i| <= |a_i| + 2 |m_i| (one more u covers a_i's own rounding,
 /// already inside the 16 spare steps).
 #[rstest]
-#[case(GgmlType::F32)]
-#[case(GgmlType::F16)]
-#[case(GgmlType::BF16)]
-#[case(GgmlType::Q4_0)]
-#[case(GgmlType::Q4_1)]
-#[case(GgmlType::Q5_0)]
-#[case(GgmlType::Q5_1)]
-#[case(GgmlType::Q8_0)]
-#[case(GgmlType::Q2_K)]
-#[case(GgmlType::Q3_K)]
-#[case(GgmlType::Q4_K)]
-#[case(GgmlType::Q5_K)]
-#[case(GgmlType::Q6_K)]
-#[case(GgmlType::IQ4_NL)]
-#[case(GgmlType::IQ4_XS)]
+#[case::f32(GgmlType::F32)]
+#[case::f16(GgmlType::F16)]
+#[case::bf16(GgmlType::BF16)]
+#[case::q4_0(GgmlType::Q4_0)]
+#[case::q4_1(GgmlType::Q4_1)]
+#[case::q5_0(GgmlType::Q5_0)]
+#[case::q5_1(GgmlType::Q5_1)]
+#[case::q8_0(GgmlType::Q8_0)]
+#[case::q2_k(GgmlType::Q2_K)]
+#[case::q3_k(GgmlType::Q3_K)]
+#[case::q4_k(GgmlType::Q4_K)]
+#[case::q5_k(GgmlType::Q5_K)]
+#[case::q6_k(GgmlType::Q6_K)]
+#[case::iq4_nl(GgmlType::IQ4_NL)]
+#[case::iq4_xs(GgmlType::IQ4_XS)]
 fn dot_is_within_rounding_of_f64_dot(#[case] t: GgmlType) {
     let (blocks, values) = fixture(t);
     let bs = t.block_size();
@@ -161,11 +160,11 @@ const SUPPORTED_NAMES: &str =
     "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16";
 
 #[rstest]
-#[case(GgmlType::IQ2_XXS)]
-#[case(GgmlType::Q8_K)]
-#[case(GgmlType::TQ1_0)]
-#[case(GgmlType::MXFP4)]
-#[case(GgmlType::F64)]
+#[case::iq2_xxs(GgmlType::IQ2_XXS)]
+#[case::q8_k(GgmlType::Q8_K)]
+#[case::tq1_0(GgmlType::TQ1_0)]
+#[case::mxfp4(GgmlType::MXFP4)]
+#[case::f64(GgmlType::F64)]
 fn unsupported_types_are_refused_by_name(#[case] t: GgmlType) {
     assert!(!quant::supported(t));
     let err = quant::check_supported(t).unwrap_err();
@@ -197,7 +196,7 @@ fn wrong_lengths_are_errors() {
     assert_eq!(
         err.to_string(),
         "Q4_K: cannot dequantize 143 bytes into 256 values \
-         (expected a whole number of 256-element blocks in 144 bytes)"
+         (a block is 256 values in 144 bytes)"
     );
     // Not a whole number of blocks.
     let mut out = vec![0f32; 128];
@@ -205,17 +204,25 @@ fn wrong_lengths_are_errors() {
     assert_eq!(
         err.to_string(),
         "Q4_K: cannot dequantize 72 bytes into 128 values \
-         (expected a whole number of 256-element blocks in none bytes)"
+         (a block is 256 values in 144 bytes)"
     );
 }
 
+/// Nanoseconds this thread has spent on a CPU (Linux: /proc/thread-self/schedstat), so that a
+/// measurement on a shared, busy machine does not count the time other processes ran.
+fn thread_cpu_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+    stat.split_whitespace().next().unwrap().parse().unwrap()
+}
+
 /// Single-core throughput of `dot` over a DeepSeek-sized matrix (7168-wide rows, 32 MiB of
-/// quantized bytes, so it streams from memory as in decode). Run with
+/// quantized bytes, so it streams from memory as in decode), in quantized bytes per second of
+/// this thread's CPU time. Run with
 /// `cargo test --release --test quant -- --ignored --nocapture dot_throughput`.
 #[test]
 #[ignore = "a measurement, not a check; run in release"]
 fn dot_throughput() {
-    for t in [GgmlType::Q8_0, GgmlType::Q4_K] {
+    for &t in quant::SUPPORTED {
         let (blocks, _) = fixture(t);
         let cols = 7168;
         let row_bytes = t.row_bytes(cols).unwrap();
@@ -228,19 +235,26 @@ fn dot_throughput() {
             .collect();
         let mut rng = Rng(1);
         let x: Vec<f32> = (0..cols).map(|_| rng.next_f32()).collect();
-        let mut best = f64::INFINITY;
+        // The kernel updates the CPU-time counter only at scheduler ticks (a few ms), so each
+        // measurement repeats whole passes until 250 ms have passed.
+        let mut best_pass = f64::INFINITY; // seconds per pass over the matrix
         let mut sink = 0f32;
-        for _ in 0..5 {
-            let start = Instant::now();
-            for row in matrix.chunks_exact(row_bytes) {
-                sink += quant::dot(t, row, &x);
+        for _ in 0..3 {
+            let start = thread_cpu_ns();
+            let mut passes = 0;
+            while thread_cpu_ns() - start < 250_000_000 {
+                for row in matrix.chunks_exact(row_bytes) {
+                    sink += quant::dot(t, row, &x);
+                }
+                passes += 1;
             }
-            best = best.min(start.elapsed().as_secs_f64());
+            let pass = (thread_cpu_ns() - start) as f64 * 1e-9 / passes as f64;
+            best_pass = best_pass.min(pass);
         }
         println!(
-            "{t}: {:.2} GB/s of quantized bytes, {:.2} Gelem/s ({rows} x {cols}, best of 5; sink {sink})",
-            matrix.len() as f64 / best / 1e9,
-            (rows * cols) as f64 / best / 1e9
+            "{t:>6}: {:5.2} GB/s of quantized bytes, {:5.2} Gelem/s ({rows} x {cols}, best of 3; sink {sink:.1})",
+            matrix.len() as f64 / best_pass / 1e9,
+            (rows * cols) as f64 / best_pass / 1e9
         );
     }
 }

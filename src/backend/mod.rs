@@ -17,6 +17,7 @@
 //! - Shapes are the caller's contract; a backend may panic on a mismatch (a bug in the model,
 //!   never reachable from user input, which `crate::config` validates at load).
 
+pub mod cpu;
 pub mod cuda;
 
 use crate::weights::TensorRef;

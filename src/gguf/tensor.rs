@@ -36,10 +36,13 @@ impl TensorInfo {
 }
 
 /// Bytes of a tensor of type `ty` and dimensions `ne`, or (expected, found) saying why the shape
-/// is impossible: a row that is not a whole number of blocks, or an element count past what
-/// ggml can index (i64).
+/// is impossible: a row that is not a whole number of blocks, or a dimension or element count
+/// past what ggml can index (i64).
 pub fn tensor_bytes(ty: GgmlType, ne: &[u64]) -> Result<u64, (String, String)> {
     let shape = || format!("{ty} tensor with ne {ne:?}");
+    if ne.iter().any(|&n| n > i64::MAX as u64) {
+        return Err(("each dimension below 2^63".into(), shape()));
+    }
     let fits_i64 = |n: Option<u64>| n.filter(|&n| n <= i64::MAX as u64);
     let n_elements = fits_i64(ne.iter().try_fold(1u64, |acc, &n| acc.checked_mul(n)));
     let n_rows = fits_i64(
@@ -59,7 +62,8 @@ pub fn tensor_bytes(ty: GgmlType, ne: &[u64]) -> Result<u64, (String, String)> {
         ));
     }
     // Up to 8 bytes per element (F64, I64): 2^62 elements already overflow u64.
-    (row_len / block * ty.type_size() as u64)
-        .checked_mul(n_rows)
+    (row_len / block)
+        .checked_mul(ty.type_size() as u64)
+        .and_then(|row_bytes| row_bytes.checked_mul(n_rows))
         .ok_or_else(|| ("a byte size below 2^64".into(), shape()))
 }

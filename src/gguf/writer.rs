@@ -43,9 +43,9 @@ pub struct GgufWriter<W: Write + Seek = BufWriter<File>> {
     /// The tensor being streamed (index into `tensors`) and how many of its bytes are written.
     next: usize,
     written: u64,
-    /// Where the output is (the sink may lag behind after a skip, see `finish`).
+    /// Where the output is, and where the sink is: behind `pos` after a skip (a hole).
     pos: u64,
-    ends_in_hole: bool,
+    sink_pos: u64,
 }
 
 impl GgufWriter<BufWriter<File>> {
@@ -76,7 +76,7 @@ impl<W: Write + Seek> GgufWriter<W> {
             next: 0,
             written: 0,
             pos: 0,
-            ends_in_hole: false,
+            sink_pos: 0,
         };
         if alignment == 0 || alignment > u32::MAX as u64 || !alignment.is_power_of_two() {
             let found = alignment.to_string();
@@ -246,9 +246,10 @@ impl<W: Write + Seek> GgufWriter<W> {
             header.extend_from_slice(&t.offset.to_le_bytes());
         }
         let data_offset = (header.len() as u64).div_ceil(self.alignment) * self.alignment;
-        header.resize(data_offset as usize, 0);
         self.sink.write_all(&header).map_err(|e| self.io(e))?;
+        write_zeros(&mut self.sink, data_offset - header.len() as u64).map_err(|e| self.io(e))?;
         self.pos = data_offset;
+        self.sink_pos = data_offset;
         self.header_written = true;
         Ok(())
     }
@@ -304,6 +305,7 @@ impl<W: Write + Seek> GgufWriter<W> {
         self.sync_position()?;
         self.sink.write_all(bytes).map_err(|e| self.io(e))?;
         self.pos += bytes.len() as u64;
+        self.sink_pos = self.pos;
         self.written += bytes.len() as u64;
         if self.written == self.tensors[self.next].n_bytes {
             self.end_tensor(false)?;
@@ -324,13 +326,11 @@ impl<W: Write + Seek> GgufWriter<W> {
     fn end_tensor(&mut self, skipped: bool) -> Result<(), GgufError> {
         let t = &self.tensors[self.next];
         let pad = (t.n_bytes.div_ceil(self.alignment) * self.alignment) - t.n_bytes;
-        if skipped {
-            self.pos += pad;
-            self.ends_in_hole = true;
-        } else {
+        if !skipped {
             write_zeros(&mut self.sink, pad).map_err(|e| self.io(e))?;
-            self.pos += pad;
+            self.sink_pos += pad;
         }
+        self.pos += pad;
         self.next += 1;
         self.written = 0;
         Ok(())
@@ -338,11 +338,11 @@ impl<W: Write + Seek> GgufWriter<W> {
 
     /// After a skip the sink is behind `pos`: seek there (seeking past the end makes a hole).
     fn sync_position(&mut self) -> Result<(), GgufError> {
-        if self.ends_in_hole {
+        if self.sink_pos != self.pos {
             self.sink
                 .seek(SeekFrom::Start(self.pos))
                 .map_err(|e| self.io(e))?;
-            self.ends_in_hole = false;
+            self.sink_pos = self.pos;
         }
         Ok(())
     }
@@ -355,8 +355,8 @@ impl<W: Write + Seek> GgufWriter<W> {
             let found = format!("finish() before tensor {:?} was complete", t.name);
             return Err(self.misuse("tensor data", "every declared tensor written".into(), found));
         }
-        if self.ends_in_hole {
-            // A seek alone does not extend a file: write its last byte (a zero) at the end.
+        if self.sink_pos < self.pos {
+            // A seek alone does not extend a file: write its last byte, which is in the hole.
             self.sink
                 .seek(SeekFrom::Start(self.pos - 1))
                 .map_err(|e| self.io(e))?;

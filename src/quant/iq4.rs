@@ -14,35 +14,61 @@
 //! Files quantized to IQ4_XS fall back to IQ4_NL for rows that are not a multiple of 256.
 //! As everywhere, one f32 multiply per product in the order written, as gguf-py does.
 
-use super::f16_at;
+// The format types are named as ggml names them (Q4_K, IQ4_XS).
+#![allow(non_camel_case_types)]
+
+use super::{f16_at, times, BlockFormat, Unpacked};
 
 /// The 16 levels a code selects.
 const LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// Writes `dl * LEVELS[code]` for the 32 codes packed in `qs[16]`.
+/// The 32 levels selected by the codes packed in `qs[16]`, in element order.
 #[inline(always)]
-fn decode_32(dl: f32, qs: &[u8], out: &mut [f32]) {
+fn levels_32(qs: &[u8], out: &mut [i8]) {
     for l in 0..16 {
-        out[l] = dl * LEVELS[(qs[l] & 15) as usize] as f32;
-        out[l + 16] = dl * LEVELS[(qs[l] >> 4) as usize] as f32;
+        out[l] = LEVELS[(qs[l] & 15) as usize];
+        out[l + 16] = LEVELS[(qs[l] >> 4) as usize];
     }
 }
 
-pub(super) fn dequant_iq4_nl(b: &[u8; 18], out: &mut [f32; 32]) {
-    decode_32(f16_at(b, 0), &b[2..18], out);
+pub(super) struct IQ4_NL;
+
+impl BlockFormat<18, 32, 1> for IQ4_NL {
+    #[inline(always)]
+    fn unpack(b: &[u8; 18]) -> Unpacked<32, 1> {
+        let mut codes = [0i8; 32];
+        levels_32(&b[2..18], &mut codes);
+        Unpacked {
+            codes,
+            scale: [f16_at(b, 0)],
+            offset: None,
+        }
+    }
 }
 
-pub(super) fn dequant_iq4_xs(b: &[u8; 136], out: &mut [f32; 256]) {
-    let d = f16_at(b, 0);
-    let scales_h = u16::from_le_bytes([b[2], b[3]]);
-    let scales_l = &b[4..8];
-    let qs = &b[8..136];
-    for s in 0..8 {
-        let low = (scales_l[s / 2] >> (4 * (s % 2))) & 15;
-        let high = ((scales_h >> (2 * s)) & 3) as u8;
-        let sc = (low | high << 4) as i32 - 32;
-        decode_32(d * sc as f32, &qs[16 * s..][..16], &mut out[32 * s..][..32]);
+pub(super) struct IQ4_XS;
+
+impl BlockFormat<136, 256, 8> for IQ4_XS {
+    #[inline(always)]
+    fn unpack(b: &[u8; 136]) -> Unpacked<256, 8> {
+        let d = f16_at(b, 0);
+        let scales_h = u16::from_le_bytes([b[2], b[3]]);
+        let scales_l = &b[4..8];
+        let qs = &b[8..136];
+        let mut codes = [0i8; 256];
+        let mut sc = [0i8; 8];
+        for s in 0..8 {
+            levels_32(&qs[16 * s..][..16], &mut codes[32 * s..][..32]);
+            let low = (scales_l[s / 2] >> (4 * (s % 2))) & 15;
+            let high = ((scales_h >> (2 * s)) & 3) as u8;
+            sc[s] = (low | high << 4) as i8 - 32;
+        }
+        Unpacked {
+            codes,
+            scale: times(d, sc),
+            offset: None,
+        }
     }
 }

@@ -31,132 +31,188 @@
 //! m = (b[s + 4] >> 4) | (b[s] >> 6) << 4.
 //!
 //! Each product in the table is one f32 operation, in the order written (`d*sc` first, then times
-//! q, then minus `dmin*m`, never fused), as gguf-py computes it.
+//! q, then minus `dmin*m`), as gguf-py computes it; all but the last rounding are exact, so a
+//! fused or reordered evaluation gives the same bits (see mod.rs). DeepSeek/GLM files use Q4_K to
+//! Q6_K for most weights; Q2_K/Q3_K appear in the smallest Unsloth files.
 
-use super::f16_at;
+// The format types are named as ggml names them (Q4_K, IQ4_XS).
+#![allow(non_camel_case_types)]
 
-/// Q2_K, Q3_K, Q6_K: code k (0..4) of the 2-bit plane byte `byte`.
+use super::{f16_at, times, BlockFormat, Unpacked};
+
+/// Code k (0..4) of a 2-bit plane byte: Q2_K, Q3_K, Q6_K.
 #[inline(always)]
 fn two_bits(byte: u8, k: usize) -> u8 {
     (byte >> (2 * k)) & 3
 }
 
-pub(super) fn dequant_q2_k(b: &[u8; 84], out: &mut [f32; 256]) {
-    let scales = &b[0..16];
-    let qs = &b[16..80];
-    let d = f16_at(b, 80);
-    let dmin = f16_at(b, 82);
-    for h in 0..2 {
-        for k in 0..4 {
-            for half in 0..2 {
-                let start = 128 * h + 32 * k + 16 * half;
-                let s = scales[start / 16];
-                let dl = d * (s & 15) as f32;
-                let ml = dmin * (s >> 4) as f32;
-                let q = &qs[32 * h + 16 * half..][..16];
-                for l in 0..16 {
-                    out[start + l] = dl * two_bits(q[l], k) as f32 - ml;
+pub(super) struct Q2_K;
+
+impl BlockFormat<84, 256, 16> for Q2_K {
+    #[inline(always)]
+    fn unpack(b: &[u8; 84]) -> Unpacked<256, 16> {
+        let scales = &b[0..16];
+        let qs = &b[16..80];
+        let d = f16_at(b, 80);
+        let dmin = f16_at(b, 82);
+        let mut codes = [0i8; 256];
+        for h in 0..2 {
+            for k in 0..4 {
+                for l in 0..32 {
+                    codes[128 * h + 32 * k + l] = two_bits(qs[32 * h + l], k) as i8;
                 }
             }
+        }
+        let mut sc = [0i8; 16];
+        let mut m = [0i8; 16];
+        for s in 0..16 {
+            sc[s] = (scales[s] & 15) as i8;
+            m[s] = (scales[s] >> 4) as i8;
+        }
+        // -(dmin * m) == (-dmin) * m bit for bit: rounding to nearest is symmetric.
+        Unpacked {
+            codes,
+            scale: times(d, sc),
+            offset: Some(times(-dmin, m)),
         }
     }
 }
 
 /// Q3_K's 16 signed 6-bit scales.
 #[inline(always)]
-fn q3_k_scales(b: &[u8]) -> [i32; 16] {
-    let mut sc = [0i32; 16];
-    for (s, out) in sc.iter_mut().enumerate() {
+fn q3_k_scales(b: &[u8]) -> [i8; 16] {
+    let mut sc = [0i8; 16];
+    for s in 0..16 {
         let low = if s < 8 { b[s] & 15 } else { b[s - 8] >> 4 };
-        let high = (b[8 + s % 4] >> (2 * (s / 4))) & 3;
-        *out = (low | high << 4) as i32 - 32;
+        let high = two_bits(b[8 + s % 4], s / 4);
+        sc[s] = (low | high << 4) as i8 - 32;
     }
     sc
 }
 
-pub(super) fn dequant_q3_k(b: &[u8; 110], out: &mut [f32; 256]) {
-    let hmask = &b[0..32];
-    let qs = &b[32..96];
-    let sc = q3_k_scales(&b[96..108]);
-    let d = f16_at(b, 108);
-    for h in 0..2 {
-        for k in 0..4 {
-            let bit = 4 * h + k; // which hmask bit holds the high bit of these 32 elements
-            for half in 0..2 {
-                let start = 128 * h + 32 * k + 16 * half;
-                let dl = d * sc[start / 16] as f32;
-                for l in 16 * half..16 * half + 16 {
-                    let low = two_bits(qs[32 * h + l], k) as i32;
-                    let high_clear = 1 - ((hmask[l] >> bit) & 1) as i32;
-                    out[128 * h + 32 * k + l] = dl * (low - 4 * high_clear) as f32;
+pub(super) struct Q3_K;
+
+impl BlockFormat<110, 256, 16> for Q3_K {
+    #[inline(always)]
+    fn unpack(b: &[u8; 110]) -> Unpacked<256, 16> {
+        let hmask = &b[0..32];
+        let qs = &b[32..96];
+        let sc = q3_k_scales(&b[96..108]);
+        let d = f16_at(b, 108);
+        let mut codes = [0i8; 256];
+        for h in 0..2 {
+            for k in 0..4 {
+                let bit = 4 * h + k; // the hmask bit that holds these 32 elements' high bits
+                for l in 0..32 {
+                    let low = two_bits(qs[32 * h + l], k) as i8;
+                    let high_clear = 1 - ((hmask[l] >> bit) & 1) as i8;
+                    codes[128 * h + 32 * k + l] = low - 4 * high_clear;
                 }
             }
+        }
+        Unpacked {
+            codes,
+            scale: times(d, sc),
+            offset: None,
         }
     }
 }
 
 /// Q4_K/Q5_K's 8 (scale, min) pairs.
 #[inline(always)]
-fn scale_min_k4(b: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let mut sc = [0u8; 8];
-    let mut m = [0u8; 8];
+fn scale_min_k4(b: &[u8]) -> ([i8; 8], [i8; 8]) {
+    let mut sc = [0i8; 8];
+    let mut m = [0i8; 8];
     for s in 0..4 {
-        sc[s] = b[s] & 63;
-        m[s] = b[s + 4] & 63;
-        sc[s + 4] = (b[s + 8] & 15) | (b[s] >> 6) << 4;
-        m[s + 4] = (b[s + 8] >> 4) | (b[s + 4] >> 6) << 4;
+        sc[s] = (b[s] & 63) as i8;
+        m[s] = (b[s + 4] & 63) as i8;
+        sc[s + 4] = ((b[s + 8] & 15) | (b[s] >> 6) << 4) as i8;
+        m[s + 4] = ((b[s + 8] >> 4) | (b[s + 4] >> 6) << 4) as i8;
     }
     (sc, m)
 }
 
-pub(super) fn dequant_q4_k(b: &[u8; 144], out: &mut [f32; 256]) {
-    let d = f16_at(b, 0);
-    let dmin = f16_at(b, 2);
-    let (sc, m) = scale_min_k4(&b[4..16]);
-    let qs = &b[16..144];
+/// Q4_K/Q5_K's low 4 bits: sub-block s in the low (even s) or high (odd s) nibbles of
+/// qs[32 * (s / 2)..][..32].
+#[inline(always)]
+fn k4_nibbles(qs: &[u8]) -> [i8; 256] {
+    let mut codes = [0i8; 256];
     for s in 0..8 {
-        let dl = d * sc[s] as f32;
-        let ml = dmin * m[s] as f32;
-        let q = &qs[32 * (s / 2)..][..32];
-        let shift = 4 * (s % 2);
-        let o = &mut out[32 * s..][..32];
         for l in 0..32 {
-            o[l] = dl * ((q[l] >> shift) & 15) as f32 - ml;
+            codes[32 * s + l] = ((qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 15) as i8;
+        }
+    }
+    codes
+}
+
+pub(super) struct Q4_K;
+
+impl BlockFormat<144, 256, 8> for Q4_K {
+    #[inline(always)]
+    fn unpack(b: &[u8; 144]) -> Unpacked<256, 8> {
+        let d = f16_at(b, 0);
+        let dmin = f16_at(b, 2);
+        let (sc, m) = scale_min_k4(&b[4..16]);
+        Unpacked {
+            codes: k4_nibbles(&b[16..144]),
+            scale: times(d, sc),
+            offset: Some(times(-dmin, m)),
         }
     }
 }
 
-pub(super) fn dequant_q5_k(b: &[u8; 176], out: &mut [f32; 256]) {
-    let d = f16_at(b, 0);
-    let dmin = f16_at(b, 2);
-    let (sc, m) = scale_min_k4(&b[4..16]);
-    let qh = &b[16..48];
-    let qs = &b[48..176];
-    for s in 0..8 {
-        let dl = d * sc[s] as f32;
-        let ml = dmin * m[s] as f32;
-        let q = &qs[32 * (s / 2)..][..32];
-        let shift = 4 * (s % 2);
-        let o = &mut out[32 * s..][..32];
-        for l in 0..32 {
-            let code = ((q[l] >> shift) & 15) | ((qh[l] >> s) & 1) << 4;
-            o[l] = dl * code as f32 - ml;
+pub(super) struct Q5_K;
+
+impl BlockFormat<176, 256, 8> for Q5_K {
+    #[inline(always)]
+    fn unpack(b: &[u8; 176]) -> Unpacked<256, 8> {
+        let d = f16_at(b, 0);
+        let dmin = f16_at(b, 2);
+        let (sc, m) = scale_min_k4(&b[4..16]);
+        let qh = &b[16..48];
+        let mut codes = k4_nibbles(&b[48..176]);
+        for s in 0..8 {
+            for l in 0..32 {
+                codes[32 * s + l] |= (((qh[l] >> s) & 1) << 4) as i8;
+            }
+        }
+        Unpacked {
+            codes,
+            scale: times(d, sc),
+            offset: Some(times(-dmin, m)),
         }
     }
 }
 
-pub(super) fn dequant_q6_k(b: &[u8; 210], out: &mut [f32; 256]) {
-    let ql = &b[0..128];
-    let qh = &b[128..192];
-    let scales = &b[192..208];
-    let d = f16_at(b, 208);
-    for h in 0..2 {
-        for j in 0..128 {
-            let low = (ql[64 * h + j % 64] >> (4 * (j / 64))) & 15;
-            let high = two_bits(qh[32 * h + j % 32], j / 32);
-            let i = 128 * h + j;
-            let dl = d * scales[i / 16] as i8 as f32;
-            out[i] = dl * ((low | high << 4) as i32 - 32) as f32;
+pub(super) struct Q6_K;
+
+impl BlockFormat<210, 256, 16> for Q6_K {
+    #[inline(always)]
+    fn unpack(b: &[u8; 210]) -> Unpacked<256, 16> {
+        let ql = &b[0..128];
+        let qh = &b[128..192];
+        let scales = &b[192..208];
+        let d = f16_at(b, 208);
+        let mut codes = [0i8; 256];
+        for h in 0..2 {
+            for k in 0..4 {
+                // Elements 128h + 32k + l: low nibbles of ql[64h..] for k < 2, high ones after.
+                let ql = &ql[64 * h + 32 * (k % 2)..][..32];
+                for l in 0..32 {
+                    let low = (ql[l] >> (4 * (k / 2))) & 15;
+                    let high = two_bits(qh[32 * h + l], k);
+                    codes[128 * h + 32 * k + l] = (low | high << 4) as i8 - 32;
+                }
+            }
+        }
+        let mut sc = [0i8; 16];
+        for s in 0..16 {
+            sc[s] = scales[s] as i8;
+        }
+        Unpacked {
+            codes,
+            scale: times(d, sc),
+            offset: None,
         }
     }
 }
