@@ -188,7 +188,8 @@ pub fn run(args: Args) -> Result<()> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs mla-engine's GPU tests on a host with an NVIDIA GPU and no Rust toolchain.
-# Usage: run.sh [NEXTEST_FILTER]    (default: every test binary in the archive)
+# Usage: run.sh [NEXTEST_FILTER]    (default: every test binary in the archive), then one
+# `generate --backend cuda` on the embedded tiny model.
 # Logs go to $OUT when set (the device tool's output folder), else ./out.
 # Needs the NVIDIA driver (libcuda) and libnvrtc on the loader path.
 set -uo pipefail
@@ -211,5 +212,10 @@ filter=${1:-"@FILTER@"}
 "$here/cargo-nextest" nextest run --archive-file "$here/tests.tar.zst" \
   --workspace-remap "$here/workspace" -E "$filter" --no-fail-fast \
   --success-output final --failure-output final 2>&1 | tee "$out/tests.log"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+
+# The whole model end to end on the GPU: the embedded tiny model, greedy.
+"$here/generate" --backend cuda --prompt "The capital of France is" --max-tokens 16 2>&1 |
+  tee "$out/generate.log"
+exit "$rc"
 "#;
