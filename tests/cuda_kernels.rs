@@ -30,6 +30,21 @@ fn gpu() -> Option<Gpu> {
     }
 }
 
+/// Without a driver (CI), opening a GPU or the backend is an error naming what is missing.
+#[test]
+fn no_driver_is_an_error_not_a_panic() {
+    if mla_engine::backend::cuda::driver_available() {
+        println!("SKIPPED: a CUDA driver is present");
+        return;
+    }
+    let err = Gpu::new(0).err().expect("no driver, yet a GPU opened");
+    assert!(matches!(err, CudaError::NoDriver), "{err}");
+    let err = mla_engine::backend::cuda::Cuda::new(0)
+        .err()
+        .expect("no driver");
+    assert!(err.to_string().contains("no CUDA driver"), "{err}");
+}
+
 /// splitmix64: small, good enough for test inputs.
 struct Rng(u64);
 
