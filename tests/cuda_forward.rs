@@ -17,13 +17,12 @@
 
 use std::path::{Path, PathBuf};
 
+use mla_engine::backend::cuda::backend::MATMUL_MIN_ROWS;
 use mla_engine::backend::cuda::{Cuda, CudaError};
 use mla_engine::backend::Backend;
 use mla_engine::model::{Model, Taps};
 use mla_engine::trace::{compare, relative_error, Comparison, Trace};
 
-/// Rows from which the CUDA backend multiplies on tensor cores (backend.rs).
-const MATMUL_MIN_ROWS: usize = 16;
 const BF16_PATH_TOL: f64 = 3e-2;
 const BF16_PATH_IDS: f64 = 0.02;
 

@@ -20,7 +20,7 @@ use crate::weights::TensorRef;
 
 /// From this many rows on, products run on the tensor cores (bf16 operands); below, in f32
 /// matrix-vector kernels that read each weight row once per token.
-const MATMUL_MIN_ROWS: usize = 16;
+pub const MATMUL_MIN_ROWS: usize = 16;
 
 pub struct Cuda {
     pub gpu: Gpu,
