@@ -1,6 +1,24 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
-fn main() {
-    eprintln!("xtask: being written");
-    std::process::exit(1);
+mod golden;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "mla-engine developer commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Regenerate the golden fixtures (or references for one GGUF with --from-gguf).
+    Golden(golden::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Golden(args) => golden::run(args),
+    }
 }
