@@ -198,6 +198,7 @@ fn matvec_every_type_matches_dequantized_dot() {
             y: g.ptr(&dy, 0),
             y_stride: rows,
             batch: 4,
+            transposed: false,
         })
         .unwrap();
         let y = g.download(&dy).unwrap();
@@ -210,6 +211,57 @@ fn matvec_every_type_matches_dequantized_dot() {
             }
         }
         assert_close(&format!("matvec {t}"), &y, &want, F32_OP);
+    }
+}
+
+#[test]
+fn matvec_transposed_every_type_matches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_t");
+    // Two heads of 64 rows x 256 columns (rows on the reduced side); 3 tokens share x per head
+    // pair: item b = token * 2 + head reads x row b, matrix b % 2.
+    let (heads, rows, k, tokens) = (2, 64, 256, 3);
+    for &t in KERNEL_TYPES {
+        let w = random_rows(&mut rng, t, heads * rows, k);
+        let wf = dequant_rows(t, &w, heads * rows, k);
+        let batch = tokens * heads;
+        let x = rng.normals(batch * rows);
+        let ids: Vec<i32> = (0..batch as i32).map(|b| b % heads as i32).collect();
+        let (dw, dx, di) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let dy = poisoned(&g, batch * k);
+        g.matvec(&Matvec {
+            ty: t,
+            w: g.ptr(&dw, 0),
+            mat_stride: rows * t.row_bytes(k).unwrap(),
+            ids: g.ptr(&di, 0),
+            rows,
+            k,
+            x: g.ptr(&dx, 0),
+            x_group: 1,
+            x_stride: rows,
+            y: g.ptr(&dy, 0),
+            y_stride: k,
+            batch,
+            transposed: true,
+        })
+        .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut want = Vec::new();
+        for b in 0..batch {
+            let m = ids[b] as usize;
+            for j in 0..k {
+                want.push(
+                    (0..rows)
+                        .map(|i| wf[(m * rows + i) * k + j] as f64 * x[b * rows + i] as f64)
+                        .sum(),
+                );
+            }
+        }
+        assert_close(&format!("matvec_t {t}"), &y, &want, F32_OP);
     }
 }
 

@@ -60,7 +60,7 @@ fn every_kernel_compiles_for_every_arch_within_shared_memory() {
             }
         }
         for ty in KERNEL_TYPES {
-            for prefix in ["matvec", "matmul", "embed"] {
+            for prefix in ["matvec", "matvec_t", "matmul", "matmul_t", "embed"] {
                 let name = format!("{prefix}_{}", ty.name().to_lowercase());
                 assert!(seen.contains(&name), "{arch}: {name} missing");
             }

@@ -139,6 +139,7 @@ impl Cuda {
                 y,
                 y_stride,
                 batch: n,
+                transposed: false,
             };
             ok(self.gpu.matvec(&a), "matvec");
         }
@@ -433,8 +434,8 @@ impl Backend for Cuda {
         );
         let n = x.rows;
         let y = self.out(n, heads * dout);
-        if !transpose && (n < MATMUL_MIN_ROWS || din % 32 != 0) {
-            // One matrix-vector item per (token, head), matrix index = head.
+        if n < MATMUL_MIN_ROWS || din % 32 != 0 {
+            // One f32 matrix-vector item per (token, head), matrix index = head.
             let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
             let dids = self.upload_i32(&ids);
             let mv = Matvec {
@@ -448,8 +449,9 @@ impl Backend for Cuda {
                 x_group: if shared { heads } else { 1 },
                 x_stride: din,
                 y: self.p(&y, 0),
-                y_stride: b,
+                y_stride: dout,
                 batch: n * heads,
+                transposed: transpose,
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
@@ -660,6 +662,7 @@ impl Backend for Cuda {
                 y: self.p(y, 0),
                 y_stride: rows_w,
                 batch: rows,
+                transposed: false,
             };
             ok(
                 self.gpu
