@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mla_engine::backend::cpu::Cpu;
+use mla_engine::backend::cuda::Cuda;
 use mla_engine::backend::Backend;
 use mla_engine::config::ModelConfig;
 use mla_engine::gguf::GgufFile;
@@ -125,9 +126,6 @@ fn run(cli: Cli) -> Result<()> {
         Some(Command::Inspect { file }) => return inspect::run(file),
         None => {}
     }
-    if cli.backend == BackendKind::Cuda {
-        bail!("the CUDA backend is not available in this build yet: use --backend cpu");
-    }
     if cli.tp != 1 {
         bail!(
             "--tp {}: tensor parallelism is not available in this build yet: use --tp 1",
@@ -146,11 +144,23 @@ fn run(cli: Cli) -> Result<()> {
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
-    let model = load(&file, cfg, &name)?;
+    match cli.backend {
+        BackendKind::Cpu => run_on(&cli, &file, cfg, &name, Cpu),
+        BackendKind::Cuda => run_on(&cli, &file, cfg, &name, Cuda::new(0)?),
+    }
+}
 
+fn run_on<B: Backend>(
+    cli: &Cli,
+    file: &Arc<GgufFile>,
+    cfg: ModelConfig,
+    name: &str,
+    backend: B,
+) -> Result<()> {
+    let model = load(file, cfg, name, backend)?;
     match &cli.tokens {
-        Some(ids) => teacher_forced(&cli, &model, ids),
-        None => generate(&cli, &file, &model),
+        Some(ids) => teacher_forced(cli, &model, ids),
+        None => generate(cli, file, &model),
     }
 }
 
@@ -168,7 +178,12 @@ fn open_file(path: Option<&PathBuf>) -> Result<(Arc<GgufFile>, String)> {
 }
 
 /// Loads the weights; big files get a progress bar while their pages are read in.
-fn load(file: &Arc<GgufFile>, cfg: ModelConfig, name: &str) -> Result<Model<Cpu>> {
+fn load<B: Backend>(
+    file: &Arc<GgufFile>,
+    cfg: ModelConfig,
+    name: &str,
+    backend: B,
+) -> Result<Model<B>> {
     let total: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
     let bar = (total >= PROGRESS_BAR_BYTES).then(|| {
         let bar = ProgressBar::new(total);
@@ -180,7 +195,7 @@ fn load(file: &Arc<GgufFile>, cfg: ModelConfig, name: &str) -> Result<Model<Cpu>
         );
         bar
     });
-    let model = Model::load_with_progress(cfg, Cpu, &GgufTensors(file.clone()), &mut |t| {
+    let model = Model::load_with_progress(cfg, backend, &GgufTensors(file.clone()), &mut |t| {
         if let Some(bar) = &bar {
             // Touch one byte per page so the first token does not pay for the disk.
             let bytes = t.bytes.as_slice();
@@ -211,7 +226,7 @@ fn parse_ids(ids: &[String]) -> Result<Vec<u32>> {
 
 /// `--tokens`: one prefill of the given ids; logits of every position to .npy, stages to
 /// --trace.
-fn teacher_forced(cli: &Cli, model: &Model<Cpu>, ids: &[String]) -> Result<()> {
+fn teacher_forced<B: Backend>(cli: &Cli, model: &Model<B>, ids: &[String]) -> Result<()> {
     let tokens = parse_ids(ids)?;
     if tokens.is_empty() {
         bail!("--tokens is empty");
@@ -268,7 +283,7 @@ fn skip_layer(name: &str, n_layer: usize) -> bool {
         .is_some_and(|i| i >= n_layer)
 }
 
-fn generate(cli: &Cli, file: &GgufFile, model: &Model<Cpu>) -> Result<()> {
+fn generate<B: Backend>(cli: &Cli, file: &GgufFile, model: &Model<B>) -> Result<()> {
     let prompt = cli.prompt.as_deref().unwrap_or_default();
     if prompt.is_empty() {
         bail!("the prompt is empty");
