@@ -111,6 +111,7 @@ fn unsupported_architecture_is_refused() {
     b.extend_from_slice(&8u32.to_le_bytes()); // string
     b.extend_from_slice(&5u64.to_le_bytes());
     b.extend_from_slice(b"llama");
+    b.resize(b.len().div_ceil(32) * 32, 0); // the (empty) data section starts aligned
     let path = scratch("llama.gguf");
     std::fs::write(&path, b).unwrap();
     let o = generate(&["--model", path.to_str().unwrap(), "--prompt", "hi"]);
