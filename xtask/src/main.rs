@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
+mod golden;
 mod gpu_bundle;
 
 use clap::{Parser, Subcommand};
@@ -13,12 +14,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Regenerate the golden fixtures (or references for one GGUF with --from-gguf).
+    Golden(golden::Args),
     /// Build the folder that runs the GPU tests on a GPU host without Rust (bundle/).
     GpuBundle(gpu_bundle::Args),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Golden(args) => golden::run(args),
         Command::GpuBundle(args) => gpu_bundle::run(args),
     }
 }
