@@ -19,7 +19,16 @@ const NOT_STAGES: &[&str] = &["tokens", "greedy", "llamacpp_logits"];
 
 #[rstest]
 fn every_stage_matches_the_reference(
-    #[values("ds3.f32", "ds3.q8_0", "glm5.q8_0", "v2lite.q8_0")] variant: &str,
+    #[values(
+        "ds3.f32",
+        "ds3.q8_0",
+        "ds3.q4_k_m",
+        "ds3.mix",
+        "ds3.legacy-q8_0",
+        "glm5.q8_0",
+        "v2lite.q8_0"
+    )]
+    variant: &str,
     #[values(0, 1)] prompt: usize,
 ) {
     let model = load(variant);
@@ -70,7 +79,16 @@ fn every_stage_matches_the_reference(
 
 #[rstest]
 fn greedy_continuation_matches_the_reference(
-    #[values("ds3.f32", "ds3.q8_0", "glm5.q8_0", "v2lite.q8_0")] variant: &str,
+    #[values(
+        "ds3.f32",
+        "ds3.q8_0",
+        "ds3.q4_k_m",
+        "ds3.mix",
+        "ds3.legacy-q8_0",
+        "glm5.q8_0",
+        "v2lite.q8_0"
+    )]
+    variant: &str,
     #[values(0, 1)] prompt: usize,
 ) {
     let model = load(variant);
@@ -90,7 +108,18 @@ fn greedy_continuation_matches_the_reference(
 /// Shape, mean, std, argmax and top-5 ids of the last position's logits, as a readable
 /// snapshot (the numbers themselves are checked against the stored tensors above).
 #[rstest]
-fn logits_summary(#[values("ds3.f32", "ds3.q8_0", "glm5.q8_0", "v2lite.q8_0")] variant: &str) {
+fn logits_summary(
+    #[values(
+        "ds3.f32",
+        "ds3.q8_0",
+        "ds3.q4_k_m",
+        "ds3.mix",
+        "ds3.legacy-q8_0",
+        "glm5.q8_0",
+        "v2lite.q8_0"
+    )]
+    variant: &str,
+) {
     let model = load(variant);
     let reference = load_ref(variant, 0);
     let ours = traced_prefill(&model, &ref_tokens(&reference));

@@ -109,8 +109,21 @@ pub fn greedy(model: &Model<Cpu>, prompt: &[u32], n: usize) -> Vec<u32> {
 
 /// The manifest's f32-vs-f64 noise of `stage` for `variant` and `prompt`, if recorded.
 pub fn manifest_noise(variant: &str, prompt: usize, stage: &str) -> Option<f64> {
+    manifest_prompt(variant, prompt)?
+        .get("noise")?
+        .get(stage)?
+        .as_f64()
+}
+
+/// The manifest's record of prompt `prompt` of `variant` (noise, llama.cpp agreement...).
+pub fn manifest_prompt(variant: &str, prompt: usize) -> Option<serde_json::Value> {
     let text = std::fs::read_to_string(golden_dir().join("manifest.json")).ok()?;
     let m: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let key = format!("{variant}.p{prompt}");
-    m.get("noise")?.get(&key)?.get(stage)?.as_f64()
+    m.get("gguf")?
+        .get(variant)?
+        .get("prompts")?
+        .as_array()?
+        .iter()
+        .find(|p| p.get("k").and_then(|k| k.as_u64()) == Some(prompt as u64))
+        .cloned()
 }
