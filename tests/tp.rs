@@ -72,7 +72,7 @@ fn sharded(
         .into_iter()
         .map(|c| (Cpu, Box::new(c) as Box<dyn Communicator<Cpu>>))
         .collect();
-    ShardedModel::load(file.clone(), plan, ranks)
+    ShardedModel::load(file.clone(), plan, ranks, &|_| {})
 }
 
 fn traced_tp(m: &ShardedModel<Cpu>, tokens: &[u32]) -> Trace {

@@ -91,8 +91,8 @@ pub struct ShardPlan {
     pub tp: usize,
     /// Every tensor of the file, in file order.
     pub tensors: Vec<TensorPlan>,
-    /// The LM head is token_embd (tied): its vocabulary rows are each rank's head, besides the
-    /// replicated table used for the embedding.
+    /// TP > 1 and the LM head is token_embd (tied): its vocabulary rows are each rank's head,
+    /// besides the replicated table used for the embedding.
     pub tied_head: bool,
     /// Each rank's configuration: the model's, with the rank's head count.
     pub rank_cfg: ModelConfig,
@@ -232,7 +232,7 @@ impl ShardPlan {
             .collect();
         Ok(ShardPlan {
             tp,
-            tied_head: file.tensor("output.weight").is_none(),
+            tied_head: tp > 1 && file.tensor("output.weight").is_none(),
             tensors,
             rank_cfg,
             shares,

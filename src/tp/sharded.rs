@@ -181,11 +181,12 @@ pub struct ShardedCache<B: Backend> {
 
 impl<B: Backend> ShardedModel<B> {
     /// Loads rank r's shards into `ranks[r]`'s backend, joined by its communicator; ranks load
-    /// in parallel.
+    /// in parallel, calling `progress` after each tensor is resident.
     pub fn load(
         file: Arc<GgufFile>,
         plan: ShardPlan,
         ranks: Vec<(B, Box<dyn Communicator<B>>)>,
+        progress: &(dyn Fn(&TensorRef) + Sync),
     ) -> Result<ShardedModel<B>, TpError> {
         if ranks.len() != plan.tp {
             return Err(TpError::Ranks {
@@ -213,7 +214,10 @@ impl<B: Backend> ShardedModel<B> {
                             backend,
                             &source,
                             comm,
-                            &mut |t| bytes += t.bytes.as_slice().len(),
+                            &mut |t| {
+                                bytes += t.bytes.as_slice().len();
+                                progress(t);
+                            },
                         )
                         .map_err(|source| TpError::Weights { rank, source })?;
                         Ok((model, bytes))
@@ -243,6 +247,16 @@ impl<B: Backend> ShardedModel<B> {
         self.ranks.len()
     }
 
+    /// Rank 0's backend (where the gathered logits are).
+    pub fn backend(&self) -> &B {
+        &self.ranks[0].backend
+    }
+
+    /// Rank 0's configuration: the model's, with the rank's head count.
+    pub fn cfg(&self) -> &crate::config::ModelConfig {
+        &self.ranks[0].cfg
+    }
+
     pub fn new_cache(&self, capacity: usize) -> ShardedCache<B> {
         ShardedCache {
             ranks: self.ranks.iter().map(|m| m.new_cache(capacity)).collect(),
@@ -259,6 +273,11 @@ impl<B: Backend> ShardedModel<B> {
         trace: Option<&mut Trace>,
     ) -> Result<(B::Tensor, Vec<String>), ForwardError> {
         let tracing = trace.is_some();
+        if let ([model], [cache]) = (&self.ranks[..], &mut cache.ranks[..]) {
+            // One rank: run here, without a thread.
+            let mut taps = Taps::new(trace);
+            return Ok((model.forward(cache, tokens, &mut taps)?, Vec::new()));
+        }
         let results: Vec<Result<(B::Tensor, Trace), ForwardError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks

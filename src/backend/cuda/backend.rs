@@ -36,6 +36,17 @@ pub struct CudaTensor {
     cols: usize,
 }
 
+impl CudaTensor {
+    /// The device buffer (at least rows * cols values), for collectives (`crate::tp::nccl`).
+    pub fn buf(&self) -> &CudaSlice<f32> {
+        &self.buf
+    }
+
+    pub fn buf_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.buf
+    }
+}
+
 /// A weight in the file's format (`ty`, ggml shape `ne`); vectors are F32.
 pub struct CudaWeight {
     name: String,

@@ -10,14 +10,15 @@ use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::Cuda;
-use mla_engine::backend::Backend;
+use mla_engine::backend::{Backend, Communicator, SingleRank};
 use mla_engine::config::ModelConfig;
 use mla_engine::gguf::GgufFile;
-use mla_engine::model::{Cache, Model, Taps};
+use mla_engine::model::{Cache, Model};
 use mla_engine::sampling::Sampler;
 use mla_engine::tokenizer::{render_chat, Message, TextStream, Tokenizer};
+use mla_engine::tp::nccl::{Clock, Nccl};
+use mla_engine::tp::{Local, ShardPlan, ShardedCache, ShardedModel};
 use mla_engine::trace::Trace;
-use mla_engine::weights::GgufTensors;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -126,12 +127,6 @@ fn run(cli: Cli) -> Result<()> {
         Some(Command::Inspect { file }) => return inspect::run(file),
         None => {}
     }
-    if cli.tp != 1 {
-        bail!(
-            "--tp {}: tensor parallelism is not available in this build yet: use --tp 1",
-            cli.tp
-        );
-    }
     if cli.logits_out.is_some() && cli.tokens.is_none() {
         bail!("--logits-out needs --tokens (the ids to teacher-force)");
     }
@@ -144,13 +139,48 @@ fn run(cli: Cli) -> Result<()> {
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
+    let plan = ShardPlan::new(&file, &cfg, cli.tp).with_context(|| format!("{name}"))?;
+    for w in &plan.warnings {
+        eprintln!("warning: --tp {}: {w}", cli.tp);
+    }
+    let tp = cli.tp;
     match cli.backend {
-        BackendKind::Cpu => run_on(&cli, &file, cfg, &name, Cpu),
+        BackendKind::Cpu => {
+            let comms: Vec<Box<dyn Communicator<Cpu>>> = if tp == 1 {
+                vec![Box::new(SingleRank)]
+            } else {
+                Local::group(tp)
+                    .into_iter()
+                    .map(|c| Box::new(c) as _)
+                    .collect()
+            };
+            let ranks = comms.into_iter().map(|c| (Cpu, c)).collect();
+            run_on(&cli, &file, plan, &name, ranks, None)
+        }
         BackendKind::Cuda => {
-            let cuda = Cuda::new(0).context("--backend cuda")?;
-            let g = &cuda.gpu;
-            eprintln!("cuda: {} ({}, {} SMs)", g.name, g.arch, g.multiprocessors);
-            run_on(&cli, &file, cfg, &name, cuda)
+            let gpus = (0..tp)
+                .map(|rank| Cuda::new(rank).with_context(|| format!("--backend cuda, GPU {rank}")))
+                .collect::<Result<Vec<_>>>()?;
+            for g in gpus.iter().map(|c| &c.gpu) {
+                eprintln!("cuda: {} ({}, {} SMs)", g.name, g.arch, g.multiprocessors);
+            }
+            // MLA_TP_TIMING=1: time each collective (synchronizing around it).
+            let clock = std::env::var_os("MLA_TP_TIMING").map(|_| Arc::new(Clock::default()));
+            let comms: Vec<Box<dyn Communicator<Cuda>>> = if tp == 1 {
+                vec![Box::new(SingleRank)]
+            } else {
+                Nccl::group(&gpus)
+                    .map_err(anyhow::Error::msg)?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, n)| match &clock {
+                        Some(c) if rank == 0 => Box::new(n.timed(c.clone())) as _,
+                        _ => Box::new(n) as _,
+                    })
+                    .collect()
+            };
+            let ranks = gpus.into_iter().zip(comms).collect();
+            run_on(&cli, &file, plan, &name, ranks, clock)
         }
     }
 }
@@ -158,14 +188,15 @@ fn run(cli: Cli) -> Result<()> {
 fn run_on<B: Backend + DeviceMemory>(
     cli: &Cli,
     file: &Arc<GgufFile>,
-    cfg: ModelConfig,
+    plan: ShardPlan,
     name: &str,
-    backend: B,
+    ranks: Vec<(B, Box<dyn Communicator<B>>)>,
+    clock: Option<Arc<Clock>>,
 ) -> Result<()> {
-    let model = load(file, cfg, name, backend)?;
+    let model = load(file, plan, name, ranks)?;
     match &cli.tokens {
         Some(ids) => teacher_forced(cli, &model, ids),
-        None => generate(cli, file, &model),
+        None => generate(cli, file, &model, clock.as_deref()),
     }
 }
 
@@ -196,9 +227,50 @@ impl DeviceMemory for Cuda {
     }
 }
 
-/// Prints weights, KV cache and workspace bytes (workspace: device memory in use beyond the
-/// weights and the cache, i.e. context, kernels and activations; device backends only).
-fn report_memory<B: Backend + DeviceMemory>(file: &GgufFile, model: &Model<B>, cache: &Cache<B>) {
+/// Prints weights, KV cache and workspace bytes per rank (workspace: device memory in use
+/// beyond the weights and the cache, i.e. context, kernels and activations; device backends
+/// only); with TP > 1 also each rank's planned share and the process's resident memory.
+fn report_memory<B: Backend + DeviceMemory>(
+    file: &GgufFile,
+    model: &ShardedModel<B>,
+    cache: &ShardedCache<B>,
+) {
+    if model.tp() > 1 {
+        for rank in 0..model.tp() {
+            let p = model.plan.rank_bytes(rank);
+            eprintln!(
+                "tp rank {rank}: weights {} = {} sharded + {} replicated (plan), {} loaded",
+                size(p.total()),
+                size(p.sharded),
+                size(p.replicated),
+                size(model.loaded_bytes[rank])
+            );
+        }
+        if let Some(rss) = resident_bytes() {
+            eprintln!("process resident memory: {}", size(rss));
+        }
+    }
+    for (model, cache) in model.ranks.iter().zip(&cache.ranks) {
+        report_rank_memory(file, model, cache);
+    }
+}
+
+/// VmRSS of this process (Linux), in bytes.
+fn resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    kb.split_whitespace()
+        .nth(1)?
+        .parse::<usize>()
+        .ok()
+        .map(|k| k * 1024)
+}
+
+fn report_rank_memory<B: Backend + DeviceMemory>(
+    file: &GgufFile,
+    model: &Model<B>,
+    cache: &Cache<B>,
+) {
     let b = &model.backend;
     let weights = b
         .weight_bytes()
@@ -253,10 +325,10 @@ fn open_file(path: Option<&PathBuf>) -> Result<(Arc<GgufFile>, String)> {
 /// Loads the weights; big files get a progress bar while their pages are read in.
 fn load<B: Backend>(
     file: &Arc<GgufFile>,
-    cfg: ModelConfig,
+    plan: ShardPlan,
     name: &str,
-    backend: B,
-) -> Result<Model<B>> {
+    ranks: Vec<(B, Box<dyn Communicator<B>>)>,
+) -> Result<ShardedModel<B>> {
     let total: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
     let bar = (total >= PROGRESS_BAR_BYTES).then(|| {
         let bar = ProgressBar::new(total);
@@ -268,7 +340,7 @@ fn load<B: Backend>(
         );
         bar
     });
-    let model = Model::load_with_progress(cfg, backend, &GgufTensors(file.clone()), &mut |t| {
+    let model = ShardedModel::load(file.clone(), plan, ranks, &|t| {
         if let Some(bar) = &bar {
             // Touch one byte per page so the first token does not pay for the disk.
             let bytes = t.bytes.as_slice();
@@ -299,22 +371,21 @@ fn parse_ids(ids: &[String]) -> Result<Vec<u32>> {
 
 /// `--tokens`: one prefill of the given ids; logits of every position to .npy, stages to
 /// --trace.
-fn teacher_forced<B: Backend>(cli: &Cli, model: &Model<B>, ids: &[String]) -> Result<()> {
+fn teacher_forced<B: Backend>(cli: &Cli, model: &ShardedModel<B>, ids: &[String]) -> Result<()> {
     let tokens = parse_ids(ids)?;
     if tokens.is_empty() {
         bail!("--tokens is empty");
     }
     let mut trace = Trace::new();
-    let mut cache = model.new_cache(model.cfg.n_ctx);
-    let mut taps = Taps::new(cli.trace.as_ref().map(|_| &mut trace));
-    let logits = model.forward(&mut cache, &tokens, &mut taps)?;
-    let logits = model.backend.download(&logits);
+    let mut cache = model.new_cache(model.cfg().n_ctx);
+    let (logits, _) = model.forward(&mut cache, &tokens, cli.trace.as_ref().map(|_| &mut trace))?;
+    let logits = model.backend().download(&logits);
+    let n_vocab = model.cfg().n_vocab;
     if let Some(path) = &cli.logits_out {
-        npy::write_f32(path, &[tokens.len(), model.cfg.n_vocab], &logits)?;
+        npy::write_f32(path, &[tokens.len(), n_vocab], &logits)?;
         eprintln!(
-            "wrote logits [{}, {}] to {}",
+            "wrote logits [{}, {n_vocab}] to {}",
             tokens.len(),
-            model.cfg.n_vocab,
             path.display()
         );
     }
@@ -356,7 +427,12 @@ fn skip_layer(name: &str, n_layer: usize) -> bool {
         .is_some_and(|i| i >= n_layer)
 }
 
-fn generate<B: Backend + DeviceMemory>(cli: &Cli, file: &GgufFile, model: &Model<B>) -> Result<()> {
+fn generate<B: Backend + DeviceMemory>(
+    cli: &Cli,
+    file: &GgufFile,
+    model: &ShardedModel<B>,
+    clock: Option<&Clock>,
+) -> Result<()> {
     let prompt = cli.prompt.as_deref().unwrap_or_default();
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -376,7 +452,7 @@ fn generate<B: Backend + DeviceMemory>(cli: &Cli, file: &GgufFile, model: &Model
     } else {
         tok.encode(prompt, true)?
     };
-    let n_ctx = model.cfg.n_ctx;
+    let n_ctx = model.cfg().n_ctx;
     if tokens.len() >= n_ctx {
         bail!(
             "the prompt is {} tokens, longer than the context of {} tokens",
@@ -390,16 +466,15 @@ fn generate<B: Backend + DeviceMemory>(cli: &Cli, file: &GgufFile, model: &Model
     let mut cache = model.new_cache(tokens.len() + max_new);
     report_memory(file, model, &cache);
     let mut trace = Trace::new();
-    let vocab = model.cfg.n_vocab;
+    let vocab = model.cfg().n_vocab;
     let mut out = std::io::stdout().lock();
     let mut stream = TextStream::new();
 
     let start = Instant::now();
     let logits = {
-        let mut taps = Taps::new(cli.trace.as_ref().map(|_| &mut trace));
-        model
-            .backend
-            .download(&model.forward(&mut cache, &tokens, &mut taps)?)
+        let (logits, _) =
+            model.forward(&mut cache, &tokens, cli.trace.as_ref().map(|_| &mut trace))?;
+        model.backend().download(&logits)
     };
     let prompt_secs = start.elapsed().as_secs_f64();
     if let Some(path) = &cli.trace {
@@ -421,16 +496,15 @@ fn generate<B: Backend + DeviceMemory>(cli: &Cli, file: &GgufFile, model: &Model
         if generated == max_new {
             break;
         }
-        let logits =
-            model
-                .backend
-                .download(&model.forward(&mut cache, &[next], &mut Taps::none())?);
+        let logits = model
+            .backend()
+            .download(&model.forward(&mut cache, &[next], None)?.0);
         next = sampler.sample(&logits);
     }
     writeln!(out)?;
     let gen_secs = start.elapsed().as_secs_f64();
 
-    let per_token = bytes_per_token(file, &model.cfg);
+    let per_token = bytes_per_token(file, model.cfg());
     let gen_rate = generated.saturating_sub(1) as f64 / gen_secs.max(1e-9);
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | {:.1} MB/token, {:.2} GB/s",
@@ -441,5 +515,15 @@ fn generate<B: Backend + DeviceMemory>(cli: &Cli, file: &GgufFile, model: &Model
         per_token / 1e6,
         per_token * gen_rate / 1e9
     );
+    if let Some(clock) = clock {
+        let (secs, calls) = clock.read();
+        let steps = (generated + 1) as f64; // the prefill and each decode step
+        eprintln!(
+            "tp {}: collectives {calls} ({:.1} us each), {:.3} ms per step (rank 0, synchronized)",
+            model.tp(),
+            secs * 1e6 / calls.max(1) as f64,
+            secs * 1e3 / steps
+        );
+    }
     Ok(())
 }
