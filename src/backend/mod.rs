@@ -1,1 +1,253 @@
-//! Backends. (being written)
+//! The `Backend` trait: every operation the forward pass (`crate::model`) needs.
+//!
+//! The grain is coarse enough for a fast GPU (a linear over a batch of tokens with a quantized
+//! weight, MLA attention for a batch of queries over the whole cache, the routed experts of a
+//! batch in one call) and fine enough that the model can tap every stage of the contract in
+//! `crate::trace` between two calls.
+//!
+//! Conventions used by every method:
+//! - An activation (`Backend::Tensor`) is a row-major f32 matrix `[rows, cols]`, one row per
+//!   token (or per cache position). "Per head" layouts are `[rows, H*d]` with head `h` in
+//!   columns `h*d..(h+1)*d`.
+//! - A weight (`Backend::Weight`) keeps the file's own format (quantized blocks stay quantized)
+//!   and its ggml shape `ne` (`ne[0]` is the row length, the contiguous dimension). A linear
+//!   weight `{in, out}` has `out` rows of `in` elements: `y = W x` dots each row with `x`.
+//! - Host-side outputs (`dsa_topk`, routing) are small `[rows, k]` lists the model needs on the
+//!   host anyway to tap them and to schedule the experts.
+//! - Shapes are the caller's contract; a backend may panic on a mismatch (a bug in the model,
+//!   never reachable from user input, which `crate::config` validates at load).
+
+pub mod cpu;
+pub mod cuda;
+
+use crate::weights::TensorRef;
+use std::ops::Range;
+
+/// How a weight will be used, so a backend can pick its resident form at load time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightRole {
+    /// A matrix `{in, out}` or a stack of expert matrices `{in, out, n_expert}` used by
+    /// `linear`, `embed` and `moe_experts`: stays in the file's format.
+    Matrix,
+    /// Small per-head matrices `{a, b, H}` (attn_k_b, attn_v_b) used by `head_matmul` in both
+    /// orientations: a backend may dequantize them once at load.
+    Heads,
+    /// A vector `{n}` (norm weights, biases): small, may be dequantized to f32 at load.
+    Vector,
+}
+
+/// Rotary embedding parameters, computed once by `crate::model::rope` (YaRN included).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    /// Per rotated pair `i`, the angle per position: `theta_i` [rot_dims / 2].
+    pub inv_freq: Vec<f32>,
+    /// Multiplies cos and sin (YaRN's attention factor on the rotation; 1 without YaRN).
+    pub cos_sin_scale: f32,
+}
+
+impl Rope {
+    /// Number of rotated dimensions (adjacent pairs `(2i, 2i+1)`).
+    pub fn rot_dims(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+}
+
+/// A weight or an activation the backend cannot take.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("tensor {tensor}: type {ggml_type} is not supported by the {backend} backend")]
+    UnsupportedType {
+        tensor: String,
+        ggml_type: crate::gguf::GgmlType,
+        backend: &'static str,
+    },
+    #[error("tensor {tensor}: {reason}")]
+    BadWeight { tensor: String, reason: String },
+    #[error("{backend} backend: {reason}")]
+    Device {
+        backend: &'static str,
+        reason: String,
+    },
+}
+
+/// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by
+/// the CUDA backend.
+pub trait Backend: Send + Sync {
+    /// An activation matrix `[rows, cols]` of f32 in the backend's memory.
+    type Tensor: Send + Sync;
+    /// A weight of the model file in the backend's memory, in the file's format.
+    type Weight: Send + Sync;
+
+    /// "cpu", "cuda": used in messages.
+    fn name(&self) -> &'static str;
+
+    // ----- memory -------------------------------------------------------------------------
+
+    /// Makes one tensor of the file resident. Refuses (never panics on) a type this backend
+    /// cannot compute with.
+    fn load_weight(&self, t: &TensorRef, role: WeightRole) -> Result<Self::Weight, BackendError>;
+
+    /// `data` [rows * cols] -> `[rows, cols]`.
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
+
+    /// `[rows, cols]` -> row-major host copy [rows * cols].
+    fn download(&self, x: &Self::Tensor) -> Vec<f32>;
+
+    /// `(rows, cols)` of `x`.
+    fn shape(&self, x: &Self::Tensor) -> (usize, usize);
+
+    /// A zero matrix `[rows, cols]` (caches, accumulators).
+    fn zeros(&self, rows: usize, cols: usize) -> Self::Tensor;
+
+    /// A copy of the block `x[rows, cols]`: `[rows.len(), cols.len()]`.
+    fn slice(&self, x: &Self::Tensor, rows: Range<usize>, cols: Range<usize>) -> Self::Tensor;
+
+    /// Per-head columns: `x` [n, heads*d] -> [n, heads*cols.len()] with columns `cols` of each
+    /// head (`cols` within `0..d`).
+    fn head_columns(&self, x: &Self::Tensor, heads: usize, cols: Range<usize>) -> Self::Tensor;
+
+    /// Writes `src` [n, w] into `dst` at rows `row0..row0+n`, columns `col0..col0+w` (cache
+    /// appends).
+    fn write_block(&self, dst: &mut Self::Tensor, row0: usize, col0: usize, src: &Self::Tensor);
+
+    // ----- element-wise and per-row ---------------------------------------------------------
+
+    /// Embedding rows: `table` {E, V} -> [tokens.len(), E], dequantized rows of the table.
+    /// Token ids are validated by the caller (< V).
+    fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Self::Tensor;
+
+    /// RMSNorm of each row: `x` [n, d], `w` {d} -> `x / sqrt(mean(x^2) + eps) * w`.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32) -> Self::Tensor;
+
+    /// LayerNorm of each row with weight and bias {d} (the DSA indexer's k_norm).
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+    ) -> Self::Tensor;
+
+    /// `x += y`, both [n, d] (residual connections).
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+
+    /// `silu(gate) * up`, both [n, f] -> [n, f].
+    fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+
+    /// Rotary embedding in place: `x` [n, heads*d]; row `r` is at position `pos0 + r`; in each
+    /// head, columns `col0..col0 + rope.rot_dims()` rotate as adjacent pairs
+    /// `(col0+2i, col0+2i+1)` by the angle `pos * inv_freq[i]`, cos and sin scaled by
+    /// `rope.cos_sin_scale`. The other columns are untouched.
+    fn rope(&self, x: &mut Self::Tensor, heads: usize, col0: usize, pos0: usize, rope: &Rope);
+
+    // ----- matrix products ----------------------------------------------------------------
+
+    /// `x` [n, in] times a weight {in, out} -> [n, out] (`y[t] = W x[t]`).
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+
+    /// Per-head products with a `Heads` weight {a, b, H}: head `h` is a matrix `M_h` of `b`
+    /// rows and `a` columns.
+    /// - `transpose == false`: `x` [n, H*a] (or [n, a], shared by all heads) -> [n, H*b],
+    ///   `y[t,h] = M_h x[t,h]`.
+    /// - `transpose == true`: `x` [n, H*b] (or [n, b], shared) -> [n, H*a],
+    ///   `y[t,h] = M_h^T x[t,h]`.
+    ///
+    /// MLA uses it four ways: q_lat = k_b q_nope (absorbed decode), k_nope = k_b^T c_kv and
+    /// v = v_b c_kv (expanded prefill), out = v_b out_lat (absorbed decode).
+    fn head_matmul(&self, x: &Self::Tensor, w: &Self::Weight, transpose: bool) -> Self::Tensor;
+
+    // ----- attention ----------------------------------------------------------------------
+
+    /// Expanded (MHA) causal attention for n queries at positions `pos0..pos0+n` over keys
+    /// `0..S` (S = pos0 + n) of which query `t` sees `0..=pos0+t`:
+    /// - `q` [n, H*(dn+dr)], each head `[q_nope | q_pe]` with q_pe already roped;
+    /// - `k_nope` [S, H*dn]; `k_pe` [S, dr], one rope key shared by all heads;
+    /// - `v` [S, H*dv];
+    /// - `keep`: DSA selection [n, top_k] of key positions (-1 padded); other keys are
+    ///   masked out. None: all causal keys.
+    ///
+    /// score = scale * (q_nope.k_nope + q_pe.k_pe); returns softmax(score) . v [n, H*dv].
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k_nope: &Self::Tensor,
+        k_pe: &Self::Tensor,
+        v: &Self::Tensor,
+        pos0: usize,
+        scale: f32,
+        keep: Option<&[i32]>,
+    ) -> Self::Tensor;
+
+    /// Absorbed (MQA over the latent cache) causal attention, same masking as `attention`:
+    /// - `q_lat` [n, H*kv_lora] (= k_b q_nope per head), `q_pe` [n, H*dr] roped;
+    /// - `cache` [ctx, kv_lora+dr], rows `[c_kv | k_pe]`, of which rows `0..pos0+n` are valid.
+    ///
+    /// score = scale * (q_lat.c_kv + q_pe.k_pe); returns softmax(score) . c_kv [n, H*kv_lora].
+    #[allow(clippy::too_many_arguments)]
+    fn latent_attention(
+        &self,
+        q_lat: &Self::Tensor,
+        q_pe: &Self::Tensor,
+        cache: &Self::Tensor,
+        pos0: usize,
+        scale: f32,
+        keep: Option<&[i32]>,
+    ) -> Self::Tensor;
+
+    /// DSA lightning indexer for n queries at positions `pos0..pos0+n`:
+    /// - `q` [n, nh*d] (roped), `keys` [ctx, d] of which rows `0..pos0+n` are valid (roped, normed);
+    /// - `head_weights` [n, nh].
+    ///
+    /// index score of key s for query t = sum_h head_weights[t,h] * relu(scale * q[t,h].k[s]),
+    /// over causal keys only. Returns per query the `top_k` best key positions in ascending
+    /// order, -1 padded when fewer keys exist: [n * top_k] on the host. Ties keep the lower
+    /// position.
+    #[allow(clippy::too_many_arguments)]
+    fn dsa_topk(
+        &self,
+        q: &Self::Tensor,
+        keys: &Self::Tensor,
+        head_weights: &Self::Tensor,
+        pos0: usize,
+        scale: f32,
+        top_k: usize,
+    ) -> Vec<i32>;
+
+    // ----- mixture of experts -------------------------------------------------------------
+
+    /// The routed experts of a batch: `x` [n, E]; `gate`, `up` {E, F, X}, `down` {F, E, X};
+    /// `ids`, `weights` [n * k] (chosen experts and their final weights per token).
+    /// Returns `sum_j weights[t,j] * down_e(silu(gate_e x) * up_e x)` with e = ids[t,j]: [n, E].
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        ids: &[u32],
+        weights: &[f32],
+        k: usize,
+    ) -> Self::Tensor;
+}
+
+/// The model's only contact with tensor parallelism: called after attn_output and after the
+/// FFN/MoE (partial sums on each rank) and on the vocabulary-split logits. At TP = 1 it does
+/// nothing (`SingleRank`).
+pub trait Communicator<B: Backend>: Send + Sync {
+    /// Sums `x` [n, E] over all ranks, in place.
+    fn all_reduce(&self, backend: &B, x: &mut B::Tensor);
+    /// Concatenates each rank's column block of `x` [n, V/TP] into [n, V].
+    fn all_gather_cols(&self, backend: &B, x: B::Tensor) -> B::Tensor;
+}
+
+/// One rank holds everything: nothing to reduce or gather.
+pub struct SingleRank;
+
+impl<B: Backend> Communicator<B> for SingleRank {
+    fn all_reduce(&self, _backend: &B, _x: &mut B::Tensor) {}
+    fn all_gather_cols(&self, _backend: &B, x: B::Tensor) -> B::Tensor {
+        x
+    }
+}

@@ -1,1 +1,272 @@
-//! The forward pass. (being written)
+//! The forward pass, written once against `Backend`, top to bottom:
+//! embedding -> per layer [attn_norm -> MLA (+ DSA) -> residual -> ffn_norm -> FFN or MoE ->
+//! residual] -> final norm -> lm head.
+//!
+//! `Model::forward` takes the next tokens of one sequence and its cache; a prefill is many
+//! tokens at once (expanded MLA), a decode step is one (absorbed MLA over the latent cache).
+
+pub mod dsa;
+pub mod mla;
+pub mod moe;
+pub mod rope;
+
+use crate::backend::{Backend, Communicator, Rope, SingleRank};
+use crate::config::ConfigError;
+use crate::config::ModelConfig;
+use crate::gguf::{GgufError, GgufFile};
+use crate::trace::{StageData, Trace};
+use crate::weights::{
+    DenseFfn, Ffn, GgufTensors, ModelWeights, TensorRef, TensorSource, WeightsError,
+};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Why a model file could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{}: {source}", .path.display())]
+    Weights {
+        path: std::path::PathBuf,
+        source: WeightsError,
+    },
+}
+
+/// A model ready to run on backend `B`.
+pub struct Model<B: Backend> {
+    pub cfg: ModelConfig,
+    pub backend: B,
+    pub weights: ModelWeights<B::Weight>,
+    /// Frequencies of the MLA rope part (and the DSA indexer, which shares them).
+    pub rope: Rope,
+    /// Sums partial results over tensor-parallel ranks (nothing at TP = 1).
+    pub comm: Box<dyn Communicator<B>>,
+}
+
+/// Per-sequence state: the latent cache of every layer and the DSA indexer keys.
+pub struct Cache<B: Backend> {
+    /// Per layer [n_ctx, kv_lora + dr]: rows `[c_kv | k_pe]`.
+    pub latent: Vec<B::Tensor>,
+    /// Per layer running its own indexer: [n_ctx, idx_dim] roped, normed keys.
+    pub index_keys: Vec<Option<B::Tensor>>,
+    /// Positions filled.
+    pub len: usize,
+    /// Rows allocated (the context length).
+    pub capacity: usize,
+}
+
+/// Where the model reports stages; does nothing (and downloads nothing) when not tracing.
+pub struct Taps<'a> {
+    trace: Option<&'a mut Trace>,
+}
+
+impl<'a> Taps<'a> {
+    pub fn new(trace: Option<&'a mut Trace>) -> Taps<'a> {
+        Taps { trace }
+    }
+
+    pub fn none() -> Taps<'static> {
+        Taps { trace: None }
+    }
+
+    pub fn on(&self) -> bool {
+        self.trace.is_some()
+    }
+
+    /// Records activation `x` [rows, cols] as `name` (built only when tracing).
+    pub fn tensor<B: Backend>(&mut self, b: &B, name: impl FnOnce() -> String, x: &B::Tensor) {
+        if let Some(t) = self.trace.as_deref_mut() {
+            let (rows, cols) = b.shape(x);
+            t.record(&name(), rows, cols, StageData::F32(b.download(x)));
+        }
+    }
+
+    /// Records host values [rows, cols].
+    pub fn host_f32(&mut self, name: impl FnOnce() -> String, rows: usize, v: &[f32]) {
+        if let Some(t) = self.trace.as_deref_mut() {
+            t.record(
+                &name(),
+                rows,
+                v.len() / rows.max(1),
+                StageData::F32(v.to_vec()),
+            );
+        }
+    }
+
+    /// Records ids [rows, cols].
+    pub fn ids(&mut self, name: impl FnOnce() -> String, rows: usize, v: &[i32]) {
+        if let Some(t) = self.trace.as_deref_mut() {
+            t.record(
+                &name(),
+                rows,
+                v.len() / rows.max(1),
+                StageData::I32(v.to_vec()),
+            );
+        }
+    }
+}
+
+/// Bad input to `forward`, refused before any work.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error(
+        "token id {id} at position {index} is out of range: the vocabulary has {n_vocab} tokens"
+    )]
+    TokenOutOfRange {
+        id: u32,
+        index: usize,
+        n_vocab: usize,
+    },
+    #[error("{needed} positions do not fit in the context of {n_ctx} tokens")]
+    ContextFull { needed: usize, n_ctx: usize },
+    #[error("no tokens to run")]
+    Empty,
+}
+
+impl<B: Backend> Model<B> {
+    /// Loads the weights `cfg` names from `source` into `backend` (TP = 1).
+    pub fn load(
+        cfg: ModelConfig,
+        backend: B,
+        source: &dyn TensorSource,
+    ) -> Result<Model<B>, WeightsError> {
+        Model::load_with_progress(cfg, backend, source, &mut |_| {})
+    }
+
+    /// `load`, calling `progress` after each tensor is resident (for a progress bar).
+    pub fn load_with_progress(
+        cfg: ModelConfig,
+        backend: B,
+        source: &dyn TensorSource,
+        progress: &mut dyn FnMut(&TensorRef),
+    ) -> Result<Model<B>, WeightsError> {
+        let weights = ModelWeights::load(&cfg, source, &mut |t, role| {
+            let w = backend.load_weight(t, role);
+            progress(t);
+            w
+        })?;
+        let rope = rope::rope_frequencies(cfg.head_dim_rope, cfg.rope_base, cfg.yarn.as_ref());
+        Ok(Model {
+            cfg,
+            backend,
+            weights,
+            rope,
+            comm: Box::new(SingleRank),
+        })
+    }
+
+    /// Opens a GGUF file (any shard of a split set) and loads it into `backend` (TP = 1).
+    pub fn open(path: &Path, backend: B) -> Result<Model<B>, LoadError> {
+        let file = Arc::new(GgufFile::open(path)?);
+        let cfg = ModelConfig::from_gguf(&file)?;
+        Model::load(cfg, backend, &GgufTensors(file)).map_err(|source| LoadError::Weights {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// An empty cache for up to `capacity` positions (at most the context length).
+    pub fn new_cache(&self, capacity: usize) -> Cache<B> {
+        let capacity = capacity.min(self.cfg.n_ctx);
+        let b = &self.backend;
+        Cache {
+            latent: (0..self.cfg.n_layer)
+                .map(|_| b.zeros(capacity, self.cfg.latent_width()))
+                .collect(),
+            index_keys: self
+                .weights
+                .layers
+                .iter()
+                .map(|l| {
+                    l.indexer
+                        .as_ref()
+                        .map(|_| b.zeros(capacity, self.cfg.indexer.as_ref().unwrap().head_dim))
+                })
+                .collect(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Runs `tokens` (the next positions of the sequence in `cache`) and returns their logits
+    /// [tokens.len(), V].
+    pub fn forward(
+        &self,
+        cache: &mut Cache<B>,
+        tokens: &[u32],
+        taps: &mut Taps,
+    ) -> Result<B::Tensor, ForwardError> {
+        let cfg = &self.cfg;
+        let b = &self.backend;
+        let w = &self.weights;
+        if tokens.is_empty() {
+            return Err(ForwardError::Empty);
+        }
+        if let Some((index, &id)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= cfg.n_vocab)
+        {
+            return Err(ForwardError::TokenOutOfRange {
+                id,
+                index,
+                n_vocab: cfg.n_vocab,
+            });
+        }
+        if cache.len + tokens.len() > cache.capacity {
+            return Err(ForwardError::ContextFull {
+                needed: cache.len + tokens.len(),
+                n_ctx: cache.capacity,
+            });
+        }
+        let pos0 = cache.len;
+
+        let mut x = b.embed(&w.token_embd, tokens); // [n, E]
+        taps.tensor(b, || "embed".into(), &x);
+
+        // DSA: the last full indexer's selection, reused by the shared layers after it.
+        let mut topk: Option<Vec<i32>> = None;
+        for (il, lw) in w.layers.iter().enumerate() {
+            let h = b.rms_norm(&x, &lw.attn_norm, cfg.rms_eps);
+            taps.tensor(b, || format!("L{il}.attn_norm"), &h);
+
+            let mut attn = mla::attention(self, il, &h, cache, pos0, &mut topk, taps);
+            self.comm.all_reduce(b, &mut attn);
+            taps.tensor(b, || format!("L{il}.attn_out"), &attn);
+            b.add_assign(&mut x, &attn);
+            taps.tensor(b, || format!("L{il}.h_attn"), &x);
+
+            let h = b.rms_norm(&x, &lw.ffn_norm, cfg.rms_eps);
+            taps.tensor(b, || format!("L{il}.ffn_norm"), &h);
+            let mut ffn_out = match &lw.ffn {
+                Ffn::Dense(ffn) => {
+                    let y = dense_ffn(b, ffn, &h);
+                    taps.tensor(b, || format!("L{il}.ffn_out"), &y);
+                    y
+                }
+                Ffn::Moe(m) => moe::forward(self, il, m, &h, taps),
+            };
+            self.comm.all_reduce(b, &mut ffn_out);
+            b.add_assign(&mut x, &ffn_out);
+            taps.tensor(b, || format!("L{il}.h_out"), &x);
+        }
+        cache.len += tokens.len();
+
+        let h = b.rms_norm(&x, &w.output_norm, cfg.rms_eps);
+        taps.tensor(b, || "final_norm".into(), &h);
+        let logits = b.linear(&h, w.lm_head());
+        let logits = self.comm.all_gather_cols(b, logits);
+        taps.tensor(b, || "logits".into(), &logits);
+        Ok(logits)
+    }
+}
+
+/// `down(silu(gate x) * up x)`: the dense FFN and the shared expert.
+pub fn dense_ffn<B: Backend>(b: &B, ffn: &DenseFfn<B::Weight>, x: &B::Tensor) -> B::Tensor {
+    let gate = b.linear(x, &ffn.gate);
+    let up = b.linear(x, &ffn.up);
+    b.linear(&b.swiglu(&gate, &up), &ffn.down)
+}

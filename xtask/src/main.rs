@@ -1,6 +1,9 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
 mod golden;
+mod gpu_bundle;
+mod slice;
+mod synth;
 
 use clap::{Parser, Subcommand};
 
@@ -15,10 +18,19 @@ struct Cli {
 enum Command {
     /// Regenerate the golden fixtures (or references for one GGUF with --from-gguf).
     Golden(golden::Args),
+    /// Build the folder that runs the GPU tests on a GPU host without Rust (bundle/).
+    GpuBundle(gpu_bundle::Args),
+    /// Write a synthetic GGUF with the real GLM-5 or DeepSeek-V3 shapes and a few layers.
+    Synth(synth::Args),
+    /// Cut chosen layers (with embedding, output norm and head) out of a GGUF, byte for byte.
+    Slice(slice::Args),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Golden(args) => golden::run(args),
+        Command::GpuBundle(args) => gpu_bundle::run(args),
+        Command::Synth(args) => synth::run(args),
+        Command::Slice(args) => slice::run(args),
     }
 }

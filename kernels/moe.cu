@@ -1,0 +1,104 @@
+// Mixture of experts: the router's expert choice, and the weighted sum of expert outputs.
+//
+// moe_router: one warp per token, logits [T, n_exp] (the router matvec's output).
+//   gating 1 (softmax, DeepSeek-V2): s = softmax(logits); gating 2 (sigmoid, V3 / GLM-5):
+//   s = sigmoid(logits). choice = s + bias (bias may be null; it steers selection only).
+//   With n_group > 1, a group's score is the sum of its two largest choices; the top
+//   group_used groups survive and the other experts are out (-inf, never 0). The k experts of
+//   largest choice are taken in descending order (ties: lowest id); their weights are the
+//   unbiased s, divided by their sum when `norm`, times `scale`.
+//   ids [T, k] (i32), weights [T, k]. n_exp <= 1024, n_group <= 32.
+//
+// moe_combine: out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] (slots < 0 skipped);
+//   rows are the expert outputs, one per (token, choice), in any order. grid (T), block 256.
+
+#define ROUTER_MAX_EXP 1024
+
+extern "C" __global__ void __launch_bounds__(32) moe_router(
+    const float* logits, const float* bias, int n_exp, int k, int gating, int n_group,
+    int group_used, int norm, float scale, int* ids, float* weights) {
+    __shared__ float s[ROUTER_MAX_EXP], choice[ROUTER_MAX_EXP];
+    __shared__ int group_keep[32];
+    int t = blockIdx.x, lane = threadIdx.x;
+    const float* lg = logits + (i64)t * n_exp;
+
+    if (gating == 1) {
+        float mx = NEG_INF;
+        for (int e = lane; e < n_exp; e += 32) mx = fmaxf(mx, lg[e]);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (int e = lane; e < n_exp; e += 32) sum += expf(lg[e] - mx);
+        sum = warp_sum(sum);
+        for (int e = lane; e < n_exp; e += 32) s[e] = expf(lg[e] - mx) / sum;
+    } else {
+        for (int e = lane; e < n_exp; e += 32) s[e] = 1.0f / (1.0f + expf(-lg[e]));
+    }
+    for (int e = lane; e < n_exp; e += 32) choice[e] = s[e] + (bias ? bias[e] : 0.0f);
+    __syncwarp();
+
+    if (n_group > 1) {
+        int per = n_exp / n_group;
+        float gscore = NEG_INF;
+        if (lane < n_group) {
+            float a = NEG_INF, b = NEG_INF;  // two largest
+            for (int e = lane * per; e < (lane + 1) * per; e++) {
+                float c = choice[e];
+                if (c > a) { b = a; a = c; } else if (c > b) { b = c; }
+            }
+            gscore = a + b;
+            group_keep[lane] = 0;
+        }
+        __syncwarp();
+        for (int r = 0; r < group_used; r++) {
+            // Warp argmax over the group scores, lowest group on ties.
+            float best = gscore;
+            int arg = lane < n_group ? lane : 1 << 30;
+            for (int o = 16; o > 0; o >>= 1) {
+                float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+                if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
+            }
+            if (lane == arg) { group_keep[lane] = 1; gscore = NEG_INF; }
+            __syncwarp();
+        }
+        for (int e = lane; e < n_exp; e += 32)
+            if (!group_keep[e / per]) choice[e] = NEG_INF;
+        __syncwarp();
+    }
+
+    float wsum = 0.0f, wmine = 0.0f;
+    for (int j = 0; j < k; j++) {
+        float best = NEG_INF;
+        int arg = 1 << 30;
+        for (int e = lane; e < n_exp; e += 32)
+            if (choice[e] > best || (choice[e] == best && e < arg)) { best = choice[e]; arg = e; }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+            if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
+        }
+        float wj = s[arg];
+        wsum += wj;
+        if (lane == j) wmine = wj;
+        if (lane == 0) {
+            ids[(i64)t * k + j] = arg;
+            choice[arg] = NEG_INF;
+        }
+        __syncwarp();
+    }
+    // k <= 32: lane j finishes weight j.
+    if (lane < k) weights[(i64)t * k + lane] = (norm ? wmine / wsum : wmine) * scale;
+}
+
+extern "C" __global__ void moe_combine(const float* rows, const int* slots, const float* weights,
+                                       int k, int dim, float* out) {
+    int t = blockIdx.x;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int r = slots[(i64)t * k + j];
+            if (r >= 0) sum += weights[(i64)t * k + j] * rows[(i64)r * dim + d];
+        }
+        out[(i64)t * dim + d] = sum;
+    }
+}

@@ -1,0 +1,22 @@
+// Rotary embedding on adjacent pairs (GGUF "NORM" order: elements 2i and 2i+1 rotate together),
+// in place. YaRN lives in the host-computed `inv_freq` (the blended per-pair frequency) and
+// `mscale` (the cos/sin magnitude); the kernel only rotates.
+//
+// x: [T, heads] rows; the rope part of row (t, h) starts at x + t * tok_stride + h * head_stride
+// and is `dims` long. Pair i at position pos[t] turns by angle pos[t] * inv_freq[i] (an f32
+// product, as the CPU twin computes it). grid (T, heads), block >= dims / 2.
+
+extern "C" __global__ void rope_pairs(float* x, i64 tok_stride, i64 head_stride, int dims,
+                                      const int* pos, const float* inv_freq, float mscale) {
+    int i = threadIdx.x;
+    if (i >= dims / 2) return;
+    float* p = x + blockIdx.x * tok_stride + blockIdx.y * head_stride + 2 * i;
+    float angle = (float)pos[blockIdx.x] * inv_freq[i];
+    float s, c;
+    sincosf(angle, &s, &c);
+    c *= mscale;
+    s *= mscale;
+    float x0 = p[0], x1 = p[1];
+    p[0] = x0 * c - x1 * s;
+    p[1] = x0 * s + x1 * c;
+}

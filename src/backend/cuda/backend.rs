@@ -1,0 +1,807 @@
+//! [`Cuda`]: the [`Backend`] trait on one GPU. Activations are f32 device matrices; weights
+//! stay in the file's block format on the device (vectors, a few KiB each, are dequantized to
+//! f32 at load). Small batches (decode) take the matrix-vector kernels in f32; larger ones
+//! (prefill) the tensor-core kernels with bf16 operands and f32 accumulation.
+//!
+//! The trait's methods return values, not errors: a failing launch here is a bug or a dead
+//! device, and panics with the kernel's message (shapes come from a validated config).
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudarc::driver::CudaSlice;
+
+use super::device::{DevicePtrRaw, Gpu};
+use super::error::CudaError;
+use super::ops::{AttentionPrefill, Matmul, Matvec, MlaDecode, KERNEL_TYPES};
+use crate::backend::{Backend, BackendError, Rope, WeightRole};
+use crate::gguf::ggml_type::GgmlType;
+use crate::weights::TensorRef;
+
+/// From this many rows on, products run on the tensor cores (bf16 operands); below, in f32
+/// matrix-vector kernels that read each weight row once per token.
+pub const MATMUL_MIN_ROWS: usize = 16;
+
+pub struct Cuda {
+    pub gpu: Gpu,
+    /// Device bytes held by loaded weights.
+    weight_bytes: AtomicUsize,
+}
+
+/// An activation `[rows, cols]`, f32, row-major.
+pub struct CudaTensor {
+    /// [rows * cols] (at least one element: a zero-sized allocation has no address).
+    buf: CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+/// A weight in the file's format (`ty`, ggml shape `ne`); vectors are F32.
+pub struct CudaWeight {
+    name: String,
+    ty: GgmlType,
+    ne: Vec<usize>,
+    /// The tensor's blocks as in the file (vectors: f32 values), row after row.
+    data: CudaSlice<u8>,
+}
+
+impl CudaWeight {
+    /// Bytes of one row of `ne[0]` elements.
+    fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.ne[0]).expect("checked at load")
+    }
+    /// ne[i], 1 past the stored dimensions.
+    fn dim(&self, i: usize) -> usize {
+        self.ne.get(i).copied().unwrap_or(1)
+    }
+}
+
+fn ok<T>(r: Result<T, CudaError>, op: &str) -> T {
+    r.unwrap_or_else(|e| panic!("cuda {op}: {e}"))
+}
+
+impl Cuda {
+    /// Opens GPU `ordinal` and readies every kernel (compiled by NVRTC for its exact `sm_XX`
+    /// on first use, from the disk cache after): a missing driver, device or NVRTC is an error
+    /// here, before any weight is loaded.
+    pub fn new(ordinal: usize) -> Result<Cuda, CudaError> {
+        let gpu = Gpu::new(ordinal)?;
+        gpu.load_all_kernels()?;
+        Ok(Cuda {
+            gpu,
+            weight_bytes: AtomicUsize::new(0),
+        })
+    }
+
+    /// Device bytes held by the weights loaded so far.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes.load(Ordering::Relaxed)
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory(&self) -> (usize, usize) {
+        ok(
+            self.gpu.ctx.mem_get_info().map_err(CudaError::from),
+            "mem_get_info",
+        )
+    }
+
+    /// The device address of element `offset` of an activation.
+    fn p(&self, x: &CudaTensor, offset: usize) -> DevicePtrRaw {
+        self.gpu.ptr(&x.buf, offset)
+    }
+
+    /// The device address of a weight's first byte.
+    fn w(&self, w: &CudaWeight) -> DevicePtrRaw {
+        self.gpu.ptr(&w.data, 0)
+    }
+
+    fn upload_i32(&self, v: &[i32]) -> CudaSlice<i32> {
+        ok(self.gpu.upload(v), "upload")
+    }
+
+    /// y [n, rows] = W x over `n` inputs for one matrix at `w` (rows of k elements), either
+    /// on tensor cores or as matrix-vector products.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        ty: GgmlType,
+        w: DevicePtrRaw,
+        rows: usize,
+        k: usize,
+        x: DevicePtrRaw,
+        x_stride: usize,
+        n: usize,
+        y: DevicePtrRaw,
+        y_stride: usize,
+    ) {
+        if n >= MATMUL_MIN_ROWS && k % 32 == 0 && rows % 8 == 0 {
+            let a = Matmul {
+                ty,
+                w,
+                transposed: false,
+                x,
+                x_stride,
+                row_ids: 0,
+                y,
+                y_stride,
+                m: n,
+                n: rows,
+                k,
+            };
+            ok(self.gpu.matmul(&a), "matmul");
+        } else {
+            let a = Matvec {
+                ty,
+                w,
+                mat_stride: 0,
+                ids: 0,
+                rows,
+                k,
+                x,
+                x_group: 1,
+                x_stride,
+                y,
+                y_stride,
+                batch: n,
+                transposed: false,
+            };
+            ok(self.gpu.matvec(&a), "matvec");
+        }
+    }
+}
+
+impl Backend for Cuda {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn load_weight(&self, t: &TensorRef, role: WeightRole) -> Result<CudaWeight, BackendError> {
+        let device = |e: CudaError| BackendError::Device {
+            backend: "cuda",
+            reason: format!("{}: {e}", t.name),
+        };
+        let (ty, data) = if role == WeightRole::Vector {
+            let mut v = vec![0f32; t.n_elements()];
+            crate::quant::dequantize(t.ggml_type, t.bytes.as_slice(), &mut v).map_err(|e| {
+                BackendError::BadWeight {
+                    tensor: t.name.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (GgmlType::F32, self.gpu.upload(&bytes).map_err(device)?)
+        } else {
+            if !KERNEL_TYPES.contains(&t.ggml_type) {
+                return Err(BackendError::UnsupportedType {
+                    tensor: t.name.clone(),
+                    ggml_type: t.ggml_type,
+                    backend: "cuda",
+                });
+            }
+            if t.ne[0] % 8 != 0 {
+                return Err(BackendError::BadWeight {
+                    tensor: t.name.clone(),
+                    reason: format!(
+                        "rows of {} elements: the CUDA kernels need a multiple of 8",
+                        t.ne[0]
+                    ),
+                });
+            }
+            (
+                t.ggml_type,
+                self.gpu.upload(t.bytes.as_slice()).map_err(device)?,
+            )
+        };
+        self.weight_bytes.fetch_add(data.len(), Ordering::Relaxed);
+        Ok(CudaWeight {
+            name: t.name.clone(),
+            ty,
+            ne: t.ne.clone(),
+            data,
+        })
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> CudaTensor {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "upload: {} values for [{rows}, {cols}]",
+            data.len()
+        );
+        CudaTensor {
+            buf: ok(self.gpu.upload(data), "upload"),
+            rows,
+            cols,
+        }
+    }
+
+    fn download(&self, x: &CudaTensor) -> Vec<f32> {
+        ok(self.gpu.download(&x.buf), "download")
+    }
+
+    fn shape(&self, x: &CudaTensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CudaTensor {
+        // At least one element: a zero-sized device allocation has no address.
+        CudaTensor {
+            buf: ok(self.gpu.zeros((rows * cols).max(1)), "alloc"),
+            rows,
+            cols,
+        }
+    }
+
+    fn slice(&self, x: &CudaTensor, rows: Range<usize>, cols: Range<usize>) -> CudaTensor {
+        assert!(
+            rows.end <= x.rows && cols.end <= x.cols,
+            "slice out of [{}, {}]",
+            x.rows,
+            x.cols
+        );
+        let (n, w) = (rows.len(), cols.len());
+        let y = self.zeros(n, w);
+        let src = self.p(x, rows.start * x.cols + cols.start);
+        ok(
+            self.gpu
+                .copy_block(src, x.cols, 0, self.p(&y, 0), w, 0, n, 1, w),
+            "slice",
+        );
+        y
+    }
+
+    fn head_columns(&self, x: &CudaTensor, heads: usize, cols: Range<usize>) -> CudaTensor {
+        let d = x.cols / heads;
+        assert!(
+            d * heads == x.cols && cols.end <= d,
+            "head_columns: {} cols, {heads} heads",
+            x.cols
+        );
+        let w = cols.len();
+        let y = self.zeros(x.rows, heads * w);
+        let src = self.p(x, cols.start);
+        ok(
+            self.gpu.copy_block(
+                src,
+                x.cols,
+                d,
+                self.p(&y, 0),
+                heads * w,
+                w,
+                x.rows,
+                heads,
+                w,
+            ),
+            "head_columns",
+        );
+        y
+    }
+
+    fn write_block(&self, dst: &mut CudaTensor, row0: usize, col0: usize, src: &CudaTensor) {
+        assert!(
+            row0 + src.rows <= dst.rows && col0 + src.cols <= dst.cols,
+            "write_block out of bounds"
+        );
+        let d = self.p(dst, row0 * dst.cols + col0);
+        ok(
+            self.gpu.copy_block(
+                self.p(src, 0),
+                src.cols,
+                0,
+                d,
+                dst.cols,
+                0,
+                src.rows,
+                1,
+                src.cols,
+            ),
+            "write_block",
+        );
+    }
+
+    fn embed(&self, table: &CudaWeight, tokens: &[u32]) -> CudaTensor {
+        let e = table.ne[0];
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let dids = self.upload_i32(&ids);
+        let y = self.zeros(tokens.len(), e);
+        ok(
+            self.gpu.embed(
+                table.ty,
+                self.w(table),
+                e,
+                self.gpu.ptr(&dids, 0),
+                tokens.len(),
+                self.p(&y, 0),
+            ),
+            "embed",
+        );
+        y
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> CudaTensor {
+        let y = self.zeros(x.rows, x.cols);
+        ok(
+            self.gpu.rmsnorm(
+                self.p(x, 0),
+                x.cols,
+                self.w(w),
+                self.p(&y, 0),
+                x.cols,
+                x.rows,
+                x.cols,
+                eps,
+            ),
+            "rmsnorm",
+        );
+        y
+    }
+
+    fn layer_norm(&self, x: &CudaTensor, w: &CudaWeight, b: &CudaWeight, eps: f32) -> CudaTensor {
+        let y = self.zeros(x.rows, x.cols);
+        ok(
+            self.gpu.layernorm(
+                self.p(x, 0),
+                x.cols,
+                self.w(w),
+                self.w(b),
+                self.p(&y, 0),
+                x.cols,
+                x.rows,
+                x.cols,
+                eps,
+            ),
+            "layernorm",
+        );
+        y
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add_assign shapes");
+        ok(
+            self.gpu
+                .add_inplace(self.p(x, 0), self.p(y, 0), x.rows * x.cols),
+            "add_inplace",
+        );
+    }
+
+    fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
+        assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "swiglu shapes");
+        let y = self.zeros(gate.rows, gate.cols);
+        ok(
+            self.gpu.silu_mul(
+                self.p(gate, 0),
+                self.p(up, 0),
+                self.p(&y, 0),
+                gate.rows * gate.cols,
+            ),
+            "silu_mul",
+        );
+        y
+    }
+
+    fn rope(&self, x: &mut CudaTensor, heads: usize, col0: usize, pos0: usize, rope: &Rope) {
+        let pos: Vec<i32> = (0..x.rows).map(|r| (pos0 + r) as i32).collect();
+        let (dpos, dfreq) = (
+            self.upload_i32(&pos),
+            ok(self.gpu.upload(&rope.inv_freq), "upload"),
+        );
+        let head = x.cols / heads;
+        let a = self.p(x, col0);
+        ok(
+            self.gpu.rope_pairs(
+                a,
+                x.cols,
+                head,
+                x.rows,
+                heads,
+                rope.rot_dims(),
+                self.gpu.ptr(&dpos, 0),
+                self.gpu.ptr(&dfreq, 0),
+                rope.cos_sin_scale,
+            ),
+            "rope",
+        );
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
+        let (k, rows) = (w.ne[0], w.dim(1));
+        assert_eq!(x.cols, k, "linear {}: x has {} columns", w.name, x.cols);
+        let y = self.zeros(x.rows, rows);
+        self.product(
+            w.ty,
+            self.w(w),
+            rows,
+            k,
+            self.p(x, 0),
+            k,
+            x.rows,
+            self.p(&y, 0),
+            rows,
+        );
+        y
+    }
+
+    fn head_matmul(&self, x: &CudaTensor, w: &CudaWeight, transpose: bool) -> CudaTensor {
+        // Head h is a matrix of b rows and a columns, b * row_bytes apart.
+        let (a, b, heads) = (w.ne[0], w.dim(1), w.dim(2));
+        let head_bytes = b * w.row_bytes();
+        let (din, dout) = if transpose { (b, a) } else { (a, b) };
+        let shared = x.cols == din;
+        assert!(
+            shared || x.cols == heads * din,
+            "head_matmul {}: x has {} columns",
+            w.name,
+            x.cols
+        );
+        let n = x.rows;
+        let y = self.zeros(n, heads * dout);
+        if n < MATMUL_MIN_ROWS || din % 32 != 0 {
+            // One f32 matrix-vector item per (token, head), matrix index = head.
+            let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
+            let dids = self.upload_i32(&ids);
+            let mv = Matvec {
+                ty: w.ty,
+                w: self.w(w),
+                mat_stride: head_bytes,
+                ids: self.gpu.ptr(&dids, 0),
+                rows: b,
+                k: a,
+                x: self.p(x, 0),
+                x_group: if shared { heads } else { 1 },
+                x_stride: din,
+                y: self.p(&y, 0),
+                y_stride: dout,
+                batch: n * heads,
+                transposed: transpose,
+            };
+            ok(self.gpu.matvec(&mv), "head_matmul");
+            return y;
+        }
+        for h in 0..heads {
+            let mm = Matmul {
+                ty: w.ty,
+                w: self.w(w) + (h * head_bytes) as u64,
+                transposed: transpose,
+                x: self.p(x, if shared { 0 } else { h * din }),
+                x_stride: x.cols,
+                row_ids: 0,
+                y: self.p(&y, h * dout),
+                y_stride: heads * dout,
+                m: n,
+                n: dout,
+                k: din,
+            };
+            ok(self.gpu.matmul(&mm), "head_matmul");
+        }
+        y
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        k_nope: &CudaTensor,
+        k_pe: &CudaTensor,
+        v: &CudaTensor,
+        pos0: usize,
+        scale: f32,
+        keep: Option<&[i32]>,
+    ) -> CudaTensor {
+        let n = q.rows;
+        let dr = k_pe.cols;
+        let heads = (q.cols - k_nope.cols) / dr;
+        let (dn, dv) = (k_nope.cols / heads, v.cols / heads);
+        let s_len = pos0 + n;
+        let words = s_len.div_ceil(32);
+        let mask = keep.map(|keep| {
+            let top_k = keep.len() / n;
+            let mut bits = vec![0u32; n * words];
+            for t in 0..n {
+                for &s in &keep[t * top_k..(t + 1) * top_k] {
+                    if s >= 0 && (s as usize) < s_len {
+                        bits[t * words + s as usize / 32] |= 1 << (s % 32);
+                    }
+                }
+            }
+            ok(self.gpu.upload(&bits), "upload")
+        });
+        let out = self.zeros(n, heads * dv);
+        let a = AttentionPrefill {
+            q: self.p(q, 0),
+            q_tok: q.cols,
+            q_head: dn + dr,
+            ka: self.p(k_nope, 0),
+            ka_tok: k_nope.cols,
+            ka_head: dn,
+            dka: dn,
+            kb: self.p(k_pe, 0),
+            kb_tok: dr,
+            kb_head: 0,
+            dkb: dr,
+            v: self.p(v, 0),
+            v_tok: v.cols,
+            v_head: dv,
+            dv,
+            out: self.p(&out, 0),
+            o_tok: heads * dv,
+            o_head: dv,
+            mask: mask.as_ref().map_or(0, |m| self.gpu.ptr(m, 0)),
+            mask_words: words,
+            tokens: n,
+            heads,
+            pos0,
+            scale,
+        };
+        ok(self.gpu.attention_prefill(&a), "attention");
+        out
+    }
+
+    fn latent_attention(
+        &self,
+        q_lat: &CudaTensor,
+        q_pe: &CudaTensor,
+        cache: &CudaTensor,
+        pos0: usize,
+        scale: f32,
+        keep: Option<&[i32]>,
+    ) -> CudaTensor {
+        let n = q_lat.rows;
+        let heads = (q_lat.cols + q_pe.cols) / cache.cols;
+        let (dl, dr) = (q_lat.cols / heads, q_pe.cols / heads);
+        assert_eq!(
+            dl + dr,
+            cache.cols,
+            "latent_attention: cache rows of {}",
+            cache.cols
+        );
+        let ids = keep.map(|k| self.upload_i32(k));
+        let out = self.zeros(n, heads * dl);
+        let a = MlaDecode {
+            q_lat: self.p(q_lat, 0),
+            ql_tok: q_lat.cols,
+            q_pe: self.p(q_pe, 0),
+            qp_tok: q_pe.cols,
+            cache: self.p(cache, 0),
+            dl,
+            dr,
+            heads,
+            tokens: n,
+            pos0,
+            key_ids: ids.as_ref().map_or(0, |i| self.gpu.ptr(i, 0)),
+            n_ids: keep.map_or(0, |k| k.len() / n.max(1)),
+            scale,
+            out: self.p(&out, 0),
+            out_tok: heads * dl,
+        };
+        ok(self.gpu.mla_decode(&a), "latent_attention");
+        out
+    }
+
+    fn dsa_topk(
+        &self,
+        q: &CudaTensor,
+        keys: &CudaTensor,
+        head_weights: &CudaTensor,
+        pos0: usize,
+        scale: f32,
+        top_k: usize,
+    ) -> Vec<i32> {
+        let n = q.rows;
+        let (nh, d) = (head_weights.cols, keys.cols);
+        let s_len = pos0 + n;
+        let scores = self.zeros(n, s_len);
+        ok(
+            self.gpu.dsa_scores(
+                self.p(q, 0),
+                self.p(keys, 0),
+                self.p(head_weights, 0),
+                nh,
+                d,
+                n,
+                s_len,
+                pos0,
+                scale,
+                self.p(&scores, 0),
+                s_len,
+            ),
+            "dsa_scores",
+        );
+        let out: CudaSlice<i32> = ok(self.gpu.zeros(n * top_k), "alloc");
+        ok(
+            self.gpu.topk_rows(
+                self.p(&scores, 0),
+                s_len,
+                n,
+                pos0,
+                top_k,
+                self.gpu.ptr(&out, 0),
+            ),
+            "topk_rows",
+        );
+        ok(self.gpu.download(&out), "download")
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        ids: &[u32],
+        weights: &[f32],
+        k: usize,
+    ) -> CudaTensor {
+        let (n, e) = (x.rows, x.cols);
+        let f = gate.dim(1);
+        let rows = n * k;
+        let (gate_bytes, down_bytes) = (f * gate.row_bytes(), e * down.row_bytes());
+        let g_out = self.zeros(rows, f);
+        let u_out = self.zeros(rows, f);
+        let d_out = self.zeros(rows, e);
+        // Row r of the expert outputs belongs to (token, choice) slots[t * k + j] == r.
+        let slots: Vec<i32>;
+        if n < MATMUL_MIN_ROWS {
+            // Row t * k + j: one matrix-vector item per choice, the expert picked by id.
+            let eids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+            let dids = self.upload_i32(&eids);
+            let item = |w: &CudaWeight,
+                        mat_stride,
+                        rows_w,
+                        k_w,
+                        x: DevicePtrRaw,
+                        x_group,
+                        x_stride,
+                        y: &CudaTensor| Matvec {
+                ty: w.ty,
+                w: self.w(w),
+                mat_stride,
+                ids: self.gpu.ptr(&dids, 0),
+                rows: rows_w,
+                k: k_w,
+                x,
+                x_group,
+                x_stride,
+                y: self.p(y, 0),
+                y_stride: rows_w,
+                batch: rows,
+                transposed: false,
+            };
+            ok(
+                self.gpu
+                    .matvec(&item(gate, gate_bytes, f, e, self.p(x, 0), k, e, &g_out)),
+                "moe gate",
+            );
+            ok(
+                self.gpu
+                    .matvec(&item(up, gate_bytes, f, e, self.p(x, 0), k, e, &u_out)),
+                "moe up",
+            );
+            ok(
+                self.gpu.silu_mul(
+                    self.p(&g_out, 0),
+                    self.p(&u_out, 0),
+                    self.p(&g_out, 0),
+                    rows * f,
+                ),
+                "moe silu",
+            );
+            ok(
+                self.gpu.matvec(&item(
+                    down,
+                    down_bytes,
+                    e,
+                    f,
+                    self.p(&g_out, 0),
+                    1,
+                    f,
+                    &d_out,
+                )),
+                "moe down",
+            );
+            slots = (0..rows as i32).collect();
+        } else {
+            // Group the (token, choice) pairs by expert: each expert's tokens are gathered by
+            // the tensor-core kernel through row_ids, its outputs land in consecutive rows.
+            let n_exp = gate.dim(2);
+            let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); n_exp];
+            for (slot, &id) in ids.iter().enumerate() {
+                by_expert[id as usize].push(slot);
+            }
+            let mut order: Vec<usize> = Vec::with_capacity(rows); // slot of each output row
+            let mut token_of_row = Vec::with_capacity(rows);
+            let mut spans = Vec::new(); // (expert, first row, count)
+            for (ex, list) in by_expert.iter().enumerate() {
+                if !list.is_empty() {
+                    spans.push((ex, order.len(), list.len()));
+                    order.extend(list);
+                    token_of_row.extend(list.iter().map(|&s| (s / k) as i32));
+                }
+            }
+            let dtok = self.upload_i32(&token_of_row);
+            let mut slot_rows = vec![0i32; rows];
+            for (r, &s) in order.iter().enumerate() {
+                slot_rows[s] = r as i32;
+            }
+            slots = slot_rows;
+            for &(ex, r0, count) in &spans {
+                let mm = |w: &CudaWeight,
+                          bytes: usize,
+                          nn,
+                          kk,
+                          x: DevicePtrRaw,
+                          x_stride,
+                          row_ids,
+                          y: &CudaTensor| Matmul {
+                    ty: w.ty,
+                    w: self.w(w) + (ex * bytes) as u64,
+                    transposed: false,
+                    x,
+                    x_stride,
+                    row_ids,
+                    y: self.p(y, r0 * nn),
+                    y_stride: nn,
+                    m: count,
+                    n: nn,
+                    k: kk,
+                };
+                let tok = self.gpu.ptr(&dtok, r0);
+                ok(
+                    self.gpu
+                        .matmul(&mm(gate, gate_bytes, f, e, self.p(x, 0), e, tok, &g_out)),
+                    "moe gate",
+                );
+                ok(
+                    self.gpu
+                        .matmul(&mm(up, gate_bytes, f, e, self.p(x, 0), e, tok, &u_out)),
+                    "moe up",
+                );
+            }
+            ok(
+                self.gpu.silu_mul(
+                    self.p(&g_out, 0),
+                    self.p(&u_out, 0),
+                    self.p(&g_out, 0),
+                    rows * f,
+                ),
+                "moe silu",
+            );
+            for &(ex, r0, count) in &spans {
+                let mm = Matmul {
+                    ty: down.ty,
+                    w: self.w(down) + (ex * down_bytes) as u64,
+                    transposed: false,
+                    x: self.p(&g_out, r0 * f),
+                    x_stride: f,
+                    row_ids: 0,
+                    y: self.p(&d_out, r0 * e),
+                    y_stride: e,
+                    m: count,
+                    n: e,
+                    k: f,
+                };
+                ok(self.gpu.matmul(&mm), "moe down");
+            }
+        }
+        let (dslots, dw) = (
+            self.upload_i32(&slots),
+            ok(self.gpu.upload(weights), "upload"),
+        );
+        let out = self.zeros(n, e);
+        ok(
+            self.gpu.moe_combine(
+                self.p(&d_out, 0),
+                self.gpu.ptr(&dslots, 0),
+                self.gpu.ptr(&dw, 0),
+                n,
+                k,
+                e,
+                self.p(&out, 0),
+            ),
+            "moe combine",
+        );
+        out
+    }
+}

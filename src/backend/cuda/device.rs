@@ -1,0 +1,167 @@
+//! One GPU: its context and stream, its compiled kernels, and device buffers.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::error::CudaError;
+use super::kernels::{family_of, max_dynamic_smem, Family, FAMILIES};
+use super::nvrtc::cached_cubin;
+
+/// A raw device address (CUdeviceptr) handed to a kernel; 0 means "absent" for optional
+/// arguments. The caller keeps the buffer it points into alive until the work is done.
+pub type DevicePtrRaw = u64;
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    /// Every launch and copy goes to this one stream, in order.
+    pub stream: Arc<CudaStream>,
+    /// "sm_90", "sm_120": the architecture kernels are compiled for.
+    pub arch: String,
+    pub name: String,
+    pub multiprocessors: usize,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+/// Whether the CUDA driver library can be loaded at all.
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen libcuda by its usual names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, or says why there is none (no driver, no device).
+    pub fn new(ordinal: usize) -> Result<Gpu, CudaError> {
+        if !driver_available() {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| CudaError::NoDevice(format!("the driver did not start: {e}")))?;
+        if ordinal >= count as usize {
+            return Err(CudaError::NoDevice(format!(
+                "device {ordinal} asked for, the driver sees {count}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let multiprocessors =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let stream = ctx.default_stream();
+        Ok(Gpu {
+            name: ctx.name()?,
+            arch: format!("sm_{major}{minor}"),
+            multiprocessors,
+            stream,
+            ctx,
+            modules: Mutex::default(),
+            functions: Mutex::default(),
+        })
+    }
+
+    /// The loaded module of `family`, compiled (or read from the cubin cache) on first use.
+    fn module(&self, family: &'static Family) -> Result<Arc<CudaModule>, CudaError> {
+        let mut modules = self.modules.lock().unwrap();
+        if let Some(m) = modules.get(family.name) {
+            return Ok(m.clone());
+        }
+        let cubin = cached_cubin(family, &self.arch)?;
+        let m = self.ctx.load_module(Ptx::from_binary(cubin))?;
+        modules.insert(family.name, m.clone());
+        Ok(m)
+    }
+
+    /// Compiles (or loads from the cache) and loads every kernel family now, so that a missing
+    /// NVRTC or a compile error shows at start as an error, not at the first launch.
+    pub fn load_all_kernels(&self) -> Result<(), CudaError> {
+        for family in FAMILIES {
+            self.module(family)?;
+        }
+        Ok(())
+    }
+
+    /// The kernel named `kernel`, compiling (or loading from the cache) its family on first use.
+    pub fn function(&self, kernel: &str) -> Result<CudaFunction, CudaError> {
+        if let Some(f) = self.functions.lock().unwrap().get(kernel) {
+            return Ok(f.clone());
+        }
+        let family = family_of(kernel).ok_or_else(|| CudaError::Shape {
+            kernel: kernel.to_string(),
+            what: "no kernel family defines it".into(),
+        })?;
+        let f = self.module(family)?.load_function(kernel)?;
+        let dynamic = max_dynamic_smem(kernel);
+        if dynamic > 48 * 1024 {
+            // Above 48 KiB a kernel must opt in to dynamic shared memory.
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic as i32,
+            )?;
+        }
+        self.functions
+            .lock()
+            .unwrap()
+            .insert(kernel.to_string(), f.clone());
+        Ok(f)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        Ok(self.stream.clone_dtoh(dev)?)
+    }
+
+    /// A zeroed buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros(n)?)
+    }
+
+    /// Waits for all queued work, surfacing any error a kernel raised.
+    pub fn sync(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// The raw address of element `offset` of `buf`.
+    pub fn ptr<T>(&self, buf: &CudaSlice<T>, offset: usize) -> DevicePtrRaw {
+        let (p, _record) = buf.device_ptr(&self.stream);
+        p + (offset * std::mem::size_of::<T>()) as u64
+    }
+}
+
+/// Launches `kernel` on `gpu`'s stream: `launch!(gpu, "name", grid, block, smem; args...)`,
+/// the arguments in the kernel's order, each by value (scalars, or raw device addresses).
+macro_rules! launch {
+    ($gpu:expr, $kernel:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
+        use cudarc::driver::PushKernelArg;
+        let f = $gpu.function(&$kernel)?;
+        let mut builder = $gpu.stream.launch_builder(&f);
+        $(
+            let a = $arg;
+            builder.arg(&a);
+        )*
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: $grid,
+            block_dim: ($block, 1, 1),
+            shared_mem_bytes: $smem,
+        };
+        // SAFETY: the wrapper calling this pushed the arguments its kernel declares, in order
+        // and of the declared sizes, after checking shapes; addresses come from the caller's
+        // live buffers.
+        unsafe { builder.launch(cfg) }?;
+    }};
+}
+pub(crate) use launch;

@@ -1,0 +1,106 @@
+//! The kernel families of `kernels/*.cu`, their sources and their shared-memory needs.
+//!
+//! NVRTC compiles each family as one program: `common.cuh`, then `quant.cuh` for the families
+//! that read quantized blocks, then the family's own file. The sources are embedded in the
+//! binary, so a GPU host needs only the driver and libnvrtc.
+
+const COMMON: &str = include_str!("../../../kernels/common.cuh");
+const QUANT: &str = include_str!("../../../kernels/quant.cuh");
+
+/// One `kernels/NAME.cu` file.
+pub struct Family {
+    pub name: &'static str,
+    /// Whether it includes the block formats (quant.cuh).
+    quant: bool,
+    body: &'static str,
+}
+
+impl Family {
+    /// The full program text NVRTC compiles.
+    pub fn source(&self) -> String {
+        let mut s = String::from(COMMON);
+        if self.quant {
+            s.push_str(QUANT);
+        }
+        s.push_str(self.body);
+        s
+    }
+}
+
+macro_rules! family {
+    ($name:literal, $quant:expr) => {
+        Family {
+            name: $name,
+            quant: $quant,
+            body: include_str!(concat!("../../../kernels/", $name, ".cu")),
+        }
+    };
+}
+
+pub const FAMILIES: &[Family] = &[
+    family!("matvec", true),
+    family!("matmul", true),
+    family!("norm", false),
+    family!("rope", false),
+    family!("elementwise", false),
+    family!("attention", false),
+    family!("mla_decode", false),
+    family!("dsa", false),
+    family!("moe", false),
+    family!("sampling", false),
+];
+
+/// The family that defines `kernel` (by the kernel-name prefixes of each file).
+pub fn family_of(kernel: &str) -> Option<&'static Family> {
+    let name = match kernel {
+        k if k.starts_with("matvec_") || k.starts_with("embed_") => "matvec",
+        k if k.starts_with("matmul_") => "matmul",
+        "rmsnorm" | "layernorm" => "norm",
+        "rope_pairs" => "rope",
+        "silu_mul" | "add_inplace" | "copy_block" => "elementwise",
+        "attention_prefill" => "attention",
+        "mla_decode_split" | "mla_decode_combine" => "mla_decode",
+        "dsa_scores" | "topk_rows" => "dsa",
+        "moe_router" | "moe_combine" => "moe",
+        "argmax_rows" | "top_p_sample" => "sampling",
+        _ => return None,
+    };
+    FAMILIES.iter().find(|f| f.name == name)
+}
+
+/// SM120's limit on shared memory per block (static + dynamic), which every kernel keeps on
+/// every architecture so that what runs on the H200 also runs on an RTX PRO 6000.
+pub const SHARED_MEMORY_LIMIT: usize = 99 * 1024;
+
+// Tile sizes shared with attention.cu and mla_decode.cu (ATT_BQ, ATT_BK, MLA_HB, MLA_BK).
+const ATT_BQ: usize = 16;
+const ATT_BK: usize = 32;
+/// Largest head dims of attention_prefill (GLM-5: 192 + 64 and 256).
+pub const ATT_DQK_MAX: usize = 256;
+pub const ATT_DV_MAX: usize = 256;
+const MLA_HB: usize = 16;
+const MLA_BK: usize = 16;
+/// Largest latent width of mla_decode_split (kv_lora of DeepSeek-V3 and GLM-5).
+pub const MLA_DL_MAX: usize = 512;
+/// Largest rope width next to it.
+pub const MLA_DR_MAX: usize = 64;
+
+/// Dynamic shared memory of attention_prefill: q tile, k tile (one float of padding per row),
+/// v tile, all f32.
+pub fn attention_smem_bytes(dqk: usize, dv: usize) -> usize {
+    4 * (ATT_BQ * dqk + ATT_BK * (dqk + 1) + ATT_BK * dv)
+}
+
+/// Dynamic shared memory of mla_decode_split: the group's query rows and one key tile.
+pub fn mla_decode_smem_bytes(dl: usize, dr: usize) -> usize {
+    4 * (MLA_HB * (dl + dr) + MLA_BK * (dl + dr + 1))
+}
+
+/// The largest dynamic shared memory each kernel that uses it is ever launched with.
+pub fn max_dynamic_smem(kernel: &str) -> usize {
+    match kernel {
+        "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
+        "mla_decode_split" => mla_decode_smem_bytes(MLA_DL_MAX, MLA_DR_MAX),
+        _ => 0,
+    }
+}

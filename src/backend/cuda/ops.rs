@@ -1,0 +1,499 @@
+//! One Rust function per kernel: checks the shapes it can, picks the launch geometry, launches.
+//! Tensors are raw device addresses ([`DevicePtrRaw`]) with explicit strides in elements, so
+//! the model can point a kernel at a slice of a larger buffer (a head, the rope part of q).
+//! Optional inputs are 0.
+
+use crate::gguf::ggml_type::GgmlType;
+
+use super::device::{launch, DevicePtrRaw as Ptr, Gpu};
+use super::error::{check, CudaError};
+use super::kernels::{
+    attention_smem_bytes, mla_decode_smem_bytes, ATT_DQK_MAX, ATT_DV_MAX, MLA_DL_MAX, MLA_DR_MAX,
+};
+
+/// The ggml types the matvec, matmul and embedding kernels read.
+pub const KERNEL_TYPES: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+];
+
+fn typed_kernel(prefix: &str, ty: GgmlType) -> Result<String, CudaError> {
+    check(KERNEL_TYPES.contains(&ty), prefix, || {
+        format!("no kernel for tensor type {ty}")
+    })?;
+    Ok(format!("{prefix}_{}", ty.name().to_lowercase()))
+}
+
+fn grid1(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block) as u32
+}
+
+/// y_b = W_b x_b for `batch` items (see kernels/matvec.cu): the decode workhorse, also for
+/// the per-head absorbed products (one matrix per head) and the selected experts (`ids`).
+pub struct Matvec {
+    pub ty: GgmlType,
+    /// Quantized rows, `row_bytes(k)` apart; matrix m starts at w + m * mat_stride bytes.
+    pub w: Ptr,
+    pub mat_stride: usize,
+    /// [batch] i32 matrix index per item, or 0 for "item b uses matrix b".
+    pub ids: Ptr,
+    pub rows: usize,
+    pub k: usize,
+    /// f32 inputs: item b reads x + (b / x_group) * x_stride.
+    pub x: Ptr,
+    pub x_group: usize,
+    pub x_stride: usize,
+    /// f32 outputs: item b writes y + b * y_stride, `rows` values.
+    pub y: Ptr,
+    pub y_stride: usize,
+    pub batch: usize,
+    /// y_b = W_b^T x_b instead: x_b has `rows` values, y_b has `k`.
+    pub transposed: bool,
+}
+
+const MATVEC_WARPS: usize = 8;
+
+impl Gpu {
+    pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
+        let kernel = typed_kernel(if a.transposed { "matvec_t" } else { "matvec" }, a.ty)?;
+        let row_bytes = a.ty.row_bytes(a.k);
+        check(row_bytes.is_some() && a.k % 8 == 0, "matvec", || {
+            format!("k = {} is not a whole number of {} blocks", a.k, a.ty)
+        })?;
+        check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matvec", || {
+            "x rows must be 16-byte aligned".into()
+        })?;
+        check(a.x_group > 0 && a.batch > 0, "matvec", || {
+            "empty batch".into()
+        })?;
+        // Non-transposed: one warp per row; transposed: one thread per 8 output columns.
+        let (grid_x, block) = if a.transposed {
+            (grid1(a.k / 8, 128), 128)
+        } else {
+            (grid1(a.rows, MATVEC_WARPS), 32 * MATVEC_WARPS as u32)
+        };
+        launch!(self, kernel, (grid_x, a.batch as u32, 1), block, 0;
+            a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, row_bytes.unwrap() as i64,
+            a.x, a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64);
+        Ok(())
+    }
+
+    /// y[t, :] = dequantized row ids[t] of the [rows, n] matrix w.
+    pub fn embed(
+        &self,
+        ty: GgmlType,
+        w: Ptr,
+        n: usize,
+        ids: Ptr,
+        tokens: usize,
+        y: Ptr,
+    ) -> Result<(), CudaError> {
+        let kernel = typed_kernel("embed", ty)?;
+        let row_bytes = ty.row_bytes(n);
+        check(row_bytes.is_some() && n % 8 == 0, "embed", || {
+            format!("row of {n} {ty} values")
+        })?;
+        launch!(self, kernel, (tokens as u32, 1, 1), 128, 0;
+            w, row_bytes.unwrap() as i64, ids, n as i32, y);
+        Ok(())
+    }
+}
+
+/// Y[m, :] = W X[row(m), :] for m < M on tensor cores (bf16 operands, f32 accumulation);
+/// row(m) = row_ids[m] when given (the tokens routed to one expert), else m.
+pub struct Matmul {
+    pub ty: GgmlType,
+    /// [n, k] quantized, or [k, n] when `transposed` (Y = X W).
+    pub w: Ptr,
+    pub transposed: bool,
+    /// f32, x_stride elements per row.
+    pub x: Ptr,
+    pub x_stride: usize,
+    /// [m] i32 or 0.
+    pub row_ids: Ptr,
+    /// [m, n] f32 with y_stride.
+    pub y: Ptr,
+    pub y_stride: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Gpu {
+    pub fn matmul(&self, a: &Matmul) -> Result<(), CudaError> {
+        let kernel = typed_kernel(if a.transposed { "matmul_t" } else { "matmul" }, a.ty)?;
+        let row_bytes = a.ty.row_bytes(if a.transposed { a.n } else { a.k });
+        check(
+            row_bytes.is_some() && a.k % 32 == 0 && a.n % 8 == 0,
+            "matmul",
+            || {
+                format!(
+                    "k = {}, n = {}: k a multiple of 32, rows whole {} blocks",
+                    a.k, a.n, a.ty
+                )
+            },
+        )?;
+        check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matmul", || {
+            "x rows must be 16-byte aligned".into()
+        })?;
+        launch!(self, kernel, (grid1(a.n, 64), grid1(a.m, 64), 1), 128, 0;
+            a.w, row_bytes.unwrap() as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
+            a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32);
+        Ok(())
+    }
+
+    /// y = x / sqrt(mean(x^2) + eps) * w, row by row ([rows, n], strided).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm(
+        &self,
+        x: Ptr,
+        x_stride: usize,
+        w: Ptr,
+        y: Ptr,
+        y_stride: usize,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        launch!(self, "rmsnorm", (rows as u32, 1, 1), 256, 0;
+            x, x_stride as i64, w, y, y_stride as i64, n as i32, eps);
+        Ok(())
+    }
+
+    /// y = (x - mean) / sqrt(var + eps) * w + b, row by row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm(
+        &self,
+        x: Ptr,
+        x_stride: usize,
+        w: Ptr,
+        b: Ptr,
+        y: Ptr,
+        y_stride: usize,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        launch!(self, "layernorm", (rows as u32, 1, 1), 256, 0;
+            x, x_stride as i64, w, b, y, y_stride as i64, n as i32, eps);
+        Ok(())
+    }
+
+    /// Rotates adjacent pairs of the `dims`-wide rope part of each (token, head) row in place:
+    /// x + t * tok_stride + h * head_stride; pos: [tokens] i32; inv_freq: [dims / 2] f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_pairs(
+        &self,
+        x: Ptr,
+        tok_stride: usize,
+        head_stride: usize,
+        tokens: usize,
+        heads: usize,
+        dims: usize,
+        pos: Ptr,
+        inv_freq: Ptr,
+        mscale: f32,
+    ) -> Result<(), CudaError> {
+        check(dims % 2 == 0 && dims <= 2048, "rope_pairs", || {
+            format!("rope width {dims}")
+        })?;
+        let block = (dims / 2).div_ceil(32) * 32;
+        launch!(self, "rope_pairs", (tokens as u32, heads as u32, 1), block as u32, 0;
+            x, tok_stride as i64, head_stride as i64, dims as i32, pos, inv_freq, mscale);
+        Ok(())
+    }
+
+    /// out = silu(gate) * up over n values.
+    pub fn silu_mul(&self, gate: Ptr, up: Ptr, out: Ptr, n: usize) -> Result<(), CudaError> {
+        launch!(self, "silu_mul", (grid1(n, 256), 1, 1), 256, 0; gate, up, out, n as i64);
+        Ok(())
+    }
+
+    /// Copies rows x heads x cols floats between strided layouts (see kernels/elementwise.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_block(
+        &self,
+        src: Ptr,
+        src_row: usize,
+        src_head: usize,
+        dst: Ptr,
+        dst_row: usize,
+        dst_head: usize,
+        rows: usize,
+        heads: usize,
+        cols: usize,
+    ) -> Result<(), CudaError> {
+        if rows == 0 || heads == 0 || cols == 0 {
+            return Ok(());
+        }
+        launch!(self, "copy_block", (rows as u32, heads as u32, 1), 128, 0;
+            src, src_row as i64, src_head as i64, dst, dst_row as i64, dst_head as i64, cols as i32);
+        Ok(())
+    }
+
+    /// acc += x over n values.
+    pub fn add_inplace(&self, acc: Ptr, x: Ptr, n: usize) -> Result<(), CudaError> {
+        launch!(self, "add_inplace", (grid1(n, 256), 1, 1), 256, 0; acc, x, n as i64);
+        Ok(())
+    }
+}
+
+/// Causal prefill attention over expanded heads (see kernels/attention.cu). Strides are in
+/// floats; a stride of 0 shares a tensor across heads (k_pe).
+pub struct AttentionPrefill {
+    /// [T, heads, dka + dkb] via (q_tok, q_head).
+    pub q: Ptr,
+    pub q_tok: usize,
+    pub q_head: usize,
+    /// First key part (k_nope), dka wide.
+    pub ka: Ptr,
+    pub ka_tok: usize,
+    pub ka_head: usize,
+    pub dka: usize,
+    /// Second key part (k_pe), dkb wide.
+    pub kb: Ptr,
+    pub kb_tok: usize,
+    pub kb_head: usize,
+    pub dkb: usize,
+    pub v: Ptr,
+    pub v_tok: usize,
+    pub v_head: usize,
+    pub dv: usize,
+    pub out: Ptr,
+    pub o_tok: usize,
+    pub o_head: usize,
+    /// [T, mask_words] u32 key bitmask (DSA), or 0.
+    pub mask: Ptr,
+    pub mask_words: usize,
+    pub tokens: usize,
+    pub heads: usize,
+    /// Position of query 0; keys 0 .. pos0 + tokens exist.
+    pub pos0: usize,
+    pub scale: f32,
+}
+
+impl Gpu {
+    pub fn attention_prefill(&self, a: &AttentionPrefill) -> Result<(), CudaError> {
+        let dqk = a.dka + a.dkb;
+        check(
+            dqk <= ATT_DQK_MAX && a.dv <= ATT_DV_MAX,
+            "attention_prefill",
+            || format!("head dims {dqk}/{} over {ATT_DQK_MAX}/{ATT_DV_MAX}", a.dv),
+        )?;
+        let smem = attention_smem_bytes(dqk, a.dv) as u32;
+        launch!(self, "attention_prefill", (grid1(a.tokens, 16), a.heads as u32, 1), 128, smem;
+            a.q, a.q_tok as i64, a.q_head as i64,
+            a.ka, a.ka_tok as i64, a.ka_head as i64, a.dka as i32,
+            a.kb, a.kb_tok as i64, a.kb_head as i64, a.dkb as i32,
+            a.v, a.v_tok as i64, a.v_head as i64, a.dv as i32,
+            a.out, a.o_tok as i64, a.o_head as i64, a.mask, a.mask_words as i32,
+            a.tokens as i32, a.pos0 as i32, a.scale);
+        Ok(())
+    }
+}
+
+/// Absorbed MLA attention over the latent cache, the decode path (see kernels/mla_decode.cu):
+/// T query tokens at positions pos0 .. pos0 + T.
+pub struct MlaDecode {
+    /// [T, heads * dl] rows ql_tok apart: q_nope absorbed by W_UK.
+    pub q_lat: Ptr,
+    pub ql_tok: usize,
+    /// [T, heads * dr] rows qp_tok apart, roped.
+    pub q_pe: Ptr,
+    pub qp_tok: usize,
+    /// [S, dl + dr] rows [c_kv | k_pe].
+    pub cache: Ptr,
+    pub dl: usize,
+    pub dr: usize,
+    pub heads: usize,
+    pub tokens: usize,
+    pub pos0: usize,
+    /// [T, n_ids] i32 key positions per token (DSA top-k, -1 skipped), or 0 for all causal keys.
+    pub key_ids: Ptr,
+    pub n_ids: usize,
+    pub scale: f32,
+    /// [T, heads * dl] rows out_tok apart.
+    pub out: Ptr,
+    pub out_tok: usize,
+}
+
+impl Gpu {
+    /// The number of sequence splits and keys per split for up to `n_keys` keys and `heads`
+    /// heads: enough blocks to fill the GPU twice, at least 64 keys a split.
+    pub fn mla_decode_splits(&self, n_keys: usize, heads: usize) -> (usize, usize) {
+        let groups = heads.div_ceil(16);
+        let want = (2 * self.multiprocessors).div_ceil(groups).max(1);
+        let splits = want.min(n_keys.div_ceil(64)).max(1);
+        let per = (n_keys.div_ceil(splits).div_ceil(16) * 16).max(16);
+        (n_keys.div_ceil(per).max(1), per)
+    }
+
+    pub fn mla_decode(&self, a: &MlaDecode) -> Result<(), CudaError> {
+        check(
+            a.dl % 32 == 0 && a.dl <= MLA_DL_MAX && a.dr <= MLA_DR_MAX,
+            "mla_decode_split",
+            || {
+                format!(
+                    "latent {} (multiple of 32, <= {MLA_DL_MAX}) and rope {} (<= {MLA_DR_MAX})",
+                    a.dl, a.dr
+                )
+            },
+        )?;
+        if a.tokens == 0 {
+            return Ok(());
+        }
+        let max_keys = if a.key_ids != 0 {
+            a.n_ids
+        } else {
+            a.pos0 + a.tokens
+        };
+        let (splits, per) = self.mla_decode_splits(max_keys, a.heads);
+        // Partial results: acc [T, splits, heads, dl] and (m, l) [T, splits, heads, 2].
+        let part_acc = self.zeros::<f32>(a.tokens * splits * a.heads * a.dl)?;
+        let part_ml = self.zeros::<f32>(a.tokens * splits * a.heads * 2)?;
+        let (pa, pm) = (self.ptr(&part_acc, 0), self.ptr(&part_ml, 0));
+        let smem = mla_decode_smem_bytes(a.dl, a.dr) as u32;
+        launch!(self, "mla_decode_split", (grid1(a.heads, 16), splits as u32, a.tokens as u32), 256, smem;
+            a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
+            a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
+        launch!(self, "mla_decode_combine", (a.heads as u32, a.tokens as u32, 1), 128, 0;
+            pa, pm, splits as i32, a.heads as i32, a.dl as i32, a.out, a.out_tok as i64);
+        Ok(())
+    }
+
+    /// DSA indexer scores [T, s_stride] for keys 0 .. S (see kernels/dsa.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dsa_scores(
+        &self,
+        q: Ptr,
+        k: Ptr,
+        w: Ptr,
+        heads: usize,
+        dim: usize,
+        tokens: usize,
+        keys: usize,
+        pos0: usize,
+        scale: f32,
+        scores: Ptr,
+        s_stride: usize,
+    ) -> Result<(), CudaError> {
+        check(heads * dim <= 8192 && heads <= 64, "dsa_scores", || {
+            format!("{heads} heads x {dim} over the 8192-float query tile")
+        })?;
+        launch!(self, "dsa_scores", (grid1(keys, 128), tokens as u32, 1), 128, 0;
+            q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores, s_stride as i64);
+        Ok(())
+    }
+
+    /// Per row t: the k best of scores[t, 0 ..= pos0 + t], ascending positions, -1 padded.
+    pub fn topk_rows(
+        &self,
+        scores: Ptr,
+        s_stride: usize,
+        tokens: usize,
+        pos0: usize,
+        k: usize,
+        out: Ptr,
+    ) -> Result<(), CudaError> {
+        launch!(self, "topk_rows", (tokens as u32, 1, 1), 256, 0;
+            scores, s_stride as i64, pos0 as i32, k as i32, out);
+        Ok(())
+    }
+}
+
+/// The MoE router's choice for T tokens (see kernels/moe.cu).
+pub struct MoeRouter {
+    /// [T, n_exp] f32.
+    pub logits: Ptr,
+    /// [n_exp] f32 selection bias, or 0.
+    pub bias: Ptr,
+    pub n_exp: usize,
+    pub k: usize,
+    /// 1 softmax, 2 sigmoid (GGUF expert_gating_func).
+    pub gating: u32,
+    pub n_group: usize,
+    pub group_used: usize,
+    pub norm: bool,
+    pub scale: f32,
+    pub tokens: usize,
+    /// [T, k] i32 and f32 outputs.
+    pub ids: Ptr,
+    pub weights: Ptr,
+}
+
+impl Gpu {
+    pub fn moe_router(&self, a: &MoeRouter) -> Result<(), CudaError> {
+        check(
+            a.n_exp <= 1024
+                && a.k <= 32
+                && a.k <= a.n_exp
+                && a.n_group <= 32
+                && (a.n_group <= 1 || a.n_exp % a.n_group == 0),
+            "moe_router",
+            || format!("{} experts, top {}, {} groups", a.n_exp, a.k, a.n_group),
+        )?;
+        check(a.gating == 1 || a.gating == 2, "moe_router", || {
+            format!("gating function {}", a.gating)
+        })?;
+        launch!(self, "moe_router", (a.tokens as u32, 1, 1), 32, 0;
+            a.logits, a.bias, a.n_exp as i32, a.k as i32, a.gating as i32, a.n_group as i32,
+            a.group_used as i32, a.norm as i32, a.scale, a.ids, a.weights);
+        Ok(())
+    }
+
+    /// out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] ([T, k] slots and weights).
+    pub fn moe_combine(
+        &self,
+        rows: Ptr,
+        slots: Ptr,
+        weights: Ptr,
+        tokens: usize,
+        k: usize,
+        dim: usize,
+        out: Ptr,
+    ) -> Result<(), CudaError> {
+        launch!(self, "moe_combine", (tokens as u32, 1, 1), 256, 0;
+            rows, slots, weights, k as i32, dim as i32, out);
+        Ok(())
+    }
+
+    /// out[r] = argmax of row r of x ([rows, n]).
+    pub fn argmax_rows(&self, x: Ptr, rows: usize, n: usize, out: Ptr) -> Result<(), CudaError> {
+        launch!(self, "argmax_rows", (rows as u32, 1, 1), 1024, 0; x, n as i32, out);
+        Ok(())
+    }
+
+    /// Nucleus sampling of one row of n logits with the host's uniform draw u;
+    /// probs: [n] f32 scratch; out: one i32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn top_p_sample(
+        &self,
+        x: Ptr,
+        n: usize,
+        temperature: f32,
+        top_p: f32,
+        u: f32,
+        probs: Ptr,
+        out: Ptr,
+    ) -> Result<(), CudaError> {
+        check(temperature > 0.0, "top_p_sample", || {
+            "temperature 0 is argmax".into()
+        })?;
+        launch!(self, "top_p_sample", (1, 1, 1), 1024, 0;
+            x, n as i32, temperature, top_p, u, probs, out);
+        Ok(())
+    }
+}

@@ -1,0 +1,105 @@
+//! Multi-head latent attention.
+//!
+//! Every position stores only its latent `[c_kv | k_pe]` (kv_lora + dr values per layer).
+//! Two ways to attend over it, equal in exact arithmetic:
+//! - expanded (prefill): k_nope = W_UK c_kv and v = W_UV c_kv per head, ordinary causal MHA;
+//! - absorbed (decode): fold W_UK into the query (q_lat = W_UK^T q_nope), score against the
+//!   latent cache directly, and apply W_UV after the softmax-weighted sum of c_kv.
+//!
+//! Prefill is matrix-matrix work where expanding is cheap; decode reads the whole cache for one
+//! query, where the absorbed form reads 576 values per position instead of H*(dn+dr+dv).
+
+use super::{dsa, Cache, Model, Taps};
+use crate::backend::Backend;
+use crate::weights::QueryProj;
+
+/// RMSNorm epsilon of q_a_norm and kv_a_norm: the reference models build these two norms
+/// with their default 1e-6, whatever the model's rms_norm_eps (which the GGUF stores alone).
+const LATENT_NORM_EPS: f32 = 1e-6;
+
+/// Attention of layer `il` for `x` (attn_norm output, [n, E]) at positions `pos0..pos0+n`;
+/// appends the latents to the cache and returns attn_output [n, E].
+pub fn attention<B: Backend>(
+    m: &Model<B>,
+    il: usize,
+    x: &B::Tensor,
+    cache: &mut Cache<B>,
+    pos0: usize,
+    topk: &mut Option<Vec<i32>>,
+    taps: &mut Taps,
+) -> B::Tensor {
+    let (b, cfg) = (&m.backend, &m.cfg);
+    let w = &m.weights.layers[il].attn;
+    let (h, dn, dr, kv_lora) = (
+        cfg.n_head,
+        cfg.head_dim_nope,
+        cfg.head_dim_rope,
+        cfg.kv_lora,
+    );
+    let (n, _) = b.shape(x);
+
+    // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a (the q-LoRA latent) feeds DSA.
+    let (mut q, q_a) = match &w.q {
+        QueryProj::Lora { a, norm, b: q_b } => {
+            let q_a = b.rms_norm(&b.linear(x, a), norm, LATENT_NORM_EPS); // [n, q_lora]
+            (b.linear(&q_a, q_b), Some(q_a))
+        }
+        QueryProj::Direct(wq) => (b.linear(x, wq), None),
+    };
+    taps.tensor(b, || format!("L{il}.q"), &q);
+    b.rope(&mut q, h, dn, pos0, &m.rope);
+    let q_pe = b.head_columns(&q, h, dn..dn + dr); // [n, H*dr]
+    taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
+
+    // The latent of these positions: c_kv [n, kv_lora] normed, k_pe [n, dr] roped.
+    let kv = b.linear(x, &w.kv_a_mqa); // [n, kv_lora + dr]
+    let c_kv = b.rms_norm(
+        &b.slice(&kv, 0..n, 0..kv_lora),
+        &w.kv_a_norm,
+        LATENT_NORM_EPS,
+    );
+    taps.tensor(b, || format!("L{il}.c_kv"), &c_kv);
+    let mut k_pe = b.slice(&kv, 0..n, kv_lora..kv_lora + dr);
+    b.rope(&mut k_pe, 1, 0, pos0, &m.rope);
+    taps.tensor(b, || format!("L{il}.k_pe"), &k_pe);
+    let latent = &mut cache.latent[il];
+    b.write_block(latent, pos0, 0, &c_kv);
+    b.write_block(latent, pos0, kv_lora, &k_pe);
+
+    // DSA: which keys each query may see (None: all causal keys).
+    let keep = cfg.indexer.as_ref().map(|ix| {
+        if let Some(indexer) = &m.weights.layers[il].indexer {
+            let q_a = q_a.as_ref().expect("validated: DSA needs q-LoRA");
+            let keys = cache.index_keys[il]
+                .as_mut()
+                .expect("allocated for full indexer layers");
+            *topk = Some(dsa::select(m, indexer, ix, x, q_a, keys, pos0));
+        }
+        let kept = topk
+            .clone()
+            .expect("validated: layer 0 runs its own indexer");
+        taps.ids(|| format!("L{il}.dsa_topk"), n, &kept);
+        kept
+    });
+    let keep = keep.as_deref();
+
+    let s = pos0 + n; // keys visible to the last query
+    let latent = &cache.latent[il];
+    let scale = cfg.attention_scale();
+    let core = if n > 1 {
+        // Expanded: per-head keys and values from the cached latents.
+        let c_kv_all = b.slice(latent, 0..s, 0..kv_lora); // [S, kv_lora]
+        let k_pe_all = b.slice(latent, 0..s, kv_lora..kv_lora + dr); // [S, dr]
+        let k_nope = b.head_matmul(&c_kv_all, &w.k_b, true); // [S, H*dn]
+        let v = b.head_matmul(&c_kv_all, &w.v_b, false); // [S, H*dv]
+        b.attention(&q, &k_nope, &k_pe_all, &v, pos0, scale, keep)
+    } else {
+        // Absorbed: queries move into the latent space instead.
+        let q_nope = b.head_columns(&q, h, 0..dn); // [n, H*dn]
+        let q_lat = b.head_matmul(&q_nope, &w.k_b, false); // [n, H*kv_lora]
+        let out_lat = b.latent_attention(&q_lat, &q_pe, latent, pos0, scale, keep); // [n, H*kv_lora]
+        b.head_matmul(&out_lat, &w.v_b, false) // [n, H*dv]
+    };
+    taps.tensor(b, || format!("L{il}.attn_core"), &core);
+    b.linear(&core, &w.output)
+}

@@ -1,0 +1,127 @@
+//! Mixture of experts: the router picks k experts per token, their outputs are summed with
+//! the router's weights, and the shared expert is added unweighted.
+//!
+//! Routing runs on the host (a few hundred scores per token): it is the step where subtle
+//! bugs hide (bias used for weights, groups masked with 0 instead of -inf, top-k over the
+//! group mask), so it is written once, plainly, here.
+
+use super::{dense_ffn, Model, Taps};
+use crate::backend::Backend;
+use crate::config::{Gating, MoeConfig};
+use crate::weights::Moe;
+
+/// The chosen experts of `n` tokens: `ids` and `weights` [n * k], by descending selection score.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub ids: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// Routes tokens from their router logits [n * n_expert].
+///
+/// - scores: sigmoid (DeepSeek-V3, GLM-5) or softmax (V2) of the logits, in f32;
+/// - selection: scores + selection bias (noaux_tc), for choosing only;
+/// - groups: a group's score is the sum of its two best selection values (sigmoid) or its best
+///   one (softmax, V2's group-limited greedy); the best `n_group_used` groups stay, the others
+///   are set to -inf;
+/// - the k best experts by selection value; their weights are the unbiased scores, normalized
+///   to sum 1 if `weights_norm`, times `weights_scale`.
+pub fn route(logits: &[f32], bias: Option<&[f32]>, m: &MoeConfig) -> Routing {
+    let x = m.n_expert;
+    let n = logits.len() / x;
+    let mut routing = Routing {
+        ids: Vec::with_capacity(n * m.n_used),
+        weights: Vec::with_capacity(n * m.n_used),
+    };
+    for l in logits.chunks_exact(x) {
+        let scores: Vec<f32> = match m.gating {
+            Gating::Sigmoid => l.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+            Gating::Softmax => {
+                let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = l.iter().map(|v| (v - max).exp()).collect();
+                let sum: f32 = e.iter().sum();
+                e.iter().map(|v| v / sum).collect()
+            }
+        };
+        let mut choice: Vec<f32> = match bias {
+            Some(bias) => scores.iter().zip(bias).map(|(s, b)| s + b).collect(),
+            None => scores.clone(),
+        };
+        if m.n_group > 1 && m.n_group_used < m.n_group {
+            let per_group = x / m.n_group;
+            let group_score = |g: usize| {
+                let mut v: Vec<f32> = choice[g * per_group..(g + 1) * per_group].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                match m.gating {
+                    Gating::Sigmoid => v[0] + v[1],
+                    Gating::Softmax => v[0],
+                }
+            };
+            let kept = best(
+                &(0..m.n_group).map(group_score).collect::<Vec<_>>(),
+                m.n_group_used,
+            );
+            for g in (0..m.n_group).filter(|g| !kept.contains(g)) {
+                choice[g * per_group..(g + 1) * per_group].fill(f32::NEG_INFINITY);
+            }
+        }
+        let chosen = best(&choice, m.n_used);
+        let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
+        if m.weights_norm {
+            let sum = weights.iter().sum::<f32>() + 1e-20;
+            weights.iter_mut().for_each(|w| *w /= sum);
+        }
+        weights.iter_mut().for_each(|w| *w *= m.weights_scale);
+        routing.ids.extend(chosen.iter().map(|&e| e as u32));
+        routing.weights.extend(weights);
+    }
+    routing
+}
+
+/// Indices of the `k` largest values, largest first; equal values keep the lower index.
+fn best(values: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+/// The MoE block of layer `il` for `x` (ffn_norm output, [n, E]): routed experts plus the
+/// shared expert, [n, E].
+pub fn forward<B: Backend>(
+    model: &Model<B>,
+    il: usize,
+    w: &Moe<B::Weight>,
+    x: &B::Tensor,
+    taps: &mut Taps,
+) -> B::Tensor {
+    let b = &model.backend;
+    let m = model.cfg.moe.as_ref().expect("MoE layer in a MoE model");
+    let (n, _) = b.shape(x);
+
+    let logits = b.linear(x, &w.router); // [n, n_expert]
+    taps.tensor(b, || format!("L{il}.router_logits"), &logits);
+    let r = route(&b.download(&logits), w.selection_bias.as_deref(), m);
+    if taps.on() {
+        let ids: Vec<i32> = r.ids.iter().map(|&e| e as i32).collect();
+        taps.ids(|| format!("L{il}.topk_ids"), n, &ids);
+        taps.host_f32(|| format!("L{il}.topk_weights"), n, &r.weights);
+    }
+
+    let mut out = b.moe_experts(
+        x,
+        &w.gate_exps,
+        &w.up_exps,
+        &w.down_exps,
+        &r.ids,
+        &r.weights,
+        m.n_used,
+    );
+    taps.tensor(b, || format!("L{il}.moe_out"), &out);
+    if let Some(shared) = &w.shared {
+        let s = dense_ffn(b, shared, x);
+        taps.tensor(b, || format!("L{il}.shared_out"), &s);
+        b.add_assign(&mut out, &s);
+    }
+    out
+}

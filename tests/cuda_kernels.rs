@@ -1,0 +1,1205 @@
+//! Every CUDA kernel against its CPU twin (written here in f64, from the definitions in
+//! kernels/*.cu and REFERENCE.md) on fresh random inputs, by normalized mean squared error
+//! sum (a - b)^2 / sum b^2 with a threshold per op. Quantized weights are dequantized for the
+//! twins by `quant::dequantize` (bit-exact with gguf-py, tests/quant.rs).
+//!
+//! Each run draws a new seed (printed; MLA_SEED=N repeats one). Outputs are poisoned with NaN
+//! before each launch, so an element the kernel never writes fails the comparison.
+//! Without a GPU every test prints `SKIPPED: no CUDA device` and passes.
+
+use mla_engine::backend::cuda::ops::{
+    AttentionPrefill, Matmul, Matvec, MlaDecode, MoeRouter, KERNEL_TYPES,
+};
+use mla_engine::backend::cuda::{CudaError, Gpu};
+use mla_engine::gguf::ggml_type::GgmlType;
+use mla_engine::quant;
+
+// ----- harness -------------------------------------------------------------------------------
+
+fn gpu() -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(g) => {
+            println!("GPU: {} ({}, {} SMs)", g.name, g.arch, g.multiprocessors);
+            Some(g)
+        }
+        Err(e @ (CudaError::NoDriver | CudaError::NoDevice(_))) => {
+            println!("SKIPPED: no CUDA device ({e})");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Without a driver (CI), opening a GPU or the backend is an error naming what is missing.
+#[test]
+fn no_driver_is_an_error_not_a_panic() {
+    if mla_engine::backend::cuda::driver_available() {
+        println!("SKIPPED: a CUDA driver is present");
+        return;
+    }
+    let err = Gpu::new(0).err().expect("no driver, yet a GPU opened");
+    assert!(matches!(err, CudaError::NoDriver), "{err}");
+    let err = mla_engine::backend::cuda::Cuda::new(0)
+        .err()
+        .expect("no driver");
+    assert!(err.to_string().contains("no CUDA driver"), "{err}");
+}
+
+/// splitmix64: small, good enough for test inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn new(test: &str) -> Rng {
+        let seed = std::env::var("MLA_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        println!("{test}: MLA_SEED={seed}");
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Roughly normal (sum of 4 uniforms, unit variance).
+    fn normal(&mut self) -> f32 {
+        ((0..4).map(|_| self.uniform()).sum::<f64>() - 2.0) as f32 * 1.732
+    }
+    fn normals(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.normal()).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn nmse(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let mut num = 0.0;
+    let mut den = 0.0;
+    for (&g, &w) in got.iter().zip(want) {
+        num += (g as f64 - w).powi(2);
+        den += w * w;
+    }
+    if num.is_nan() {
+        f64::INFINITY
+    } else {
+        num / den.max(1e-300)
+    }
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f64], threshold: f64) {
+    let e = nmse(got, want);
+    println!("{what}: nmse {e:.3e} (threshold {threshold:.0e})");
+    assert!(e <= threshold, "{what}: nmse {e:.3e} over {threshold:.0e}");
+}
+
+/// f32 kernels against f64 twins.
+const F32_OP: f64 = 1e-10;
+/// Products with bf16 operands and f32 accumulation.
+const BF16_MATMUL: f64 = 5e-4;
+
+fn poisoned(g: &Gpu, n: usize) -> cudarc::driver::CudaSlice<f32> {
+    g.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+fn poisoned_i32(g: &Gpu, n: usize) -> cudarc::driver::CudaSlice<i32> {
+    g.upload(&vec![i32::MIN; n]).unwrap()
+}
+
+/// Byte offsets of the f16 scale fields of one block.
+fn scale_offsets(t: GgmlType) -> &'static [usize] {
+    match t {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        _ => &[],
+    }
+}
+
+/// `rows` random rows of `k` elements of type `t`: random quant bits, finite scales of the
+/// size quantizers write; float types get normal values.
+fn random_rows(rng: &mut Rng, t: GgmlType, rows: usize, k: usize) -> Vec<u8> {
+    let n = rows * k;
+    match t {
+        GgmlType::F32 => rng
+            .normals(n)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        GgmlType::F16 => rng
+            .normals(n)
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => rng
+            .normals(n)
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => {
+            let mut bytes = rng.bytes(t.row_bytes(k).unwrap() * rows);
+            for block in bytes.chunks_exact_mut(t.type_size()) {
+                for &o in scale_offsets(t) {
+                    let mag = 10f64.powf(-3.0 + 2.0 * rng.uniform());
+                    let sign = if rng.below(4) == 0 { -1.0 } else { 1.0 };
+                    let h = half::f16::from_f64(sign * mag);
+                    block[o..o + 2].copy_from_slice(&h.to_le_bytes());
+                }
+            }
+            bytes
+        }
+    }
+}
+
+fn dequant_rows(t: GgmlType, bytes: &[u8], rows: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; rows * k];
+    quant::dequantize(t, bytes, &mut out).unwrap();
+    out
+}
+
+fn dot64(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
+// ----- quantized products ----------------------------------------------------------------------
+
+#[test]
+fn matvec_every_type_matches_dequantized_dot() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec");
+    let (rows, k) = (67, 768);
+    for &t in KERNEL_TYPES {
+        // Three matrices (experts); four items pick 2, 0, 2, 1; items 0-1 and 2-3 share inputs.
+        let mats = 3;
+        let w = random_rows(&mut rng, t, rows * mats, k);
+        let wf = dequant_rows(t, &w, rows * mats, k);
+        let x = rng.normals(2 * k);
+        let ids = [2i32, 0, 2, 1];
+        let (dw, dx, di) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let dy = poisoned(&g, 4 * rows);
+        g.matvec(&Matvec {
+            ty: t,
+            w: g.ptr(&dw, 0),
+            mat_stride: rows * t.row_bytes(k).unwrap(),
+            ids: g.ptr(&di, 0),
+            rows,
+            k,
+            x: g.ptr(&dx, 0),
+            x_group: 2,
+            x_stride: k,
+            y: g.ptr(&dy, 0),
+            y_stride: rows,
+            batch: 4,
+            transposed: false,
+        })
+        .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut want = Vec::new();
+        for (b, &m) in ids.iter().enumerate() {
+            let xb = &x[(b / 2) * k..(b / 2 + 1) * k];
+            for r in 0..rows {
+                let row = &wf[(m as usize * rows + r) * k..][..k];
+                want.push(dot64(row, xb));
+            }
+        }
+        assert_close(&format!("matvec {t}"), &y, &want, F32_OP);
+    }
+}
+
+#[test]
+fn matvec_transposed_every_type_matches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_t");
+    // Two heads of 64 rows x 256 columns (rows on the reduced side); 3 tokens share x per head
+    // pair: item b = token * 2 + head reads x row b, matrix b % 2.
+    let (heads, rows, k, tokens) = (2, 64, 256, 3);
+    for &t in KERNEL_TYPES {
+        let w = random_rows(&mut rng, t, heads * rows, k);
+        let wf = dequant_rows(t, &w, heads * rows, k);
+        let batch = tokens * heads;
+        let x = rng.normals(batch * rows);
+        let ids: Vec<i32> = (0..batch as i32).map(|b| b % heads as i32).collect();
+        let (dw, dx, di) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let dy = poisoned(&g, batch * k);
+        g.matvec(&Matvec {
+            ty: t,
+            w: g.ptr(&dw, 0),
+            mat_stride: rows * t.row_bytes(k).unwrap(),
+            ids: g.ptr(&di, 0),
+            rows,
+            k,
+            x: g.ptr(&dx, 0),
+            x_group: 1,
+            x_stride: rows,
+            y: g.ptr(&dy, 0),
+            y_stride: k,
+            batch,
+            transposed: true,
+        })
+        .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut want = Vec::new();
+        for b in 0..batch {
+            let m = ids[b] as usize;
+            for j in 0..k {
+                want.push(
+                    (0..rows)
+                        .map(|i| wf[(m * rows + i) * k + j] as f64 * x[b * rows + i] as f64)
+                        .sum(),
+                );
+            }
+        }
+        assert_close(&format!("matvec_t {t}"), &y, &want, F32_OP);
+    }
+}
+
+#[test]
+fn embed_every_type_matches_dequantize() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("embed");
+    let (vocab, n) = (50, 512);
+    for &t in KERNEL_TYPES {
+        let w = random_rows(&mut rng, t, vocab, n);
+        let wf = dequant_rows(t, &w, vocab, n);
+        let ids: Vec<i32> = (0..7).map(|_| rng.below(vocab) as i32).collect();
+        let (dw, di) = (g.upload(&w).unwrap(), g.upload(&ids).unwrap());
+        let dy = poisoned(&g, ids.len() * n);
+        g.embed(t, g.ptr(&dw, 0), n, g.ptr(&di, 0), ids.len(), g.ptr(&dy, 0))
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|&i| wf[i as usize * n..][..n].iter().map(|&v| v as f64))
+            .collect();
+        assert_close(&format!("embed {t}"), &y, &want, 1e-12);
+    }
+}
+
+#[test]
+fn matmul_every_type_on_tensor_cores() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matmul");
+    let (m, k) = (70, 512);
+    for &t in KERNEL_TYPES {
+        for transposed in [false, true] {
+            // Transposed rows are n long: a whole number of blocks of every type.
+            let n = if transposed { 256 } else { 136 };
+            // W is [n, k] (rows of k) or, transposed, [k, n] (rows of n).
+            let (wr, wc) = if transposed { (k, n) } else { (n, k) };
+            let w = random_rows(&mut rng, t, wr, wc);
+            let wf = dequant_rows(t, &w, wr, wc);
+            // 100 candidate rows of x, gathered by row_ids (the MoE case) when not transposed.
+            let x = rng.normals(100 * k);
+            let row_ids: Vec<i32> = (0..m).map(|_| rng.below(100) as i32).collect();
+            let (dw, dx, dr) = (
+                g.upload(&w).unwrap(),
+                g.upload(&x).unwrap(),
+                g.upload(&row_ids).unwrap(),
+            );
+            let dy = poisoned(&g, m * n);
+            g.matmul(&Matmul {
+                ty: t,
+                w: g.ptr(&dw, 0),
+                transposed,
+                x: g.ptr(&dx, 0),
+                x_stride: k,
+                row_ids: if transposed { 0 } else { g.ptr(&dr, 0) },
+                y: g.ptr(&dy, 0),
+                y_stride: n,
+                m,
+                n,
+                k,
+            })
+            .unwrap();
+            let y = g.download(&dy).unwrap();
+            let mut want = vec![0f64; m * n];
+            for i in 0..m {
+                let src = if transposed { i } else { row_ids[i] as usize };
+                let xr = &x[src * k..][..k];
+                for j in 0..n {
+                    want[i * n + j] = if transposed {
+                        (0..k).map(|kk| xr[kk] as f64 * wf[kk * n + j] as f64).sum()
+                    } else {
+                        dot64(&wf[j * k..][..k], xr)
+                    };
+                }
+            }
+            let what = format!("matmul{} {t}", if transposed { "_t" } else { "" });
+            assert_close(&what, &y, &want, BF16_MATMUL);
+        }
+    }
+}
+
+// ----- element-wise and per-row ------------------------------------------------------------------
+
+#[test]
+fn norms_match() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("norms");
+    let (rows, n, stride) = (9, 576, 600);
+    let x: Vec<f32> = rng.normals(rows * stride).iter().map(|v| v * 3.0).collect();
+    let w = rng.normals(n);
+    let b = rng.normals(n);
+    let (dx, dw, db) = (
+        g.upload(&x).unwrap(),
+        g.upload(&w).unwrap(),
+        g.upload(&b).unwrap(),
+    );
+    let dy = poisoned(&g, rows * n);
+    let eps = 1e-6;
+    g.rmsnorm(
+        g.ptr(&dx, 0),
+        stride,
+        g.ptr(&dw, 0),
+        g.ptr(&dy, 0),
+        n,
+        rows,
+        n,
+        eps,
+    )
+    .unwrap();
+    let y = g.download(&dy).unwrap();
+    let mut want = Vec::new();
+    for r in 0..rows {
+        let xr = &x[r * stride..][..n];
+        let ms = xr.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / n as f64;
+        let inv = 1.0 / (ms + eps as f64).sqrt();
+        want.extend(
+            xr.iter()
+                .zip(&w)
+                .map(|(&v, &wv)| v as f64 * inv * wv as f64),
+        );
+    }
+    assert_close("rmsnorm", &y, &want, F32_OP);
+
+    let dy = poisoned(&g, rows * n);
+    g.layernorm(
+        g.ptr(&dx, 0),
+        stride,
+        g.ptr(&dw, 0),
+        g.ptr(&db, 0),
+        g.ptr(&dy, 0),
+        n,
+        rows,
+        n,
+        eps,
+    )
+    .unwrap();
+    let y = g.download(&dy).unwrap();
+    let mut want = Vec::new();
+    for r in 0..rows {
+        let xr = &x[r * stride..][..n];
+        let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+        let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        for i in 0..n {
+            want.push((xr[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64);
+        }
+    }
+    assert_close("layernorm", &y, &want, F32_OP);
+}
+
+#[test]
+fn rope_rotates_adjacent_pairs_only_in_its_columns() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("rope");
+    let (tokens, heads, head_dim, col0, dims) = (9, 3, 40, 8, 16);
+    let x = rng.normals(tokens * heads * head_dim);
+    let pos: Vec<i32> = (0..tokens).map(|_| rng.below(5000) as i32).collect();
+    // YaRN-like spread of frequencies: from 1 down to 1e-4 rad per position.
+    let inv_freq: Vec<f32> = (0..dims / 2)
+        .map(|i| (10000f64.powf(-((2 * i) as f64) / dims as f64) * (0.5 + rng.uniform())) as f32)
+        .collect();
+    let mscale = 1.15f32;
+    let (dx, dp, df) = (
+        g.upload(&x).unwrap(),
+        g.upload(&pos).unwrap(),
+        g.upload(&inv_freq).unwrap(),
+    );
+    g.rope_pairs(
+        g.ptr(&dx, col0),
+        heads * head_dim,
+        head_dim,
+        tokens,
+        heads,
+        dims,
+        g.ptr(&dp, 0),
+        g.ptr(&df, 0),
+        mscale,
+    )
+    .unwrap();
+    let y = g.download(&dx).unwrap();
+    let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    for t in 0..tokens {
+        for h in 0..heads {
+            for i in 0..dims / 2 {
+                let o = t * heads * head_dim + h * head_dim + col0 + 2 * i;
+                // The angle is an f32 product in both (the kernel's contract).
+                let angle = (pos[t] as f32 * inv_freq[i]) as f64;
+                let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
+                let (x0, x1) = (x[o] as f64, x[o + 1] as f64);
+                want[o] = x0 * c - x1 * s;
+                want[o + 1] = x0 * s + x1 * c;
+            }
+        }
+    }
+    assert_close("rope", &y, &want, F32_OP);
+    for (i, (&a, &b)) in y.iter().zip(&x).enumerate() {
+        let c = i % head_dim;
+        if c < col0 || c >= col0 + dims {
+            assert_eq!(a, b, "rope touched column {c}");
+        }
+    }
+}
+
+#[test]
+fn elementwise_ops_match() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("elementwise");
+    let n = 10_000;
+    let a: Vec<f32> = rng.normals(n).iter().map(|v| v * 4.0).collect();
+    let b = rng.normals(n);
+    let (da, db) = (g.upload(&a).unwrap(), g.upload(&b).unwrap());
+    let dy = poisoned(&g, n);
+    g.silu_mul(g.ptr(&da, 0), g.ptr(&db, 0), g.ptr(&dy, 0), n)
+        .unwrap();
+    let want: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .map(|(&gv, &u)| gv as f64 / (1.0 + (-gv as f64).exp()) * u as f64)
+        .collect();
+    assert_close("silu_mul", &g.download(&dy).unwrap(), &want, F32_OP);
+
+    g.add_inplace(g.ptr(&da, 0), g.ptr(&db, 0), n).unwrap();
+    let want: Vec<f64> = a.iter().zip(&b).map(|(&x, &y)| (x + y) as f64).collect();
+    assert_close("add_inplace", &g.download(&da).unwrap(), &want, 0.0);
+
+    // copy_block: columns 3..9 of each of 4 heads of a [5, 4*12] matrix.
+    let x = rng.normals(5 * 48);
+    let dx = g.upload(&x).unwrap();
+    let dy = poisoned(&g, 5 * 24);
+    g.copy_block(g.ptr(&dx, 3), 48, 12, g.ptr(&dy, 0), 24, 6, 5, 4, 6)
+        .unwrap();
+    let want: Vec<f64> = (0..5)
+        .flat_map(|r| (0..4).flat_map(move |h| (3..9).map(move |c| (r, h, c))))
+        .map(|(r, h, c)| x[r * 48 + h * 12 + c] as f64)
+        .collect();
+    assert_close("copy_block", &g.download(&dy).unwrap(), &want, 0.0);
+}
+
+// ----- attention -------------------------------------------------------------------------------
+
+/// Causal softmax attention of one query over the visible keys, in f64.
+fn attend(scores: &[(usize, f64)], value: impl Fn(usize, usize) -> f64, dv: usize) -> Vec<f64> {
+    let mx = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    let mut out = vec![0f64; dv];
+    let mut sum = 0.0;
+    for &(s, sc) in scores {
+        let p = (sc - mx).exp();
+        sum += p;
+        for (d, o) in out.iter_mut().enumerate() {
+            *o += p * value(s, d);
+        }
+    }
+    if sum > 0.0 {
+        out.iter_mut().for_each(|o| *o /= sum);
+    }
+    out
+}
+
+/// Random DSA selections: per query, `k` distinct visible positions, ascending, -1 padded.
+fn random_keep(rng: &mut Rng, tokens: usize, pos0: usize, k: usize) -> Vec<i32> {
+    let mut keep = Vec::new();
+    for t in 0..tokens {
+        let visible = pos0 + t + 1;
+        let mut chosen: Vec<i32> = (0..visible as i32).filter(|_| rng.below(3) == 0).collect();
+        chosen.truncate(k);
+        chosen.resize(k, -1);
+        keep.extend(chosen);
+    }
+    keep
+}
+
+#[test]
+fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("attention_prefill");
+    for (dn, dr, dv) in [(128, 64, 128), (192, 64, 256)] {
+        for masked in [false, true] {
+            let (tokens, heads, pos0) = (37, 3, 20);
+            let s_len = pos0 + tokens;
+            let dqk = dn + dr;
+            let q = rng.normals(tokens * heads * dqk);
+            let k_nope = rng.normals(s_len * heads * dn);
+            let k_pe = rng.normals(s_len * dr);
+            let v = rng.normals(s_len * heads * dv);
+            let top_k = 24;
+            let keep = random_keep(&mut rng, tokens, pos0, top_k);
+            let words = s_len.div_ceil(32);
+            let mut mask = vec![0u32; tokens * words];
+            for t in 0..tokens {
+                for &s in &keep[t * top_k..][..top_k] {
+                    if s >= 0 {
+                        mask[t * words + s as usize / 32] |= 1 << (s % 32);
+                    }
+                }
+            }
+            let scale = 1.0 / (dqk as f32).sqrt();
+            let (dq, dk, dp, dvv, dm) = (
+                g.upload(&q).unwrap(),
+                g.upload(&k_nope).unwrap(),
+                g.upload(&k_pe).unwrap(),
+                g.upload(&v).unwrap(),
+                g.upload(&mask).unwrap(),
+            );
+            let dout = poisoned(&g, tokens * heads * dv);
+            g.attention_prefill(&AttentionPrefill {
+                q: g.ptr(&dq, 0),
+                q_tok: heads * dqk,
+                q_head: dqk,
+                ka: g.ptr(&dk, 0),
+                ka_tok: heads * dn,
+                ka_head: dn,
+                dka: dn,
+                kb: g.ptr(&dp, 0),
+                kb_tok: dr,
+                kb_head: 0,
+                dkb: dr,
+                v: g.ptr(&dvv, 0),
+                v_tok: heads * dv,
+                v_head: dv,
+                dv,
+                out: g.ptr(&dout, 0),
+                o_tok: heads * dv,
+                o_head: dv,
+                mask: if masked { g.ptr(&dm, 0) } else { 0 },
+                mask_words: words,
+                tokens,
+                heads,
+                pos0,
+                scale,
+            })
+            .unwrap();
+            let got = g.download(&dout).unwrap();
+            let mut want = Vec::new();
+            for t in 0..tokens {
+                for h in 0..heads {
+                    let qr = &q[(t * heads + h) * dqk..][..dqk];
+                    let visible: Vec<usize> = if masked {
+                        keep[t * top_k..][..top_k]
+                            .iter()
+                            .filter(|&&s| s >= 0)
+                            .map(|&s| s as usize)
+                            .collect()
+                    } else {
+                        (0..=pos0 + t).collect()
+                    };
+                    let scores: Vec<(usize, f64)> = visible
+                        .iter()
+                        .map(|&s| {
+                            let kn = &k_nope[(s * heads + h) * dn..][..dn];
+                            let kp = &k_pe[s * dr..][..dr];
+                            (
+                                s,
+                                (dot64(&qr[..dn], kn) + dot64(&qr[dn..], kp)) * scale as f64,
+                            )
+                        })
+                        .collect();
+                    want.extend(attend(
+                        &scores,
+                        |s, d| v[(s * heads + h) * dv + d] as f64,
+                        dv,
+                    ));
+                }
+            }
+            let what = format!(
+                "attention_prefill {dn}+{dr}/{dv}{}",
+                if masked { " dsa" } else { "" }
+            );
+            assert_close(&what, &got, &want, 1e-9);
+        }
+    }
+}
+
+#[test]
+fn mla_decode_split_over_sequence_matches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("mla_decode");
+    let (dl, dr, heads, tokens, pos0) = (512, 64, 20, 3, 1500);
+    let s_len = pos0 + tokens;
+    let q_lat = rng.normals(tokens * heads * dl);
+    let q_pe = rng.normals(tokens * heads * dr);
+    let cache = rng.normals(s_len * (dl + dr));
+    let scale = 0.07f32;
+    for dsa in [false, true] {
+        let n_ids = 300;
+        let keep = random_keep(&mut rng, tokens, pos0, n_ids);
+        let (dq, dp, dc, dk) = (
+            g.upload(&q_lat).unwrap(),
+            g.upload(&q_pe).unwrap(),
+            g.upload(&cache).unwrap(),
+            g.upload(&keep).unwrap(),
+        );
+        let dout = poisoned(&g, tokens * heads * dl);
+        g.mla_decode(&MlaDecode {
+            q_lat: g.ptr(&dq, 0),
+            ql_tok: heads * dl,
+            q_pe: g.ptr(&dp, 0),
+            qp_tok: heads * dr,
+            cache: g.ptr(&dc, 0),
+            dl,
+            dr,
+            heads,
+            tokens,
+            pos0,
+            key_ids: if dsa { g.ptr(&dk, 0) } else { 0 },
+            n_ids,
+            scale,
+            out: g.ptr(&dout, 0),
+            out_tok: heads * dl,
+        })
+        .unwrap();
+        let got = g.download(&dout).unwrap();
+        let mut want = Vec::new();
+        for t in 0..tokens {
+            let visible: Vec<usize> = if dsa {
+                keep[t * n_ids..][..n_ids]
+                    .iter()
+                    .filter(|&&s| s >= 0)
+                    .map(|&s| s as usize)
+                    .collect()
+            } else {
+                (0..=pos0 + t).collect()
+            };
+            for h in 0..heads {
+                let ql = &q_lat[(t * heads + h) * dl..][..dl];
+                let qp = &q_pe[(t * heads + h) * dr..][..dr];
+                let scores: Vec<(usize, f64)> = visible
+                    .iter()
+                    .map(|&s| {
+                        let row = &cache[s * (dl + dr)..][..dl + dr];
+                        (
+                            s,
+                            (dot64(ql, &row[..dl]) + dot64(qp, &row[dl..])) * scale as f64,
+                        )
+                    })
+                    .collect();
+                want.extend(attend(&scores, |s, d| cache[s * (dl + dr) + d] as f64, dl));
+            }
+        }
+        let (splits, per) = g.mla_decode_splits(s_len, heads);
+        let what = format!(
+            "mla_decode {splits} splits of {per}{}",
+            if dsa { " dsa" } else { "" }
+        );
+        assert_close(&what, &got, &want, 1e-9);
+    }
+}
+
+// ----- DSA indexer ------------------------------------------------------------------------------
+
+/// CPU twin of topk_rows: the k best of row[0..n], ascending positions, ties lowest first.
+fn topk_twin(row: &[f32], n: usize, k: usize) -> Vec<i32> {
+    if n <= k {
+        return (0..k).map(|i| if i < n { i as i32 } else { -1 }).collect();
+    }
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let mut chosen: Vec<i32> = idx[..k].iter().map(|&i| i as i32).collect();
+    chosen.sort();
+    chosen
+}
+
+#[test]
+fn dsa_scores_and_topk_match() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("dsa");
+    let (heads, dim, tokens, pos0, k) = (8, 128, 6, 700, 256);
+    let s_len = pos0 + tokens;
+    let q = rng.normals(tokens * heads * dim);
+    let keys = rng.normals(s_len * dim);
+    let w = rng.normals(tokens * heads);
+    let (dq, dk, dw) = (
+        g.upload(&q).unwrap(),
+        g.upload(&keys).unwrap(),
+        g.upload(&w).unwrap(),
+    );
+    let dscores = poisoned(&g, tokens * s_len);
+    let scale = 0.088f32;
+    g.dsa_scores(
+        g.ptr(&dq, 0),
+        g.ptr(&dk, 0),
+        g.ptr(&dw, 0),
+        heads,
+        dim,
+        tokens,
+        s_len,
+        pos0,
+        scale,
+        g.ptr(&dscores, 0),
+        s_len,
+    )
+    .unwrap();
+    let scores = g.download(&dscores).unwrap();
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for t in 0..tokens {
+        for s in 0..s_len {
+            let v = scores[t * s_len + s];
+            if s > pos0 + t {
+                assert_eq!(v, f32::NEG_INFINITY, "future key {s} of query {t}");
+                continue;
+            }
+            let kr = &keys[s * dim..][..dim];
+            let total: f64 = (0..heads)
+                .map(|h| {
+                    let dot = dot64(&q[(t * heads + h) * dim..][..dim], kr);
+                    w[t * heads + h] as f64 * (scale as f64 * dot).max(0.0)
+                })
+                .sum();
+            got.push(v);
+            want.push(total);
+        }
+    }
+    assert_close("dsa_scores", &got, &want, F32_OP);
+
+    // top-k on the GPU's own scores, plus a row with planted ties and a short row.
+    let mut rows = scores.clone();
+    for s in 0..40 {
+        rows[2 * s_len + 3 * s] = 1e6; // 40 equal maxima in row 2
+    }
+    let drows = g.upload(&rows).unwrap();
+    let dout = poisoned_i32(&g, tokens * k);
+    g.topk_rows(g.ptr(&drows, 0), s_len, tokens, pos0, k, g.ptr(&dout, 0))
+        .unwrap();
+    let got = g.download(&dout).unwrap();
+    for t in 0..tokens {
+        let want = topk_twin(&rows[t * s_len..][..s_len], pos0 + t + 1, k);
+        assert_eq!(&got[t * k..][..k], &want[..], "topk row {t}");
+    }
+    // Fewer keys than k: all of them, then -1.
+    let dout = poisoned_i32(&g, 2 * k);
+    g.topk_rows(g.ptr(&drows, 0), s_len, 2, 10, k, g.ptr(&dout, 0))
+        .unwrap();
+    let got = g.download(&dout).unwrap();
+    assert_eq!(got[..k], topk_twin(&rows[..s_len], 11, k)[..]);
+    println!("topk_rows: {tokens} rows of {s_len} keys, top {k}: exact");
+}
+
+// ----- MoE ---------------------------------------------------------------------------------------
+
+/// CPU twin of moe_router for one token: (ids, weights).
+#[allow(clippy::too_many_arguments)]
+fn router_twin(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    k: usize,
+    gating: u32,
+    n_group: usize,
+    group_used: usize,
+    norm: bool,
+    scale: f64,
+) -> (Vec<i32>, Vec<f64>) {
+    let n = logits.len();
+    let s: Vec<f64> = if gating == 1 {
+        let mx = logits
+            .iter()
+            .fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+        let z: f64 = logits.iter().map(|&l| (l as f64 - mx).exp()).sum();
+        logits.iter().map(|&l| (l as f64 - mx).exp() / z).collect()
+    } else {
+        logits
+            .iter()
+            .map(|&l| 1.0 / (1.0 + (-l as f64).exp()))
+            .collect()
+    };
+    let mut choice: Vec<f64> = (0..n)
+        .map(|e| s[e] + bias.map_or(0.0, |b| b[e] as f64))
+        .collect();
+    if n_group > 1 {
+        let per = n / n_group;
+        let mut gs: Vec<(f64, usize)> = (0..n_group)
+            .map(|gi| {
+                let mut v: Vec<f64> = choice[gi * per..(gi + 1) * per].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                (v[0] + v[1], gi)
+            })
+            .collect();
+        gs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let kept: Vec<usize> = gs[..group_used].iter().map(|x| x.1).collect();
+        for (e, c) in choice.iter_mut().enumerate() {
+            if !kept.contains(&(e / per)) {
+                *c = f64::NEG_INFINITY;
+            }
+        }
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+    let ids: Vec<i32> = order[..k].iter().map(|&e| e as i32).collect();
+    let sum: f64 = order[..k].iter().map(|&e| s[e]).sum();
+    let w = order[..k]
+        .iter()
+        .map(|&e| if norm { s[e] / sum } else { s[e] } * scale)
+        .collect();
+    (ids, w)
+}
+
+#[test]
+fn moe_router_and_combine_match() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("moe");
+    let tokens = 7;
+    // (experts, k, gating, groups, groups used, norm, scale): V3-like sigmoid with groups and
+    // bias, GLM-5-like sigmoid without groups, V2-like softmax.
+    for (n_exp, k, gating, n_group, group_used, norm, scale) in [
+        (64, 6, 2u32, 8, 3, true, 2.5f32),
+        (256, 8, 2, 1, 1, true, 2.5),
+        (64, 6, 1, 1, 1, false, 1.0),
+    ] {
+        let logits: Vec<f32> = rng
+            .normals(tokens * n_exp)
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        let bias: Vec<f32> = rng.normals(n_exp).iter().map(|v| v * 0.1).collect();
+        let use_bias = gating == 2;
+        let (dl, db) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
+        let (dids, dw) = (poisoned_i32(&g, tokens * k), poisoned(&g, tokens * k));
+        g.moe_router(&MoeRouter {
+            logits: g.ptr(&dl, 0),
+            bias: if use_bias { g.ptr(&db, 0) } else { 0 },
+            n_exp,
+            k,
+            gating,
+            n_group,
+            group_used,
+            norm,
+            scale,
+            tokens,
+            ids: g.ptr(&dids, 0),
+            weights: g.ptr(&dw, 0),
+        })
+        .unwrap();
+        let (ids, w) = (g.download(&dids).unwrap(), g.download(&dw).unwrap());
+        let mut want_w = Vec::new();
+        for t in 0..tokens {
+            let (wi, ww) = router_twin(
+                &logits[t * n_exp..][..n_exp],
+                use_bias.then_some(&bias[..]),
+                k,
+                gating,
+                n_group,
+                group_used,
+                norm,
+                scale as f64,
+            );
+            assert_eq!(&ids[t * k..][..k], &wi[..], "router ids, token {t}");
+            want_w.extend(ww);
+        }
+        assert_close(
+            &format!("moe_router {n_exp}x{k} gating {gating} groups {n_group}"),
+            &w,
+            &want_w,
+            F32_OP,
+        );
+    }
+
+    // combine: 5 tokens x 3 choices over 12 expert-output rows, one slot skipped.
+    let (t, k, dim) = (5, 3, 300);
+    let rows = rng.normals(12 * dim);
+    let mut slots: Vec<i32> = (0..t * k).map(|_| rng.below(12) as i32).collect();
+    slots[4] = -1;
+    let weights = rng.normals(t * k);
+    let (dr, ds, dw) = (
+        g.upload(&rows).unwrap(),
+        g.upload(&slots).unwrap(),
+        g.upload(&weights).unwrap(),
+    );
+    let dout = poisoned(&g, t * dim);
+    g.moe_combine(
+        g.ptr(&dr, 0),
+        g.ptr(&ds, 0),
+        g.ptr(&dw, 0),
+        t,
+        k,
+        dim,
+        g.ptr(&dout, 0),
+    )
+    .unwrap();
+    let mut want = vec![0f64; t * dim];
+    for ti in 0..t {
+        for j in 0..k {
+            let r = slots[ti * k + j];
+            if r >= 0 {
+                for d in 0..dim {
+                    want[ti * dim + d] +=
+                        weights[ti * k + j] as f64 * rows[r as usize * dim + d] as f64;
+                }
+            }
+        }
+    }
+    assert_close("moe_combine", &g.download(&dout).unwrap(), &want, F32_OP);
+}
+
+// ----- sampling ----------------------------------------------------------------------------------
+
+#[test]
+fn argmax_takes_the_lowest_of_equal_maxima() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("argmax");
+    let (rows, n) = (3, 154_880);
+    let mut x = rng.normals(rows * n);
+    x[n + 70_000] = 100.0;
+    x[n + 90_000] = 100.0; // a later tie in row 1
+    let dx = g.upload(&x).unwrap();
+    let dout = poisoned_i32(&g, rows);
+    g.argmax_rows(g.ptr(&dx, 0), rows, n, g.ptr(&dout, 0))
+        .unwrap();
+    let got = g.download(&dout).unwrap();
+    for r in 0..rows {
+        let row = &x[r * n..][..n];
+        let want = (0..n).fold(0, |best, i| if row[i] > row[best] { i } else { best });
+        assert_eq!(got[r], want as i32, "row {r}");
+    }
+    assert_eq!(got[1], 70_000);
+}
+
+/// CPU twin of top_p_sample (f64).
+fn top_p_twin(x: &[f32], temperature: f64, top_p: f64, u: f64) -> usize {
+    let mx = x.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+    let p: Vec<f64> = x
+        .iter()
+        .map(|&v| ((v as f64 - mx) / temperature).exp())
+        .collect();
+    let z: f64 = p.iter().sum();
+    let mut sorted = p.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    // The smallest kept probability: walk down until the mass reaches top_p.
+    let mut mass = 0.0;
+    let mut thr = 0.0;
+    for &v in &sorted {
+        mass += v;
+        thr = v;
+        if mass >= top_p * z {
+            break;
+        }
+    }
+    let kept: f64 = p.iter().filter(|&&v| v >= thr).sum();
+    let mut run = 0.0;
+    let mut last = 0;
+    for (i, &v) in p.iter().enumerate() {
+        if v >= thr {
+            run += v;
+            last = i;
+            if run >= u * kept {
+                return i;
+            }
+        }
+    }
+    last
+}
+
+#[test]
+fn top_p_sampling_matches_its_twin() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("top_p");
+    let n = 5000;
+    let mut agree = 0;
+    let trials = 20;
+    for trial in 0..trials {
+        let x: Vec<f32> = rng.normals(n).iter().map(|v| v * 3.0).collect();
+        let (temperature, top_p, u) = (0.8f32, 0.9f32, rng.uniform() as f32);
+        let dx = g.upload(&x).unwrap();
+        let probs = poisoned(&g, n);
+        let dout = poisoned_i32(&g, 1);
+        g.top_p_sample(
+            g.ptr(&dx, 0),
+            n,
+            temperature,
+            top_p,
+            u,
+            g.ptr(&probs, 0),
+            g.ptr(&dout, 0),
+        )
+        .unwrap();
+        let got = g.download(&dout).unwrap()[0];
+        let want = top_p_twin(&x, temperature as f64, top_p as f64, u as f64);
+        if got == want as i32 {
+            agree += 1;
+        } else {
+            println!("trial {trial}: GPU {got}, twin {want} (u = {u})");
+        }
+    }
+    println!("top_p_sample: {agree}/{trials} agree");
+    // f32 running sums on the GPU may land on the other side of a boundary the f64 twin sees;
+    // that needs u within ~1e-6 of a boundary, so one miss in 20 is already suspicious.
+    assert!(
+        agree >= trials - 1,
+        "top_p_sample: only {agree}/{trials} agree"
+    );
+}
+
+// ----- timings (a measurement for the performance work, not a check) -----------------------
+
+/// Median milliseconds of `f` over `reps` runs after 3 warm-ups, timed with CUDA events.
+fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut()) -> f64 {
+    use cudarc::driver::sys::CUevent_flags;
+    for _ in 0..3 {
+        f();
+    }
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let start = g
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        let end = g
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        start.record(&g.stream).unwrap();
+        f();
+        end.record(&g.stream).unwrap();
+        end.synchronize().unwrap();
+        times.push(start.elapsed_ms(&end).unwrap() as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    times[reps / 2]
+}
+
+/// Prints achieved GB/s of the decode kernels at DeepSeek-V3 shapes against the device copy
+/// bandwidth, and the tensor-core product's TFLOP/s, on random data. Correctness is the other
+/// tests' job; this only records where the kernels stand (issue 9).
+#[test]
+fn decode_and_prefill_kernel_timings() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("timings");
+
+    // Ceiling: a 1 GiB device-to-device copy (bytes read + written).
+    let n = 1 << 28;
+    let src = g.zeros::<f32>(n).unwrap();
+    let mut dst = g.zeros::<f32>(n).unwrap();
+    let ms = time_ms(&g, 10, || g.stream.memcpy_dtod(&src, &mut dst).unwrap());
+    let copy_gbs = 2.0 * 4.0 * n as f64 / ms / 1e6;
+    println!("copy: {ms:.3} ms, {copy_gbs:.0} GB/s");
+    drop((src, dst));
+
+    // Matrix-vector at the dense FFN shape (18432 rows of 7168) per type.
+    let (rows, k) = (18432, 7168);
+    let x = g.upload(&rng.normals(k)).unwrap();
+    let y = g.zeros::<f32>(rows).unwrap();
+    for t in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::IQ4_XS,
+    ] {
+        let w = g.upload(&random_rows(&mut rng, t, rows, k)).unwrap();
+        let a = Matvec {
+            ty: t,
+            w: g.ptr(&w, 0),
+            mat_stride: 0,
+            ids: 0,
+            rows,
+            k,
+            x: g.ptr(&x, 0),
+            x_group: 1,
+            x_stride: k,
+            y: g.ptr(&y, 0),
+            y_stride: rows,
+            batch: 1,
+            transposed: false,
+        };
+        let ms = time_ms(&g, 20, || g.matvec(&a).unwrap());
+        let gbs = (rows * t.row_bytes(k).unwrap()) as f64 / ms / 1e6;
+        println!(
+            "matvec {t} {rows}x{k}: {ms:.3} ms, {gbs:.0} GB/s, {:.0}% of copy",
+            100.0 * gbs / copy_gbs
+        );
+    }
+
+    // MLA decode over an f32 latent cache: 128 heads, 512 + 64, at 1K, 8K and 32K positions.
+    let (heads, dl, dr) = (128, 512, 64);
+    let ql = g.upload(&rng.normals(heads * dl)).unwrap();
+    let qp = g.upload(&rng.normals(heads * dr)).unwrap();
+    let out = g.zeros::<f32>(heads * dl).unwrap();
+    for ctx in [1024, 8192, 32768] {
+        let cache = g.upload(&rng.normals(ctx * (dl + dr))).unwrap();
+        let a = MlaDecode {
+            q_lat: g.ptr(&ql, 0),
+            ql_tok: heads * dl,
+            q_pe: g.ptr(&qp, 0),
+            qp_tok: heads * dr,
+            cache: g.ptr(&cache, 0),
+            dl,
+            dr,
+            heads,
+            tokens: 1,
+            pos0: ctx - 1,
+            key_ids: 0,
+            n_ids: 0,
+            scale: 0.07,
+            out: g.ptr(&out, 0),
+            out_tok: heads * dl,
+        };
+        let ms = time_ms(&g, 20, || g.mla_decode(&a).unwrap());
+        let gbs = (ctx * (dl + dr) * 4) as f64 / ms / 1e6;
+        println!(
+            "mla_decode {ctx} positions: {ms:.3} ms, {gbs:.0} GB/s, {:.0}% of copy",
+            100.0 * gbs / copy_gbs
+        );
+    }
+
+    // Tensor-core product at a prefill shape: 512 tokens x 7168 -> 18432, Q4_K weights.
+    let (m, n, k) = (512, 18432, 7168);
+    let w = g
+        .upload(&random_rows(&mut rng, GgmlType::Q4_K, n, k))
+        .unwrap();
+    let xs = g.upload(&rng.normals(m * k)).unwrap();
+    let ys = g.zeros::<f32>(m * n).unwrap();
+    let a = Matmul {
+        ty: GgmlType::Q4_K,
+        w: g.ptr(&w, 0),
+        transposed: false,
+        x: g.ptr(&xs, 0),
+        x_stride: k,
+        row_ids: 0,
+        y: g.ptr(&ys, 0),
+        y_stride: n,
+        m,
+        n,
+        k,
+    };
+    let ms = time_ms(&g, 10, || g.matmul(&a).unwrap());
+    println!(
+        "matmul Q4_K {m}x{n}x{k}: {ms:.3} ms, {:.1} TFLOP/s",
+        2.0 * (m * n * k) as f64 / ms / 1e9
+    );
+}
