@@ -149,6 +149,35 @@ fn check_stages(
     (failures, worst, rows.len())
 }
 
+/// The golden prompts of a variant: from its reference files, or (a model without stage
+/// references, like the story model) from the manifest.
+fn prompts(variant: &str) -> Vec<Vec<u32>> {
+    let from_refs: Vec<Vec<u32>> = (0..)
+        .map(|k| ref_path(variant, k))
+        .take_while(|p| p.exists())
+        .map(|p| ref_tokens(&Trace::load(&p).unwrap()))
+        .collect();
+    if !from_refs.is_empty() {
+        return from_refs;
+    }
+    let text = std::fs::read_to_string(golden_dir().join("manifest.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let listed = manifest["gguf"][variant]["prompts"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{variant}: no references and no prompts in the manifest"));
+    listed
+        .iter()
+        .map(|p| {
+            p["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
 /// TP = `tp` on every golden file and prompt: every stage, the greedy continuation and its
 /// decode logits equal TP = 1; where TP does not divide the heads or experts, the refusal.
 fn golden_at(tp: usize) {
@@ -177,9 +206,7 @@ fn golden_at(tp: usize) {
             Err(e) => panic!("{v} TP={tp}: {e}"),
         };
         let base = single(&file, &cfg);
-        for prompt in 0..2 {
-            let reference = load_ref(&v, prompt);
-            let tokens = ref_tokens(&reference);
+        for (prompt, tokens) in prompts(&v).into_iter().enumerate() {
             let ours = traced_tp(&m, &tokens);
             let one = traced_prefill(&base, &tokens);
             let tol = |name: &str| {

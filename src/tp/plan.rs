@@ -124,7 +124,7 @@ impl ShardPlan {
             return Err(PlanError::NoRanks);
         }
         let divides = |what, count: usize| {
-            if count % tp == 0 {
+            if count.is_multiple_of(tp) {
                 Ok(())
             } else {
                 Err(PlanError::Indivisible { tp, what, count })
@@ -145,9 +145,9 @@ impl ShardPlan {
                 .collect()
         };
         let mut splits_on_blocks = |what: &str, width: usize, downs: Vec<&TensorInfo>| {
-            let bad = downs
-                .iter()
-                .find(|t| width % tp != 0 || (width / tp) % t.ggml_type.block_size() != 0);
+            let bad = downs.iter().find(|t| {
+                !width.is_multiple_of(tp) || !(width / tp).is_multiple_of(t.ggml_type.block_size())
+            });
             match bad {
                 None => true,
                 Some(t) => {
@@ -182,7 +182,7 @@ impl ShardPlan {
             if split == Split::Columns {
                 let block = t.ggml_type.block_size();
                 let cols = ne[0] / tp;
-                if ne[0] % tp != 0 || cols % block != 0 {
+                if !ne[0].is_multiple_of(tp) || !cols.is_multiple_of(block) {
                     return Err(PlanError::Blocks {
                         tp,
                         tensor: t.name.clone(),
@@ -204,30 +204,21 @@ impl ShardPlan {
 
         let mut rank_cfg = cfg.clone();
         rank_cfg.n_head = heads;
+        // An FFN of `width`: split, or whole on rank 0 and absent elsewhere.
+        let ffn_part = |split: bool, width: usize, rank: usize| match (split, rank) {
+            (true, _) => Some(width / tp),
+            (false, 0) => Some(width),
+            (false, _) => None,
+        };
         let shares = (0..tp)
-            .map(|rank| {
-                let first = rank == 0;
-                Share {
-                    n_ff: (dense_split || first).then(|| {
-                        if dense_split {
-                            cfg.n_ff / tp
-                        } else {
-                            cfg.n_ff
-                        }
-                    }),
-                    n_ff_shared: (shared_width > 0 && (shared_split || first)).then(|| {
-                        if shared_split {
-                            shared_width / tp
-                        } else {
-                            shared_width
-                        }
-                    }),
-                    experts: cfg.moe.as_ref().map_or(0..0, |m| {
-                        let per = m.n_expert / tp;
-                        rank * per..(rank + 1) * per
-                    }),
-                    n_vocab_head: cfg.n_vocab / tp,
-                }
+            .map(|rank| Share {
+                n_ff: ffn_part(dense_split, cfg.n_ff, rank),
+                n_ff_shared: ffn_part(shared_split, shared_width, rank).filter(|&w| w > 0),
+                experts: cfg.moe.as_ref().map_or(0..0, |m| {
+                    let per = m.n_expert / tp;
+                    rank * per..(rank + 1) * per
+                }),
+                n_vocab_head: cfg.n_vocab / tp,
             })
             .collect();
         Ok(ShardPlan {

@@ -22,7 +22,8 @@ impl ShardSource {
     fn part(&self, t: &TensorPlan, bytes: MappedBytes) -> TensorRef {
         let (tp, rank) = (self.plan.tp, self.rank);
         let mut ne = t.ne.clone();
-        let bytes = match t.split {
+        let split = if tp == 1 { Split::Replicated } else { t.split };
+        let bytes = match split {
             Split::Rows => {
                 let last = ne.len() - 1;
                 ne[last] /= tp;

@@ -139,7 +139,7 @@ fn run(cli: Cli) -> Result<()> {
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
-    let plan = ShardPlan::new(&file, &cfg, cli.tp).with_context(|| format!("{name}"))?;
+    let plan = ShardPlan::new(&file, &cfg, cli.tp).with_context(|| name.clone())?;
     for w in &plan.warnings {
         eprintln!("warning: --tp {}: {w}", cli.tp);
     }
