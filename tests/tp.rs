@@ -611,3 +611,78 @@ fn counts_tp_cannot_divide_are_refused_clearly() {
     );
     std::fs::remove_file(&k_quant).unwrap();
 }
+
+// ----- the generate binary ------------------------------------------------------------------
+
+/// The f32 values of an .npy file written by `generate --logits-out`.
+fn read_npy(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap();
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    bytes[10 + header_len..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn generate(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_generate"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn generate_tp_gives_the_tp1_logits_and_reports_rank_memory() {
+    let dir = std::env::temp_dir().join(format!("tp-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = "golden/models/glm5.q8_0.gguf";
+    let logits = |tp: &str| {
+        let out = dir.join(format!("tp{tp}.npy"));
+        let o = generate(&[
+            "--model",
+            model,
+            "--tp",
+            tp,
+            "--tokens",
+            "3,141,59,265,35,89",
+            "--logits-out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        read_npy(&out)
+    };
+    let one = logits("1");
+    for tp in ["2", "4"] {
+        let err = relative_error(&logits(tp), &one);
+        assert!(err <= 1e-5, "--tp {tp}: logits {err:.2e}");
+    }
+
+    let o = generate(&[
+        "--model",
+        model,
+        "--tp",
+        "2",
+        "--prompt",
+        "In the",
+        "--max-tokens",
+        "4",
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    for rank in 0..2 {
+        assert!(
+            stderr.contains(&format!("tp rank {rank}: weights "))
+                && stderr.contains("replicated (plan)"),
+            "{stderr}"
+        );
+    }
+
+    let o = generate(&["--model", model, "--tp", "3", "--prompt", "In the"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr).trim_end(),
+        format!("error: {model}: --tp 3: the attention head count 4 cannot be divided among 3 ranks (TP must divide it)")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -230,11 +230,7 @@ impl DeviceMemory for Cuda {
 /// Prints weights, KV cache and workspace bytes per rank (workspace: device memory in use
 /// beyond the weights and the cache, i.e. context, kernels and activations; device backends
 /// only); with TP > 1 also each rank's planned share and the process's resident memory.
-fn report_memory<B: Backend + DeviceMemory>(
-    file: &GgufFile,
-    model: &ShardedModel<B>,
-    cache: &ShardedCache<B>,
-) {
+fn report_memory<B: Backend + DeviceMemory>(model: &ShardedModel<B>, cache: &ShardedCache<B>) {
     if model.tp() > 1 {
         for rank in 0..model.tp() {
             let p = model.plan.rank_bytes(rank);
@@ -250,8 +246,13 @@ fn report_memory<B: Backend + DeviceMemory>(
             eprintln!("process resident memory: {}", size(rss));
         }
     }
-    for (model, cache) in model.ranks.iter().zip(&cache.ranks) {
-        report_rank_memory(file, model, cache);
+    for ((model, cache), loaded) in model
+        .ranks
+        .iter()
+        .zip(&cache.ranks)
+        .zip(&model.loaded_bytes)
+    {
+        report_rank_memory(model, cache, *loaded);
     }
 }
 
@@ -266,15 +267,15 @@ fn resident_bytes() -> Option<usize> {
         .map(|k| k * 1024)
 }
 
+/// One rank's line; `loaded`: the weight bytes its backend was handed (the figure for backends
+/// that read weights from the mmap).
 fn report_rank_memory<B: Backend + DeviceMemory>(
-    file: &GgufFile,
     model: &Model<B>,
     cache: &Cache<B>,
+    loaded: usize,
 ) {
     let b = &model.backend;
-    let weights = b
-        .weight_bytes()
-        .unwrap_or_else(|| file.tensors().iter().map(|t| t.n_bytes as usize).sum());
+    let weights = b.weight_bytes().unwrap_or(loaded);
     let kv: usize = cache
         .latent
         .iter()
@@ -464,7 +465,7 @@ fn generate<B: Backend + DeviceMemory>(
 
     let mut sampler = Sampler::new(cli.temperature, cli.top_p, cli.seed);
     let mut cache = model.new_cache(tokens.len() + max_new);
-    report_memory(file, model, &cache);
+    report_memory(model, &cache);
     let mut trace = Trace::new();
     let vocab = model.cfg().n_vocab;
     let mut out = std::io::stdout().lock();
