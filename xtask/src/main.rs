@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
+mod bench;
 mod gpu_bundle;
 
 use clap::{Parser, Subcommand};
@@ -15,10 +16,13 @@ struct Cli {
 enum Command {
     /// Build the folder that runs the GPU tests on a GPU host without Rust (bundle/).
     GpuBundle(gpu_bundle::Args),
+    /// Measure kernels and whole-model decode against the GPU's copy bandwidth and mma rate.
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::GpuBundle(args) => gpu_bundle::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
