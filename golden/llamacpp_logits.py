@@ -35,7 +35,7 @@ def main() -> None:
         n_threads=1,
         n_threads_batch=1,
         logits_all=True,
-        verbose=False,
+        verbose=True,  # on failure, llama.cpp says why only in its log
     )
     llm.eval(ids)
     np.save(out, np.asarray(llm.scores[: len(ids)], dtype=np.float32))

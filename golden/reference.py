@@ -354,6 +354,11 @@ class Capture:
         self.hook(attn.o_proj, lambda o: self.put(p + "attn_out", o[0]))
         if self.index_topk is not None:
             self.hook(attn, lambda o: self.put(p + "dsa_topk", self.kept_keys(o[2][0])))
+            if attn.indexer is not None:
+                h = attn.indexer.register_forward_hook(
+                    lambda m, args, kwargs, out: self.put_index_margin(p, m, args, kwargs), with_kwargs=True
+                )
+                self.handles.append(h)
         self.hook(layer.post_attention_layernorm, lambda x: self.put(p + "h_attn", x[0]), pre=True)
         self.hook(layer.post_attention_layernorm, lambda o: self.put(p + "ffn_norm", o[0]))
         mlp = layer.mlp
@@ -373,6 +378,27 @@ class Capture:
             keys = sorted(int(k) for k in topk[q] if int(k) <= q)
             out[q, : len(keys)] = torch.tensor(keys, dtype=torch.int32)
         return out
+
+    def put_index_margin(self, p, indexer, args, kwargs):
+        """Smallest gap between the last kept and the first dropped key's index score."""
+        hidden, q_resid, (cos, sin) = args[0], args[1], args[2]
+        t = hidden.shape[1]
+        if t <= indexer.index_topk:
+            return
+        q = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, indexer.head_dim)
+        k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+        r = indexer.qk_rope_head_dim
+        modeling = sys.modules[type(indexer).__module__]
+        q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q[..., r:]], -1).double()
+        k = torch.cat([k_rot, k[..., r:]], -1).squeeze(2).double()
+        scores = torch.relu(torch.einsum("bshd,btd->bsht", q, k)) * indexer.softmax_scale
+        w = indexer.weights_proj(hidden).double() * indexer.n_heads**-0.5
+        index = torch.einsum("bsh,bsht->bst", w, scores)[0]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        index = index.masked_fill(~causal, float("-inf"))
+        top = index[indexer.index_topk :].topk(indexer.index_topk + 1, dim=-1).values
+        self.put(p + "dsa_margin", (top[:, -2] - top[:, -1]).min().reshape(1))
 
     def put_router(self, p, gate, out):
         logits, weights, ids = out
@@ -405,6 +431,12 @@ def run_stages(model, ids: list[int]) -> dict:
     return stages
 
 
+def split_margins(stages: dict) -> tuple[dict, dict]:
+    """(contract stages, dsa margins): the margins are diagnostics, not stages."""
+    margins = {k: v for k, v in stages.items() if k.endswith("dsa_margin")}
+    return {k: v for k, v in stages.items() if k not in margins}, margins
+
+
 @torch.no_grad()
 def greedy(model, ids: list[int], n: int) -> list[int]:
     """Greedy continuation by full forward passes (no KV cache involved)."""
@@ -422,7 +454,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def margins(stages: dict, model) -> dict:
     """How close the discrete choices are to flipping (smaller = more fragile)."""
-    out = {}
+    out = {name[: -len("_margin")]: float(v) for name, v in stages.items() if name.endswith("dsa_margin")}
     for name, logits in stages.items():
         if not name.endswith("router_logits"):
             continue
@@ -435,6 +467,14 @@ def margins(stages: dict, model) -> dict:
             choice = logits.sigmoid() + gate.e_score_correction_bias.double()
         else:
             choice = logits.softmax(-1)
+        groups, used = model.config.n_group or 1, model.config.topk_group or 1
+        if hasattr(gate, "e_score_correction_bias") and groups > 1:
+            per_group = choice.view(choice.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+            top = per_group.topk(used + 1, dim=-1).values
+            out[p + "groups"] = float((top[:, used - 1] - top[:, used]).min())
+            # experts of the dropped groups are out of the running
+            kept = per_group >= top[:, used - 1 : used]
+            choice = choice.masked_fill(~kept.repeat_interleave(choice.shape[1] // groups, dim=1), float("-inf"))
         top = choice.topk(min(k + 1, choice.shape[1]), dim=-1).values
         out[p + "topk"] = float((top[:, k - 1] - top[:, k]).min()) if top.shape[1] > k else None
     return out
@@ -448,8 +488,11 @@ def llamacpp_logits(path: Path, ids: list[int], out: Path) -> str | None:
     cmd = [sys.executable, str(GOLDEN / "llamacpp_logits.py"), str(path), str(out), *map(str, ids)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0 or not out.exists():
-        lines = [l for l in (r.stderr + r.stdout).splitlines() if l.strip()]
-        return lines[-1] if lines else f"exit status {r.returncode}"
+        lines = [l.strip() for l in (r.stderr + r.stdout).splitlines() if l.strip()]
+        # llama.cpp's own reason (a loader error or a failed assertion) rather than Python's
+        reasons = [l for l in lines if "error loading model:" in l or "GGML_ASSERT" in l]
+        reason = reasons[0] if reasons else (lines[-1] if lines else f"exit status {r.returncode}")
+        return re.sub(r"^/\S*/vendor/llama.cpp/", "llama.cpp/", reason)  # no build paths
     return None
 
 
@@ -496,8 +539,8 @@ def main() -> None:
         summary["max_abs_diff_vs_hf_checkpoint"] = checkpoint_diff
     for k, text in enumerate(args.prompt):
         ids = encode(text)
-        stages = run_stages(model, ids)
-        stages64 = run_stages(model64, ids)
+        stages, dsa_margins = split_margins(run_stages(model, ids))
+        stages64, _ = split_margins(run_stages(model64, ids))
         noise = {}
         for name, value in stages.items():
             if value.is_floating_point():
@@ -510,7 +553,7 @@ def main() -> None:
             "tokens": ids,
             "greedy": greedy(model, ids, GREEDY_TOKENS),
             "noise": dict(sorted(noise.items())),
-            "margins": margins(stages, model),
+            "margins": margins(stages | dsa_margins, model),
         }
         tensors = {n: v.float().contiguous().numpy() if v.is_floating_point() else v.to(torch.int32).numpy()
                    for n, v in stages.items()}

@@ -120,8 +120,9 @@ GLM5 = dict(
     max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
     bos_token_id=None, eos_token_id=0, pad_token_id=0,
     rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-    # DSA: top-8 keys per query; layer 1 reuses layer 0's choice.
-    index_topk=8, index_head_dim=32, index_n_heads=4, indexer_types=["full", "shared", "full"],
+    # DSA: top-8 keys per query; layer 1 reuses layer 0's choice. llama.cpp rotates indexer
+    # heads by a Hadamard matrix of at least 64, so the head is 64 wide.
+    index_topk=8, index_head_dim=64, index_n_heads=16, indexer_types=["full", "shared", "full"],
 )
 V2LITE = dict(
     vocab_size=VOCAB, hidden_size=256, intermediate_size=128, moe_intermediate_size=32,
@@ -134,14 +135,16 @@ V2LITE = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000.0),
 )
 
-# name: (config class, model class, config, extra config.json keys, tokenizer family, seed)
+# name: (config class, model class, config, extra config.json keys, tokenizer family, seed).
+# Seeds are chosen so that no expert or DSA choice on the golden prompts is within 1e-4 of
+# flipping (reference.py records these margins in the manifest).
 MODELS = {
     "ds3": (DeepseekV3Config, DeepseekV3ForCausalLM, DS3,
             {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, "ds", 3),
     "glm5": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, GLM5,
-             {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, "glm", 5),
+             {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, "glm", 25),
     "v2lite": (DeepseekV2Config, DeepseekV2ForCausalLM, V2LITE,
-               {"scoring_func": "softmax", "topk_method": "greedy"}, "ds", 2),
+               {"scoring_func": "softmax", "topk_method": "greedy"}, "ds", 22),
 }
 
 

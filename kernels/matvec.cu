@@ -34,6 +34,35 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
     if (lane == 0) y[b * y_stride + r] = sum;
 }
 
+// matvec_t_<type>: the transposed product for small batches, y_b[j] = sum_i W_b[i, j] * x_b[i]
+// over the `rows` rows of W_b (each k elements long, so y_b has k values), with the same
+// W_b / x_b / y_b addressing as matvec. MLA's k_nope = k_b^T c_kv for a few tokens, in f32.
+// One thread per 8 output columns walks down all rows; neighbouring threads read neighbouring
+// units of each row. grid (ceil(k / 8 / 128), batch), block 128.
+template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
+__device__ void matvec_t_body(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
+                              i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y,
+                              i64 y_stride) {
+    int b = blockIdx.y;
+    int u = blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= k / 8) return;
+    i64 m = ids ? ids[b] : b;
+    const int units_per_block = ELEMS / 8;
+    const u8* col = w + m * mat_stride + (i64)(u / units_per_block) * BYTES;
+    const float* xb = x + (i64)(b / x_group) * x_stride;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < rows; i++) {
+        float v[8];
+        DQ8(col + i * row_bytes, u % units_per_block, v);
+        float xi = xb[i];
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[e] += v[e] * xi;
+    }
+    float* out = y + b * y_stride + 8 * u;
+#pragma unroll
+    for (int e = 0; e < 8; e++) out[e] = acc[e];
+}
+
 // embed_<type>: y[t, :] = the dequantized row ids[t] of w (n elements per row).
 template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
 __device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int n, float* y) {
@@ -55,6 +84,12 @@ __device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int n, fl
         const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {                 \
         matvec_body<elems, bytes, dq8_##name>(w, mat_stride, ids, rows, k, row_bytes, x,     \
                                               x_group, x_stride, y, y_stride);               \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) matvec_t_##name(                       \
+        const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,         \
+        const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {                 \
+        matvec_t_body<elems, bytes, dq8_##name>(w, mat_stride, ids, rows, k, row_bytes, x,   \
+                                                x_group, x_stride, y, y_stride);             \
     }                                                                                        \
     extern "C" __global__ void embed_##name(const u8* w, i64 row_bytes, const int* ids, int n, \
                                             float* y) {                                      \

@@ -468,6 +468,7 @@ impl Reader<'_> {
             ("attention.kv_lora_rank", c.kv_lora),
             ("context_length", c.n_ctx),
             ("value_length_mla", c.head_dim_v),
+            ("rope.dimension_count", c.head_dim_rope),
         ];
         for (key, v) in positive {
             if v == 0 {

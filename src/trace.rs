@@ -270,7 +270,7 @@ impl Comparison {
     /// Beyond `threshold` (ids: any difference).
     pub fn diverges(&self, threshold: f64) -> bool {
         match self {
-            Comparison::Relative(e) => !(*e <= threshold),
+            Comparison::Relative(e) => e.is_nan() || *e > threshold,
             Comparison::Ids { differ, .. } => *differ > 0,
             Comparison::Mismatch(_) => true,
         }

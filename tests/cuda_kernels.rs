@@ -30,6 +30,21 @@ fn gpu() -> Option<Gpu> {
     }
 }
 
+/// Without a driver (CI), opening a GPU or the backend is an error naming what is missing.
+#[test]
+fn no_driver_is_an_error_not_a_panic() {
+    if mla_engine::backend::cuda::driver_available() {
+        println!("SKIPPED: a CUDA driver is present");
+        return;
+    }
+    let err = Gpu::new(0).err().expect("no driver, yet a GPU opened");
+    assert!(matches!(err, CudaError::NoDriver), "{err}");
+    let err = mla_engine::backend::cuda::Cuda::new(0)
+        .err()
+        .expect("no driver");
+    assert!(err.to_string().contains("no CUDA driver"), "{err}");
+}
+
 /// splitmix64: small, good enough for test inputs.
 struct Rng(u64);
 
@@ -198,6 +213,7 @@ fn matvec_every_type_matches_dequantized_dot() {
             y: g.ptr(&dy, 0),
             y_stride: rows,
             batch: 4,
+            transposed: false,
         })
         .unwrap();
         let y = g.download(&dy).unwrap();
@@ -210,6 +226,57 @@ fn matvec_every_type_matches_dequantized_dot() {
             }
         }
         assert_close(&format!("matvec {t}"), &y, &want, F32_OP);
+    }
+}
+
+#[test]
+fn matvec_transposed_every_type_matches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_t");
+    // Two heads of 64 rows x 256 columns (rows on the reduced side); 3 tokens share x per head
+    // pair: item b = token * 2 + head reads x row b, matrix b % 2.
+    let (heads, rows, k, tokens) = (2, 64, 256, 3);
+    for &t in KERNEL_TYPES {
+        let w = random_rows(&mut rng, t, heads * rows, k);
+        let wf = dequant_rows(t, &w, heads * rows, k);
+        let batch = tokens * heads;
+        let x = rng.normals(batch * rows);
+        let ids: Vec<i32> = (0..batch as i32).map(|b| b % heads as i32).collect();
+        let (dw, dx, di) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let dy = poisoned(&g, batch * k);
+        g.matvec(&Matvec {
+            ty: t,
+            w: g.ptr(&dw, 0),
+            mat_stride: rows * t.row_bytes(k).unwrap(),
+            ids: g.ptr(&di, 0),
+            rows,
+            k,
+            x: g.ptr(&dx, 0),
+            x_group: 1,
+            x_stride: rows,
+            y: g.ptr(&dy, 0),
+            y_stride: k,
+            batch,
+            transposed: true,
+        })
+        .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut want = Vec::new();
+        for b in 0..batch {
+            let m = ids[b] as usize;
+            for j in 0..k {
+                want.push(
+                    (0..rows)
+                        .map(|i| wf[(m * rows + i) * k + j] as f64 * x[b * rows + i] as f64)
+                        .sum(),
+                );
+            }
+        }
+        assert_close(&format!("matvec_t {t}"), &y, &want, F32_OP);
     }
 }
 
@@ -995,5 +1062,144 @@ fn top_p_sampling_matches_its_twin() {
     assert!(
         agree >= trials - 1,
         "top_p_sample: only {agree}/{trials} agree"
+    );
+}
+
+// ----- timings (a measurement for the performance work, not a check) -----------------------
+
+/// Median milliseconds of `f` over `reps` runs after 3 warm-ups, timed with CUDA events.
+fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut()) -> f64 {
+    use cudarc::driver::sys::CUevent_flags;
+    for _ in 0..3 {
+        f();
+    }
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let start = g
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        let end = g
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap();
+        start.record(&g.stream).unwrap();
+        f();
+        end.record(&g.stream).unwrap();
+        end.synchronize().unwrap();
+        times.push(start.elapsed_ms(&end).unwrap() as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    times[reps / 2]
+}
+
+/// Prints achieved GB/s of the decode kernels at DeepSeek-V3 shapes against the device copy
+/// bandwidth, and the tensor-core product's TFLOP/s, on random data. Correctness is the other
+/// tests' job; this only records where the kernels stand (issue 9).
+#[test]
+fn decode_and_prefill_kernel_timings() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("timings");
+
+    // Ceiling: a 1 GiB device-to-device copy (bytes read + written).
+    let n = 1 << 28;
+    let src = g.zeros::<f32>(n).unwrap();
+    let mut dst = g.zeros::<f32>(n).unwrap();
+    let ms = time_ms(&g, 10, || g.stream.memcpy_dtod(&src, &mut dst).unwrap());
+    let copy_gbs = 2.0 * 4.0 * n as f64 / ms / 1e6;
+    println!("copy: {ms:.3} ms, {copy_gbs:.0} GB/s");
+    drop((src, dst));
+
+    // Matrix-vector at the dense FFN shape (18432 rows of 7168) per type.
+    let (rows, k) = (18432, 7168);
+    let x = g.upload(&rng.normals(k)).unwrap();
+    let y = g.zeros::<f32>(rows).unwrap();
+    for t in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::IQ4_XS,
+    ] {
+        let w = g.upload(&random_rows(&mut rng, t, rows, k)).unwrap();
+        let a = Matvec {
+            ty: t,
+            w: g.ptr(&w, 0),
+            mat_stride: 0,
+            ids: 0,
+            rows,
+            k,
+            x: g.ptr(&x, 0),
+            x_group: 1,
+            x_stride: k,
+            y: g.ptr(&y, 0),
+            y_stride: rows,
+            batch: 1,
+            transposed: false,
+        };
+        let ms = time_ms(&g, 20, || g.matvec(&a).unwrap());
+        let gbs = (rows * t.row_bytes(k).unwrap()) as f64 / ms / 1e6;
+        println!(
+            "matvec {t} {rows}x{k}: {ms:.3} ms, {gbs:.0} GB/s, {:.0}% of copy",
+            100.0 * gbs / copy_gbs
+        );
+    }
+
+    // MLA decode over an f32 latent cache: 128 heads, 512 + 64, at 1K, 8K and 32K positions.
+    let (heads, dl, dr) = (128, 512, 64);
+    let ql = g.upload(&rng.normals(heads * dl)).unwrap();
+    let qp = g.upload(&rng.normals(heads * dr)).unwrap();
+    let out = g.zeros::<f32>(heads * dl).unwrap();
+    for ctx in [1024, 8192, 32768] {
+        let cache = g.upload(&rng.normals(ctx * (dl + dr))).unwrap();
+        let a = MlaDecode {
+            q_lat: g.ptr(&ql, 0),
+            ql_tok: heads * dl,
+            q_pe: g.ptr(&qp, 0),
+            qp_tok: heads * dr,
+            cache: g.ptr(&cache, 0),
+            dl,
+            dr,
+            heads,
+            tokens: 1,
+            pos0: ctx - 1,
+            key_ids: 0,
+            n_ids: 0,
+            scale: 0.07,
+            out: g.ptr(&out, 0),
+            out_tok: heads * dl,
+        };
+        let ms = time_ms(&g, 20, || g.mla_decode(&a).unwrap());
+        let gbs = (ctx * (dl + dr) * 4) as f64 / ms / 1e6;
+        println!(
+            "mla_decode {ctx} positions: {ms:.3} ms, {gbs:.0} GB/s, {:.0}% of copy",
+            100.0 * gbs / copy_gbs
+        );
+    }
+
+    // Tensor-core product at a prefill shape: 512 tokens x 7168 -> 18432, Q4_K weights.
+    let (m, n, k) = (512, 18432, 7168);
+    let w = g
+        .upload(&random_rows(&mut rng, GgmlType::Q4_K, n, k))
+        .unwrap();
+    let xs = g.upload(&rng.normals(m * k)).unwrap();
+    let ys = g.zeros::<f32>(m * n).unwrap();
+    let a = Matmul {
+        ty: GgmlType::Q4_K,
+        w: g.ptr(&w, 0),
+        transposed: false,
+        x: g.ptr(&xs, 0),
+        x_stride: k,
+        row_ids: 0,
+        y: g.ptr(&ys, 0),
+        y_stride: n,
+        m,
+        n,
+        k,
+    };
+    let ms = time_ms(&g, 10, || g.matmul(&a).unwrap());
+    println!(
+        "matmul Q4_K {m}x{n}x{k}: {ms:.3} ms, {:.1} TFLOP/s",
+        2.0 * (m * n * k) as f64 / ms / 1e9
     );
 }

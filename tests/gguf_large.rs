@@ -29,15 +29,12 @@ fn status_kib(field: &str) -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
-/// Output of a shell tool (df, du) on `dir`, last line.
+/// The first field of the last line a shell tool (df, du) prints about `dir`.
 fn tool(cmd: &str, args: &[&str], dir: &std::path::Path) -> String {
     let out = Command::new(cmd).args(args).arg(dir).output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .unwrap_or("")
-        .trim()
-        .to_string()
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap_or("");
+    last.split_whitespace().next().unwrap_or("").to_string()
 }
 
 #[test]

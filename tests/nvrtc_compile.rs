@@ -10,9 +10,10 @@ use mla_engine::backend::cuda::kernels::{
     family_of, max_dynamic_smem, FAMILIES, SHARED_MEMORY_LIMIT,
 };
 use mla_engine::backend::cuda::nvrtc::{
-    compile_cubin, nvrtc_available, nvrtc_version, static_shared_bytes,
+    cached_cubin, compile_cubin, nvrtc_available, nvrtc_version, static_shared_bytes,
 };
 use mla_engine::backend::cuda::ops::KERNEL_TYPES;
+use mla_engine::backend::cuda::CudaError;
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_89", "sm_90", "sm_120"];
 
@@ -23,7 +24,10 @@ fn every_kernel_compiles_for_every_arch_within_shared_memory() {
             std::env::var_os("MLA_REQUIRE_NVRTC").is_none(),
             "MLA_REQUIRE_NVRTC is set but libnvrtc could not be loaded"
         );
-        println!("SKIPPED: no NVRTC library (libnvrtc.so); run .ci/nvrtc-check");
+        // Without the library, compiling is an error that says what to install, not a panic.
+        let err = compile_cubin(&FAMILIES[0], "sm_90").unwrap_err();
+        assert!(matches!(err, CudaError::NoNvrtc), "{err}");
+        println!("SKIPPED: no NVRTC library (libnvrtc.so); run .ci/nvrtc-check ({err})");
         return;
     }
     let (major, minor) = nvrtc_version().unwrap();
@@ -60,7 +64,7 @@ fn every_kernel_compiles_for_every_arch_within_shared_memory() {
             }
         }
         for ty in KERNEL_TYPES {
-            for prefix in ["matvec", "matmul", "embed"] {
+            for prefix in ["matvec", "matvec_t", "matmul", "matmul_t", "embed"] {
                 let name = format!("{prefix}_{}", ty.name().to_lowercase());
                 assert!(seen.contains(&name), "{arch}: {name} missing");
             }
@@ -72,4 +76,34 @@ fn every_kernel_compiles_for_every_arch_within_shared_memory() {
 fn cubin_reader_rejects_garbage() {
     assert!(static_shared_bytes(b"not an elf").is_err());
     assert!(static_shared_bytes(b"\x7fELF\x02\x01\x01").is_err());
+}
+
+/// The second request for a family's cubin comes from the disk cache, byte for byte.
+#[test]
+fn cubins_are_cached_on_disk_per_arch() {
+    if !nvrtc_available() {
+        println!("SKIPPED: no NVRTC library (libnvrtc.so); run .ci/nvrtc-check");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("mla-cubin-test-{}", std::process::id()));
+    // nextest runs each test in its own process, so this variable is ours alone.
+    std::env::set_var("MLA_CUBIN_CACHE", &dir);
+    let family = FAMILIES.iter().find(|f| f.name == "norm").unwrap();
+    let first = cached_cubin(family, "sm_89").unwrap();
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "one cache file: {files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("norm-sm_89-") && name.ends_with(".cubin"),
+        "{name}"
+    );
+    // A planted marker proves the second call reads the file instead of compiling.
+    let mut planted = first.clone();
+    planted.extend_from_slice(b"cached");
+    std::fs::write(&files[0], &planted).unwrap();
+    assert_eq!(cached_cubin(family, "sm_89").unwrap(), planted);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -121,7 +121,8 @@ impl GgmlType {
 
     /// Bytes of a row of `n` elements, or None when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        (n % self.block_size() == 0).then(|| n / self.block_size() * self.type_size())
+        n.is_multiple_of(self.block_size())
+            .then(|| n / self.block_size() * self.type_size())
     }
 
     pub fn all() -> impl Iterator<Item = GgmlType> {

@@ -183,9 +183,15 @@ pub fn parse_header(bytes: &[u8], path: &Path) -> Result<Header, GgufError> {
         tensors.push((info, entry_at));
     }
 
-    // The data section starts at the next multiple of the alignment (alignment <= 2^32 and the
-    // header is inside the file, so this cannot overflow).
-    let data_offset = c.at().div_ceil(alignment) * alignment;
+    // The data section starts at the next multiple of the alignment (alignment <= 2^31 and the
+    // header is inside the file, so this cannot overflow), and that start must be in the file
+    // even when there are no tensors: writers pad the header, and a writer copying this file
+    // need not allocate a forged 2^31 bytes of padding.
+    let header_end = c.at();
+    let data_offset = header_end.div_ceil(alignment) * alignment;
+    c.take(data_offset - header_end, &|| {
+        "padding before the data section".into()
+    })?;
     let file_len = bytes.len() as u64;
     for (t, entry_at) in &mut tensors {
         let start = data_offset.checked_add(t.offset);

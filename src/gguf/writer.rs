@@ -246,8 +246,8 @@ impl<W: Write + Seek> GgufWriter<W> {
             header.extend_from_slice(&t.offset.to_le_bytes());
         }
         let data_offset = (header.len() as u64).div_ceil(self.alignment) * self.alignment;
-        header.resize(data_offset as usize, 0);
         self.sink.write_all(&header).map_err(|e| self.io(e))?;
+        write_zeros(&mut self.sink, data_offset - header.len() as u64).map_err(|e| self.io(e))?;
         self.pos = data_offset;
         self.sink_pos = data_offset;
         self.header_written = true;

@@ -31,7 +31,7 @@ impl Enc {
         self.u64(s.len() as u64).raw(s.as_bytes())
     }
     pub fn pad_to(&mut self, alignment: usize) -> &mut Self {
-        while self.0.len() % alignment != 0 {
+        while !self.0.len().is_multiple_of(alignment) {
             self.0.push(0);
         }
         self

@@ -46,6 +46,52 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Strips the debug info from the executables inside a nextest archive (a test binary that
+/// links the whole engine is over 100 MB with it, 2 MB without), keeping the entry order.
+fn strip_archive(archive: &Path) -> Result<()> {
+    let tmp = archive.with_extension("unpacked");
+    std::fs::create_dir_all(&tmp)?;
+    run_cmd(
+        Command::new("tar")
+            .arg("--zstd")
+            .arg("-xf")
+            .arg(archive)
+            .arg("-C")
+            .arg(&tmp),
+    )?;
+    let list = Command::new("tar")
+        .arg("--zstd")
+        .arg("-tf")
+        .arg(archive)
+        .output()?;
+    let entries = String::from_utf8(list.stdout)?;
+    for entry in entries.lines() {
+        let path = tmp.join(entry);
+        let in_profile_dir =
+            entry.starts_with("target/debug/") && !entry.starts_with("target/debug/build/");
+        let head = std::fs::read(&path).is_ok_and(|b| b.starts_with(b"\x7fELF"));
+        if path.is_file() && in_profile_dir && head {
+            run_cmd(Command::new("strip").arg("--strip-debug").arg(&path))?;
+        }
+    }
+    let list_file = tmp.with_extension("entries");
+    std::fs::write(&list_file, &entries)?;
+    run_cmd(
+        Command::new("tar")
+            .arg("--zstd")
+            .arg("-cf")
+            .arg(archive)
+            .arg("-C")
+            .arg(&tmp)
+            .arg("--no-recursion")
+            .arg("-T")
+            .arg(&list_file),
+    )?;
+    std::fs::remove_file(&list_file)?;
+    std::fs::remove_dir_all(&tmp)?;
+    Ok(())
+}
+
 pub fn run(args: Args) -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -75,7 +121,9 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     binaries.sort();
-    run_cmd(archive.arg("--archive-file").arg(out.join("tests.tar.zst")))?;
+    let archive_file = out.join("tests.tar.zst");
+    run_cmd(archive.arg("--archive-file").arg(&archive_file))?;
+    strip_archive(&archive_file)?;
 
     let mut build = Command::new(&cargo);
     build
@@ -140,7 +188,8 @@ pub fn run(args: Args) -> Result<()> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs mla-engine's GPU tests on a host with an NVIDIA GPU and no Rust toolchain.
-# Usage: run.sh [NEXTEST_FILTER]    (default: every test binary in the archive)
+# Usage: run.sh [NEXTEST_FILTER]    (default: every test binary in the archive), then one
+# `generate --backend cuda` on the embedded tiny model.
 # Logs go to $OUT when set (the device tool's output folder), else ./out.
 # Needs the NVIDIA driver (libcuda) and libnvrtc on the loader path.
 set -uo pipefail
@@ -163,5 +212,10 @@ filter=${1:-"@FILTER@"}
 "$here/cargo-nextest" nextest run --archive-file "$here/tests.tar.zst" \
   --workspace-remap "$here/workspace" -E "$filter" --no-fail-fast \
   --success-output final --failure-output final 2>&1 | tee "$out/tests.log"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+
+# The whole model end to end on the GPU: the embedded tiny model, greedy.
+"$here/generate" --backend cuda --prompt "The capital of France is" --max-tokens 16 2>&1 |
+  tee "$out/generate.log"
+exit "$rc"
 "#;

@@ -20,7 +20,7 @@ use crate::weights::TensorRef;
 
 /// From this many rows on, products run on the tensor cores (bf16 operands); below, in f32
 /// matrix-vector kernels that read each weight row once per token.
-const MATMUL_MIN_ROWS: usize = 16;
+pub const MATMUL_MIN_ROWS: usize = 16;
 
 pub struct Cuda {
     pub gpu: Gpu,
@@ -30,6 +30,7 @@ pub struct Cuda {
 
 /// An activation `[rows, cols]`, f32, row-major.
 pub struct CudaTensor {
+    /// [rows * cols] (at least one element: a zero-sized allocation has no address).
     buf: CudaSlice<f32>,
     rows: usize,
     cols: usize,
@@ -40,6 +41,7 @@ pub struct CudaWeight {
     name: String,
     ty: GgmlType,
     ne: Vec<usize>,
+    /// The tensor's blocks as in the file (vectors: f32 values), row after row.
     data: CudaSlice<u8>,
 }
 
@@ -48,6 +50,7 @@ impl CudaWeight {
     fn row_bytes(&self) -> usize {
         self.ty.row_bytes(self.ne[0]).expect("checked at load")
     }
+    /// ne[i], 1 past the stored dimensions.
     fn dim(&self, i: usize) -> usize {
         self.ne.get(i).copied().unwrap_or(1)
     }
@@ -58,9 +61,14 @@ fn ok<T>(r: Result<T, CudaError>, op: &str) -> T {
 }
 
 impl Cuda {
+    /// Opens GPU `ordinal` and readies every kernel (compiled by NVRTC for its exact `sm_XX`
+    /// on first use, from the disk cache after): a missing driver, device or NVRTC is an error
+    /// here, before any weight is loaded.
     pub fn new(ordinal: usize) -> Result<Cuda, CudaError> {
+        let gpu = Gpu::new(ordinal)?;
+        gpu.load_all_kernels()?;
         Ok(Cuda {
-            gpu: Gpu::new(ordinal)?,
+            gpu,
             weight_bytes: AtomicUsize::new(0),
         })
     }
@@ -78,17 +86,14 @@ impl Cuda {
         )
     }
 
+    /// The device address of element `offset` of an activation.
     fn p(&self, x: &CudaTensor, offset: usize) -> DevicePtrRaw {
         self.gpu.ptr(&x.buf, offset)
     }
 
+    /// The device address of a weight's first byte.
     fn w(&self, w: &CudaWeight) -> DevicePtrRaw {
         self.gpu.ptr(&w.data, 0)
-    }
-
-    /// An uninitialized-looking (zeroed) output matrix.
-    fn out(&self, rows: usize, cols: usize) -> CudaTensor {
-        self.zeros(rows, cols)
     }
 
     fn upload_i32(&self, v: &[i32]) -> CudaSlice<i32> {
@@ -139,6 +144,7 @@ impl Cuda {
                 y,
                 y_stride,
                 batch: n,
+                transposed: false,
             };
             ok(self.gpu.matvec(&a), "matvec");
         }
@@ -238,7 +244,7 @@ impl Backend for Cuda {
             x.cols
         );
         let (n, w) = (rows.len(), cols.len());
-        let y = self.out(n, w);
+        let y = self.zeros(n, w);
         let src = self.p(x, rows.start * x.cols + cols.start);
         ok(
             self.gpu
@@ -256,7 +262,7 @@ impl Backend for Cuda {
             x.cols
         );
         let w = cols.len();
-        let y = self.out(x.rows, heads * w);
+        let y = self.zeros(x.rows, heads * w);
         let src = self.p(x, cols.start);
         ok(
             self.gpu.copy_block(
@@ -301,7 +307,7 @@ impl Backend for Cuda {
         let e = table.ne[0];
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let dids = self.upload_i32(&ids);
-        let y = self.out(tokens.len(), e);
+        let y = self.zeros(tokens.len(), e);
         ok(
             self.gpu.embed(
                 table.ty,
@@ -317,7 +323,7 @@ impl Backend for Cuda {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> CudaTensor {
-        let y = self.out(x.rows, x.cols);
+        let y = self.zeros(x.rows, x.cols);
         ok(
             self.gpu.rmsnorm(
                 self.p(x, 0),
@@ -335,7 +341,7 @@ impl Backend for Cuda {
     }
 
     fn layer_norm(&self, x: &CudaTensor, w: &CudaWeight, b: &CudaWeight, eps: f32) -> CudaTensor {
-        let y = self.out(x.rows, x.cols);
+        let y = self.zeros(x.rows, x.cols);
         ok(
             self.gpu.layernorm(
                 self.p(x, 0),
@@ -364,7 +370,7 @@ impl Backend for Cuda {
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "swiglu shapes");
-        let y = self.out(gate.rows, gate.cols);
+        let y = self.zeros(gate.rows, gate.cols);
         ok(
             self.gpu.silu_mul(
                 self.p(gate, 0),
@@ -404,7 +410,7 @@ impl Backend for Cuda {
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
         let (k, rows) = (w.ne[0], w.dim(1));
         assert_eq!(x.cols, k, "linear {}: x has {} columns", w.name, x.cols);
-        let y = self.out(x.rows, rows);
+        let y = self.zeros(x.rows, rows);
         self.product(
             w.ty,
             self.w(w),
@@ -432,9 +438,9 @@ impl Backend for Cuda {
             x.cols
         );
         let n = x.rows;
-        let y = self.out(n, heads * dout);
-        if !transpose && (n < MATMUL_MIN_ROWS || din % 32 != 0) {
-            // One matrix-vector item per (token, head), matrix index = head.
+        let y = self.zeros(n, heads * dout);
+        if n < MATMUL_MIN_ROWS || din % 32 != 0 {
+            // One f32 matrix-vector item per (token, head), matrix index = head.
             let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
             let dids = self.upload_i32(&ids);
             let mv = Matvec {
@@ -448,8 +454,9 @@ impl Backend for Cuda {
                 x_group: if shared { heads } else { 1 },
                 x_stride: din,
                 y: self.p(&y, 0),
-                y_stride: b,
+                y_stride: dout,
                 batch: n * heads,
+                transposed: transpose,
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
@@ -501,7 +508,7 @@ impl Backend for Cuda {
             }
             ok(self.gpu.upload(&bits), "upload")
         });
-        let out = self.out(n, heads * dv);
+        let out = self.zeros(n, heads * dv);
         let a = AttentionPrefill {
             q: self.p(q, 0),
             q_tok: q.cols,
@@ -551,7 +558,7 @@ impl Backend for Cuda {
             cache.cols
         );
         let ids = keep.map(|k| self.upload_i32(k));
-        let out = self.out(n, heads * dl);
+        let out = self.zeros(n, heads * dl);
         let a = MlaDecode {
             q_lat: self.p(q_lat, 0),
             ql_tok: q_lat.cols,
@@ -585,7 +592,7 @@ impl Backend for Cuda {
         let n = q.rows;
         let (nh, d) = (head_weights.cols, keys.cols);
         let s_len = pos0 + n;
-        let scores = self.out(n, s_len);
+        let scores = self.zeros(n, s_len);
         ok(
             self.gpu.dsa_scores(
                 self.p(q, 0),
@@ -631,9 +638,9 @@ impl Backend for Cuda {
         let f = gate.dim(1);
         let rows = n * k;
         let (gate_bytes, down_bytes) = (f * gate.row_bytes(), e * down.row_bytes());
-        let g_out = self.out(rows, f);
-        let u_out = self.out(rows, f);
-        let d_out = self.out(rows, e);
+        let g_out = self.zeros(rows, f);
+        let u_out = self.zeros(rows, f);
+        let d_out = self.zeros(rows, e);
         // Row r of the expert outputs belongs to (token, choice) slots[t * k + j] == r.
         let slots: Vec<i32>;
         if n < MATMUL_MIN_ROWS {
@@ -660,6 +667,7 @@ impl Backend for Cuda {
                 y: self.p(y, 0),
                 y_stride: rows_w,
                 batch: rows,
+                transposed: false,
             };
             ok(
                 self.gpu
@@ -781,7 +789,7 @@ impl Backend for Cuda {
             self.upload_i32(&slots),
             ok(self.gpu.upload(weights), "upload"),
         );
-        let out = self.out(n, e);
+        let out = self.zeros(n, e);
         ok(
             self.gpu.moe_combine(
                 self.p(&d_out, 0),

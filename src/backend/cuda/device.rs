@@ -11,7 +11,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::error::CudaError;
-use super::kernels::{family_of, max_dynamic_smem};
+use super::kernels::{family_of, max_dynamic_smem, Family, FAMILIES};
 use super::nvrtc::cached_cubin;
 
 /// A raw device address (CUdeviceptr) handed to a kernel; 0 means "absent" for optional
@@ -65,6 +65,27 @@ impl Gpu {
         })
     }
 
+    /// The loaded module of `family`, compiled (or read from the cubin cache) on first use.
+    fn module(&self, family: &'static Family) -> Result<Arc<CudaModule>, CudaError> {
+        let mut modules = self.modules.lock().unwrap();
+        if let Some(m) = modules.get(family.name) {
+            return Ok(m.clone());
+        }
+        let cubin = cached_cubin(family, &self.arch)?;
+        let m = self.ctx.load_module(Ptx::from_binary(cubin))?;
+        modules.insert(family.name, m.clone());
+        Ok(m)
+    }
+
+    /// Compiles (or loads from the cache) and loads every kernel family now, so that a missing
+    /// NVRTC or a compile error shows at start as an error, not at the first launch.
+    pub fn load_all_kernels(&self) -> Result<(), CudaError> {
+        for family in FAMILIES {
+            self.module(family)?;
+        }
+        Ok(())
+    }
+
     /// The kernel named `kernel`, compiling (or loading from the cache) its family on first use.
     pub fn function(&self, kernel: &str) -> Result<CudaFunction, CudaError> {
         if let Some(f) = self.functions.lock().unwrap().get(kernel) {
@@ -74,19 +95,7 @@ impl Gpu {
             kernel: kernel.to_string(),
             what: "no kernel family defines it".into(),
         })?;
-        let module = {
-            let mut modules = self.modules.lock().unwrap();
-            match modules.get(family.name) {
-                Some(m) => m.clone(),
-                None => {
-                    let cubin = cached_cubin(family, &self.arch)?;
-                    let m = self.ctx.load_module(Ptx::from_binary(cubin))?;
-                    modules.insert(family.name, m.clone());
-                    m
-                }
-            }
-        };
-        let f = module.load_function(kernel)?;
+        let f = self.module(family)?.load_function(kernel)?;
         let dynamic = max_dynamic_smem(kernel);
         if dynamic > 48 * 1024 {
             // Above 48 KiB a kernel must opt in to dynamic shared memory.

@@ -1,7 +1,5 @@
 //! What can go wrong on the CUDA path, as sentences a user can act on.
 
-use std::path::PathBuf;
-
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
     #[error(
@@ -24,19 +22,8 @@ pub enum CudaError {
         error: String,
         log: String,
     },
-    #[error("cubin of kernels/{family}.cu for {arch}: {what}")]
-    Cubin {
-        family: &'static str,
-        arch: String,
-        what: String,
-    },
     #[error("kernel {kernel}: {what}")]
     Shape { kernel: String, what: String },
-    #[error("cubin cache {path}: {source}")]
-    Cache {
-        path: PathBuf,
-        source: std::io::Error,
-    },
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
 }

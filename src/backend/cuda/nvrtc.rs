@@ -40,7 +40,7 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     // SAFETY: two valid out-pointers.
     unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
         .result()
-        .map_err(|e| CudaError::NoDevice(format!("nvrtcVersion failed: {e:?}")))?;
+        .map_err(|_| CudaError::NoNvrtc)?;
     Ok((major, minor))
 }
 

@@ -60,13 +60,15 @@ pub struct Matvec {
     pub y: Ptr,
     pub y_stride: usize,
     pub batch: usize,
+    /// y_b = W_b^T x_b instead: x_b has `rows` values, y_b has `k`.
+    pub transposed: bool,
 }
 
 const MATVEC_WARPS: usize = 8;
 
 impl Gpu {
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
-        let kernel = typed_kernel("matvec", a.ty)?;
+        let kernel = typed_kernel(if a.transposed { "matvec_t" } else { "matvec" }, a.ty)?;
         let row_bytes = a.ty.row_bytes(a.k);
         check(row_bytes.is_some() && a.k % 8 == 0, "matvec", || {
             format!("k = {} is not a whole number of {} blocks", a.k, a.ty)
@@ -77,7 +79,13 @@ impl Gpu {
         check(a.x_group > 0 && a.batch > 0, "matvec", || {
             "empty batch".into()
         })?;
-        launch!(self, kernel, (grid1(a.rows, MATVEC_WARPS), a.batch as u32, 1), 32 * MATVEC_WARPS as u32, 0;
+        // Non-transposed: one warp per row; transposed: one thread per 8 output columns.
+        let (grid_x, block) = if a.transposed {
+            (grid1(a.k / 8, 128), 128)
+        } else {
+            (grid1(a.rows, MATVEC_WARPS), 32 * MATVEC_WARPS as u32)
+        };
+        launch!(self, kernel, (grid_x, a.batch as u32, 1), block, 0;
             a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, row_bytes.unwrap() as i64,
             a.x, a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64);
         Ok(())

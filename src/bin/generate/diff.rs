@@ -14,7 +14,7 @@ pub fn run(a: &Path, b: &Path, threshold: f64) -> Result<()> {
             b.display()
         );
     }
-    println!("{:<20} {:>14}  {}", "stage", "shape", "relative error");
+    println!("{:<20} {:>14}  relative error", "stage", "shape");
     for (name, cmp) in &rows {
         let shape = format!("{:?}", ta.get(name).unwrap().shape);
         let value = match cmp {

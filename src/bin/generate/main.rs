@@ -9,10 +9,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mla_engine::backend::cpu::Cpu;
+use mla_engine::backend::cuda::Cuda;
 use mla_engine::backend::Backend;
 use mla_engine::config::ModelConfig;
 use mla_engine::gguf::GgufFile;
-use mla_engine::model::{Model, Taps};
+use mla_engine::model::{Cache, Model, Taps};
 use mla_engine::sampling::Sampler;
 use mla_engine::tokenizer::{render_chat, Message, TextStream, Tokenizer};
 use mla_engine::trace::Trace;
@@ -125,9 +126,6 @@ fn run(cli: Cli) -> Result<()> {
         Some(Command::Inspect { file }) => return inspect::run(file),
         None => {}
     }
-    if cli.backend == BackendKind::Cuda {
-        bail!("the CUDA backend is not available in this build yet: use --backend cpu");
-    }
     if cli.tp != 1 {
         bail!(
             "--tp {}: tensor parallelism is not available in this build yet: use --tp 1",
@@ -146,11 +144,96 @@ fn run(cli: Cli) -> Result<()> {
     for w in &cfg.warnings {
         eprintln!("warning: {w}");
     }
-    let model = load(&file, cfg, &name)?;
+    match cli.backend {
+        BackendKind::Cpu => run_on(&cli, &file, cfg, &name, Cpu),
+        BackendKind::Cuda => {
+            let cuda = Cuda::new(0).context("--backend cuda")?;
+            let g = &cuda.gpu;
+            eprintln!("cuda: {} ({}, {} SMs)", g.name, g.arch, g.multiprocessors);
+            run_on(&cli, &file, cfg, &name, cuda)
+        }
+    }
+}
 
+fn run_on<B: Backend + DeviceMemory>(
+    cli: &Cli,
+    file: &Arc<GgufFile>,
+    cfg: ModelConfig,
+    name: &str,
+    backend: B,
+) -> Result<()> {
+    let model = load(file, cfg, name, backend)?;
     match &cli.tokens {
-        Some(ids) => teacher_forced(&cli, &model, ids),
-        None => generate(&cli, &file, &model),
+        Some(ids) => teacher_forced(cli, &model, ids),
+        None => generate(cli, file, &model),
+    }
+}
+
+/// What a backend can say about its device memory, for the start-up report.
+trait DeviceMemory {
+    /// Bytes the weights occupy where they are computed on (None: read from the mmap).
+    fn weight_bytes(&self) -> Option<usize>;
+    /// Device bytes in use by this process and the driver (None: host memory).
+    fn device_in_use(&self) -> Option<usize>;
+}
+
+impl DeviceMemory for Cpu {
+    fn weight_bytes(&self) -> Option<usize> {
+        None
+    }
+    fn device_in_use(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl DeviceMemory for Cuda {
+    fn weight_bytes(&self) -> Option<usize> {
+        Some(Cuda::weight_bytes(self))
+    }
+    fn device_in_use(&self) -> Option<usize> {
+        let (free, total) = self.memory();
+        Some(total - free)
+    }
+}
+
+/// Prints weights, KV cache and workspace bytes (workspace: device memory in use beyond the
+/// weights and the cache, i.e. context, kernels and activations; device backends only).
+fn report_memory<B: Backend + DeviceMemory>(file: &GgufFile, model: &Model<B>, cache: &Cache<B>) {
+    let b = &model.backend;
+    let weights = b
+        .weight_bytes()
+        .unwrap_or_else(|| file.tensors().iter().map(|t| t.n_bytes as usize).sum());
+    let kv: usize = cache
+        .latent
+        .iter()
+        .chain(cache.index_keys.iter().flatten())
+        .map(|t| {
+            let (r, c) = b.shape(t);
+            r * c * 4
+        })
+        .sum();
+    let workspace = b
+        .device_in_use()
+        .map(|used| format!(", workspace {}", size(used.saturating_sub(weights + kv))))
+        .unwrap_or_default();
+    eprintln!(
+        "memory ({}): weights {}, KV cache {} for {} positions{workspace}",
+        b.name(),
+        size(weights),
+        size(kv),
+        cache.capacity
+    );
+}
+
+/// Bytes as kB, MB or GB.
+fn size(bytes: usize) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} kB", b / 1e3)
     }
 }
 
@@ -168,7 +251,12 @@ fn open_file(path: Option<&PathBuf>) -> Result<(Arc<GgufFile>, String)> {
 }
 
 /// Loads the weights; big files get a progress bar while their pages are read in.
-fn load(file: &Arc<GgufFile>, cfg: ModelConfig, name: &str) -> Result<Model<Cpu>> {
+fn load<B: Backend>(
+    file: &Arc<GgufFile>,
+    cfg: ModelConfig,
+    name: &str,
+    backend: B,
+) -> Result<Model<B>> {
     let total: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
     let bar = (total >= PROGRESS_BAR_BYTES).then(|| {
         let bar = ProgressBar::new(total);
@@ -180,7 +268,7 @@ fn load(file: &Arc<GgufFile>, cfg: ModelConfig, name: &str) -> Result<Model<Cpu>
         );
         bar
     });
-    let model = Model::load_with_progress(cfg, Cpu, &GgufTensors(file.clone()), &mut |t| {
+    let model = Model::load_with_progress(cfg, backend, &GgufTensors(file.clone()), &mut |t| {
         if let Some(bar) = &bar {
             // Touch one byte per page so the first token does not pay for the disk.
             let bytes = t.bytes.as_slice();
@@ -211,7 +299,7 @@ fn parse_ids(ids: &[String]) -> Result<Vec<u32>> {
 
 /// `--tokens`: one prefill of the given ids; logits of every position to .npy, stages to
 /// --trace.
-fn teacher_forced(cli: &Cli, model: &Model<Cpu>, ids: &[String]) -> Result<()> {
+fn teacher_forced<B: Backend>(cli: &Cli, model: &Model<B>, ids: &[String]) -> Result<()> {
     let tokens = parse_ids(ids)?;
     if tokens.is_empty() {
         bail!("--tokens is empty");
@@ -268,7 +356,7 @@ fn skip_layer(name: &str, n_layer: usize) -> bool {
         .is_some_and(|i| i >= n_layer)
 }
 
-fn generate(cli: &Cli, file: &GgufFile, model: &Model<Cpu>) -> Result<()> {
+fn generate<B: Backend + DeviceMemory>(cli: &Cli, file: &GgufFile, model: &Model<B>) -> Result<()> {
     let prompt = cli.prompt.as_deref().unwrap_or_default();
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -300,6 +388,7 @@ fn generate(cli: &Cli, file: &GgufFile, model: &Model<Cpu>) -> Result<()> {
 
     let mut sampler = Sampler::new(cli.temperature, cli.top_p, cli.seed);
     let mut cache = model.new_cache(tokens.len() + max_new);
+    report_memory(file, model, &cache);
     let mut trace = Trace::new();
     let vocab = model.cfg.n_vocab;
     let mut out = std::io::stdout().lock();
