@@ -46,9 +46,13 @@ pub struct Args {
     /// Only the rows whose name contains one of these (comma-separated) substrings.
     #[arg(long, value_delimiter = ',')]
     filter: Vec<String>,
-    /// One sample of two launches per row: for runs under a profiler.
+    /// One sample of two launches per row and no ceilings: for runs under a profiler.
     #[arg(long)]
     quick: bool,
+    /// Only the ceilings and the models (each model in its own process keeps a crash in one
+    /// from losing the others' numbers).
+    #[arg(long)]
+    skip_kernels: bool,
     /// Decode tokens timed per model.
     #[arg(long, default_value_t = 32)]
     tokens: usize,
@@ -100,6 +104,13 @@ extern "C" __global__ void mma_peak(float* out, int iters) {
 }
 
 extern "C" __global__ void empty_kernel() {}
+
+// Busy for `ns` nanoseconds of the global timer.
+extern "C" __global__ void spin_ns(u64 ns) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
 "#;
 
 const MMA_CHAINS: usize = 8;
@@ -205,7 +216,7 @@ impl Bench {
     fn new(quick: bool, filter: Vec<String>) -> Result<Bench> {
         let gpu = Arc::new(Gpu::new(0)?);
         let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![format!("--gpu-architecture={}", gpu.arch)],
+            options: vec![format!("--gpu-architecture=compute_{}", &gpu.arch[3..])],
             ..Default::default()
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(BENCH_KERNELS, opts)
@@ -245,33 +256,62 @@ impl Bench {
         Ok(())
     }
 
-    /// Median seconds per call of `f(i)` (i counts calls, for rotating inputs), timed by CUDA
-    /// events around batches of back-to-back calls after a warm-up batch.
-    fn time(&self, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    /// Median seconds per call of `f(i)` (i counts calls, for rotating inputs) on the device,
+    /// and the host's seconds to submit one call.
+    ///
+    /// Each sample is a batch of back-to-back calls timed by CUDA events. A spin kernel queued
+    /// first keeps the GPU busy while the host submits the whole batch, so the events see the
+    /// kernels run back to back (the device's own gaps included) rather than the host's pace;
+    /// the host's pace is the second number, and whole-model decode shows both together.
+    fn time(&self, mut f: impl FnMut(usize) -> Result<()>) -> Result<(f64, f64)> {
         let stream = &self.gpu.stream;
-        let ev = || self.gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        let spin = self.function("spin_ns")?;
+        let ev = || {
+            self.gpu
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        };
         let (start, end) = (ev()?, ev()?);
         let mut calls = 0usize;
-        let mut batch = |reps: usize, calls: &mut usize| -> Result<f64> {
+        let mut batch = |reps: usize, spin_ns: u64, calls: &mut usize| -> Result<(f64, f64)> {
+            if spin_ns > 0 {
+                let mut b = stream.launch_builder(&spin);
+                b.arg(&spin_ns);
+                let one = LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: spin_ns takes one u64.
+                unsafe { b.launch(one) }?;
+            }
             start.record(stream)?;
+            let t = Instant::now();
             for _ in 0..reps {
                 f(*calls)?;
                 *calls += 1;
             }
+            let host = t.elapsed().as_secs_f64() / reps as f64;
             end.record(stream)?;
-            Ok(start.elapsed_ms(&end)? as f64 * 1e-3 / reps as f64)
+            let device = start.elapsed_ms(&end)? as f64 * 1e-3 / reps as f64;
+            Ok((device, host))
         };
         if self.quick {
-            return batch(2, &mut calls);
+            return batch(2, 0, &mut calls);
         }
-        // Warm-up, then enough calls per sample for about 5 ms.
-        let first = batch(3, &mut calls)?;
+        let (_, host) = batch(3, 0, &mut calls)?; // warm-up: compiles and loads the kernels
+        let (first, _) = batch(3, (4.0 * host * 1e9) as u64 + 20_000, &mut calls)?;
+        // Enough calls per sample for about 5 ms of device time.
         let reps = ((5e-3 / first.max(1e-7)) as usize).clamp(3, 500);
+        let spin_ns = (1.5 * reps as f64 * host * 1e9) as u64 + 20_000;
         let samples = (0..9)
-            .map(|_| batch(reps, &mut calls))
+            .map(|_| batch(reps, spin_ns, &mut calls))
             .collect::<Result<Vec<_>>>()?;
         self.gpu.sync()?;
-        Ok(median(samples))
+        Ok((
+            median(samples.iter().map(|s| s.0).collect()),
+            median(samples.iter().map(|s| s.1).collect()),
+        ))
     }
 
     fn push(&mut self, row: Value) {
@@ -280,10 +320,20 @@ impl Bench {
     }
 
     /// A memory-bound row: `bytes` moved per call in `secs`.
-    fn push_bw(&mut self, section: &str, name: String, bytes: f64, secs: f64, extra: Value) {
+    #[allow(clippy::too_many_arguments)]
+    fn push_bw(
+        &mut self,
+        section: &str,
+        name: String,
+        bytes: f64,
+        secs: f64,
+        host: f64,
+        extra: Value,
+    ) {
         let gbps = bytes / secs / 1e9;
         let mut row = json!({
-            "section": section, "name": name, "us": secs * 1e6, "bytes": bytes,
+            "section": section, "name": name, "us": secs * 1e6, "host_us": host * 1e6,
+            "bytes": bytes,
             "gb_s": gbps, "of_copy": bytes / secs / self.copy_bw,
         });
         merge(&mut row, extra);
@@ -296,7 +346,7 @@ impl Bench {
         let mut src = stream.alloc_zeros::<u8>(n)?;
         let mut dst = stream.alloc_zeros::<u8>(n)?;
         self.fill_random(&mut src, 7)?;
-        let secs = self.time(|_| Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
+        let (secs, _) = self.time(|_| Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
         self.copy_bw = 2.0 * n as f64 / secs;
         self.push(json!({
             "section": "ceiling", "name": "copy d2d 1 GiB (read + write)", "us": secs * 1e6,
@@ -314,7 +364,7 @@ impl Bench {
             block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let secs = self.time(|_| {
+        let (secs, _) = self.time(|_| {
             let mut b = stream.launch_builder(&f);
             b.arg(&out).arg(&iters);
             // SAFETY: mma_peak takes (float*, int); out holds one float per thread.
@@ -353,7 +403,7 @@ impl Bench {
         }
         let host = t.elapsed().as_secs_f64() / count as f64;
         self.gpu.sync()?;
-        let gpu_secs = self.time(|_| launch())?;
+        let (gpu_secs, _) = self.time(|_| launch())?;
         self.push(json!({
             "section": "ceiling", "name": "launch of an empty kernel",
             "us": gpu_secs * 1e6, "host_us": host * 1e6,
@@ -374,11 +424,12 @@ impl Bench {
                     let bytes = rows * row_bytes;
                     let (copies, step) = rotation(bytes, ARENA_BYTES);
                     let gpu = self.gpu.clone();
-                    let secs = self.time(|i| {
+                    let (secs, host) = self.time(|i| {
                         Ok(gpu.matvec(&Matvec {
                             ty,
                             w: base + ((i % copies) * step) as u64,
                             mat_stride: 0,
+                            transposed: false,
                             ids: 0,
                             rows,
                             k,
@@ -396,6 +447,7 @@ impl Bench {
                         name,
                         moved,
                         secs,
+                        host,
                         json!({"type": tname(ty), "rows": rows, "k": k, "family": fam.name}),
                     );
                 }
@@ -455,6 +507,7 @@ impl Bench {
                     ty,
                     w,
                     mat_stride,
+                    transposed: false,
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,
                     k,
@@ -465,7 +518,7 @@ impl Bench {
                     y_stride: rows,
                     batch: MOE_USED,
                 };
-                let secs = self.time(|i| {
+                let (secs, host) = self.time(|i| {
                     gpu.matvec(&item(gate_w, gate_bytes, f, e, x, MOE_USED, e, g, i))?;
                     gpu.matvec(&item(up_w, gate_bytes, f, e, x, MOE_USED, e, u, i))?;
                     gpu.silu_mul(g, u, g, MOE_USED * f)?;
@@ -479,6 +532,7 @@ impl Bench {
                     name,
                     moved,
                     secs,
+                    host,
                     json!({"type": tname(ty), "family": fam.name, "launches": 4}),
                 );
             }
@@ -501,7 +555,7 @@ impl Bench {
                 let q_bytes = 4 * h * (dl + dr);
                 let (copies, step) = rotation(cache_bytes + q_bytes, ARENA_BYTES);
                 let gpu = self.gpu.clone();
-                let secs = self.time(|i| {
+                let (secs, host) = self.time(|i| {
                     let at = base + ((i % copies) * step) as u64;
                     Ok(gpu.mla_decode(&MlaDecode {
                         q_lat: at + cache_bytes as u64,
@@ -528,6 +582,7 @@ impl Bench {
                     name,
                     moved,
                     secs,
+                    host,
                     json!({"family": fam.name, "context": s, "heads": h,
                            "splits": splits, "keys_per_split": per, "launches": 2}),
                 );
@@ -553,7 +608,7 @@ impl Bench {
                         let bytes = n * ty.row_bytes(k).context("whole blocks")?;
                         let (copies, step) = rotation(bytes, ARENA_BYTES);
                         let gpu = self.gpu.clone();
-                        let secs = self.time(|i| {
+                        let (secs, host) = self.time(|i| {
                             Ok(gpu.matmul(&Matmul {
                                 ty,
                                 w: base + ((i % copies) * step) as u64,
@@ -572,6 +627,7 @@ impl Bench {
                         let moved = (bytes + 4 * m * k + 4 * m * n) as f64;
                         self.push(json!({
                             "section": "prefill", "name": name, "us": secs * 1e6,
+                            "host_us": host * 1e6,
                             "flops": flops, "tflop_s": flops / secs / 1e12,
                             "of_mma": flops / secs / self.mma_rate,
                             "bytes": moved, "gb_s": moved / secs / 1e9,
@@ -617,15 +673,20 @@ impl Bench {
             .with_context(|| format!("loading {}", path.display()))?;
         let load_secs = t.elapsed().as_secs_f64();
         let per_token = active_bytes(&file, &cfg);
-        let prompt: Vec<u32> = (0..8).map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32).collect();
+        let prompt: Vec<u32> = (0..8)
+            .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
+            .collect();
         let mut cache = model.new_cache(prompt.len() + tokens + 8);
-        model.backend.download(&model.forward(&mut cache, &prompt, &mut Taps::none())?);
+        model
+            .backend
+            .download(&model.forward(&mut cache, &prompt, &mut Taps::none())?);
         let mut next = 1u32;
         let mut step = |cache: &mut _| -> Result<f64> {
             let t = Instant::now();
-            let logits = model
-                .backend
-                .download(&model.forward(cache, &[next], &mut Taps::none())?);
+            let logits =
+                model
+                    .backend
+                    .download(&model.forward(cache, &[next], &mut Taps::none())?);
             next = argmax(&logits) as u32;
             Ok(t.elapsed().as_secs_f64())
         };
@@ -648,7 +709,9 @@ impl Bench {
             if n == 0 {
                 continue;
             }
-            let ids: Vec<u32> = (0..n).map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32).collect();
+            let ids: Vec<u32> = (0..n)
+                .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
+                .collect();
             let run = || -> Result<f64> {
                 let mut cache = model.new_cache(n);
                 let t = Instant::now();
@@ -729,7 +792,10 @@ fn print_row(row: &Value) {
         line += &format!(" {:>5.1}% of copy", 100.0 * r);
     }
     if let Some(t) = f("tflop_s") {
-        line += &format!(" {t:>7.1} TFLOP/s {:>5.1}% of mma", 100.0 * f("of_mma").unwrap_or(0.0));
+        line += &format!(
+            " {t:>7.1} TFLOP/s {:>5.1}% of mma",
+            100.0 * f("of_mma").unwrap_or(0.0)
+        );
     }
     if let Some(t) = f("tok_s") {
         line += &format!(" {t:>9.1} tok/s");
@@ -746,26 +812,59 @@ fn profile_token(path: &Path) -> Result<()> {
     let cfg = ModelConfig::from_gguf(&file)?;
     let model = Model::load(cfg.clone(), Cuda::new(0)?, &GgufTensors(file))?;
     let mut cache = model.new_cache(16);
-    model.backend.download(&model.forward(&mut cache, &[1, 2, 3, 4], &mut Taps::none())?);
+    model
+        .backend
+        .download(&model.forward(&mut cache, &[1, 2, 3, 4], &mut Taps::none())?);
     for id in [5, 6] {
-        model.backend.download(&model.forward(&mut cache, &[id], &mut Taps::none())?);
+        model
+            .backend
+            .download(&model.forward(&mut cache, &[id], &mut Taps::none())?);
     }
     // SAFETY: plain driver calls on the current context, which Model's backend made current.
     unsafe { cudarc::driver::sys::cuProfilerStart() }.result()?;
-    model.backend.download(&model.forward(&mut cache, &[7], &mut Taps::none())?);
+    model
+        .backend
+        .download(&model.forward(&mut cache, &[7], &mut Taps::none())?);
     unsafe { cudarc::driver::sys::cuProfilerStop() }.result()?;
+    Ok(())
+}
+
+/// Puts the running `xtask` binary (stripped; it holds bench and synth) and bench.sh into the
+/// GPU bundle `out`.
+pub fn add_to_bundle(root: &Path, out: &Path) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let status = std::process::Command::new("strip")
+        .arg("-o")
+        .arg(out.join("xtask"))
+        .arg(&exe)
+        .status()
+        .context("running strip")?;
+    if !status.success() {
+        bail!("strip {} failed: {status}", exe.display());
+    }
+    std::fs::copy(root.join("xtask/bench.sh"), out.join("bench.sh")).context("copying bench.sh")?;
     Ok(())
 }
 
 pub fn run(args: Args) -> Result<()> {
     if args.profile_token {
-        let path = args.model.first().context("--profile-token needs --model")?;
+        let path = args
+            .model
+            .first()
+            .context("--profile-token needs --model")?;
         return profile_token(path);
     }
     let mut bench = Bench::new(args.quick, args.filter.clone())?;
-    println!("{} ({}, {} SMs)", bench.gpu.name, bench.gpu.arch, bench.gpu.multiprocessors);
-    bench.ceilings()?;
-    bench.kernels()?;
+    println!(
+        "{} ({}, {} SMs)",
+        bench.gpu.name, bench.gpu.arch, bench.gpu.multiprocessors
+    );
+    if !args.quick {
+        bench.ceilings()?;
+    }
+    if !args.skip_kernels {
+        bench.kernels()?;
+    }
     for path in &args.model {
         if let Err(e) = bench.model(path, args.tokens, &args.prefill) {
             println!("model {}: {e:#}", path.display());
