@@ -882,3 +882,47 @@ pub fn run(args: Args) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct SynthCli {
+        #[command(flatten)]
+        args: synth::Args,
+    }
+
+    /// The bytes a decode token reads, counted from the file's tensor table, agree with the
+    /// count synth makes from its own plan, for both families, with an MTP block the engine
+    /// skips and the experts that a token does not select.
+    #[test]
+    fn active_bytes_agree_with_the_synth_plan() {
+        for arch in ["glm-dsa", "deepseek2"] {
+            let path = std::env::temp_dir().join(format!(
+                "mla-bench-active-{arch}-{}.gguf",
+                std::process::id()
+            ));
+            let cli = SynthCli::parse_from([
+                "synth",
+                "--arch",
+                arch,
+                "--layers",
+                "3",
+                "--nextn",
+                "1",
+                "--tiny",
+                path.to_str().unwrap(),
+            ]);
+            let spec = synth::Spec::from_args(&cli.args).unwrap();
+            let summary = synth::synthesize(&spec, &path, false).unwrap();
+            let file = GgufFile::open(&path).unwrap();
+            let cfg = ModelConfig::from_gguf(&file).unwrap();
+            let counted = active_bytes(&file, &cfg);
+            std::fs::remove_file(&path).unwrap();
+            assert_eq!(counted, summary.active_bytes as f64, "{arch}");
+        }
+    }
+}
