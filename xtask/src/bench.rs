@@ -314,6 +314,23 @@ impl Bench {
         ))
     }
 
+    /// The timing of a row, or None after recording why it failed, so that one bad row (a
+    /// shape a kernel refuses) does not cost the rest of the run.
+    fn ok_or_report(
+        &mut self,
+        section: &str,
+        name: &str,
+        timed: Result<(f64, f64)>,
+    ) -> Option<(f64, f64)> {
+        match timed {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.push(json!({"section": section, "name": name, "error": format!("{e:#}")}));
+                None
+            }
+        }
+    }
+
     fn push(&mut self, row: Value) {
         print_row(&row);
         self.rows.push(row);
@@ -424,7 +441,7 @@ impl Bench {
                     let bytes = rows * row_bytes;
                     let (copies, step) = rotation(bytes, ARENA_BYTES);
                     let gpu = self.gpu.clone();
-                    let (secs, host) = self.time(|i| {
+                    let timed = self.time(|i| {
                         Ok(gpu.matvec(&Matvec {
                             ty,
                             w: base + ((i % copies) * step) as u64,
@@ -440,7 +457,10 @@ impl Bench {
                             y_stride: rows,
                             batch: 1,
                         })?)
-                    })?;
+                    });
+                    let Some((secs, host)) = self.ok_or_report("matvec", &name, timed) else {
+                        continue;
+                    };
                     let moved = (bytes + 4 * k + 4 * rows) as f64;
                     self.push_bw(
                         "matvec",
@@ -518,13 +538,16 @@ impl Bench {
                     y_stride: rows,
                     batch: MOE_USED,
                 };
-                let (secs, host) = self.time(|i| {
+                let timed = self.time(|i| {
                     gpu.matvec(&item(gate_w, gate_bytes, f, e, x, MOE_USED, e, g, i))?;
                     gpu.matvec(&item(up_w, gate_bytes, f, e, x, MOE_USED, e, u, i))?;
                     gpu.silu_mul(g, u, g, MOE_USED * f)?;
                     gpu.matvec(&item(down_w, down_bytes, e, f, g, 1, f, d, i))?;
                     Ok(())
-                })?;
+                });
+                let Some((secs, host)) = self.ok_or_report("moe", &name, timed) else {
+                    continue;
+                };
                 let moved = MOE_USED as f64 * (2.0 * gate_bytes as f64 + down_bytes as f64)
                     + 4.0 * (e + 3 * MOE_USED * f + MOE_USED * e) as f64;
                 self.push_bw(
@@ -555,7 +578,7 @@ impl Bench {
                 let q_bytes = 4 * h * (dl + dr);
                 let (copies, step) = rotation(cache_bytes + q_bytes, ARENA_BYTES);
                 let gpu = self.gpu.clone();
-                let (secs, host) = self.time(|i| {
+                let timed = self.time(|i| {
                     let at = base + ((i % copies) * step) as u64;
                     Ok(gpu.mla_decode(&MlaDecode {
                         q_lat: at + cache_bytes as u64,
@@ -574,7 +597,10 @@ impl Bench {
                         out: scratch,
                         out_tok: h * dl,
                     })?)
-                })?;
+                });
+                let Some((secs, host)) = self.ok_or_report("mla", &name, timed) else {
+                    continue;
+                };
                 let (splits, per) = self.gpu.mla_decode_splits(s, h);
                 let moved = (cache_bytes + q_bytes + 4 * h * dl) as f64;
                 self.push_bw(
@@ -608,7 +634,7 @@ impl Bench {
                         let bytes = n * ty.row_bytes(k).context("whole blocks")?;
                         let (copies, step) = rotation(bytes, ARENA_BYTES);
                         let gpu = self.gpu.clone();
-                        let (secs, host) = self.time(|i| {
+                        let timed = self.time(|i| {
                             Ok(gpu.matmul(&Matmul {
                                 ty,
                                 w: base + ((i % copies) * step) as u64,
@@ -622,7 +648,10 @@ impl Bench {
                                 n,
                                 k,
                             })?)
-                        })?;
+                        });
+                        let Some((secs, host)) = self.ok_or_report("prefill", &name, timed) else {
+                            continue;
+                        };
                         let flops = 2.0 * (m * n * k) as f64;
                         let moved = (bytes + 4 * m * k + 4 * m * n) as f64;
                         self.push(json!({
@@ -799,6 +828,9 @@ fn print_row(row: &Value) {
     }
     if let Some(t) = f("tok_s") {
         line += &format!(" {t:>9.1} tok/s");
+    }
+    if let Some(e) = row.get("error").and_then(Value::as_str) {
+        line += &format!(" FAILED: {e}");
     }
     if let Some(h) = f("host_us") {
         line += &format!(" (host {h:.2} us)");
