@@ -67,7 +67,7 @@ def main() -> None:
         }
         if "max_abs_diff_vs_hf_checkpoint" in summary:
             entry["max_abs_diff_vs_hf_checkpoint"] = summary["max_abs_diff_vs_hf_checkpoint"]
-        if entry["committed"]:
+        if name not in pipeline.SCRATCH_REFS:
             entry["refs"] = sorted(f for f in files if f.startswith(f"refs/{name}.p"))
         ggufs[name] = entry
 
@@ -76,6 +76,14 @@ def main() -> None:
         config = json.loads((pipeline.HF / name / "config.json").read_text())
         models[name] = {"seed": seed, "tokenizer": family, "pre_tokenizer": pipeline.PRE_TOKENIZER[name],
                         "config": config}
+
+    story = json.loads((pipeline.HF / "story" / "config.json").read_text())
+    models["story"] = {
+        "tokenizer": "ds",
+        "pre_tokenizer": pipeline.PRE_TOKENIZER["story"],
+        "training": json.loads((pipeline.WORK / "summaries" / "story.train.json").read_text()),
+        "config": story,
+    }
 
     manifest = {
         "about": "Written by `cargo xtask golden`; see golden/README.md. Do not edit.",

@@ -1,7 +1,7 @@
 """The steps of `cargo xtask golden`, one per invocation: `python golden/pipeline.py STEP`.
 
-Steps, in order: models, convert, quantize, refs, tokenizer_cases, manifest (the quant fixtures
-step runs golden/quant_fixtures.py directly). Every step reads what the previous ones wrote,
+Steps, in order: models, convert, story, quantize, refs, tokenizer_cases, manifest (the quant
+fixtures step runs golden/quant_fixtures.py directly). Every step reads what the previous ones wrote,
 under target/golden/ (scratch) and golden/ (the committed fixtures), and writes deterministically.
 """
 
@@ -29,7 +29,7 @@ PROMPTS = [
     "And Noah was 600 years old when the flood of waters was upon the earth, and he went in.",
 ]
 
-PRE_TOKENIZER = {"ds3": "deepseek-v3", "v2lite": "deepseek-v3", "glm5": "glm4"}
+PRE_TOKENIZER = {"ds3": "deepseek-v3", "v2lite": "deepseek-v3", "glm5": "glm4", "story": "deepseek-v3"}
 
 # Every GGUF: (file, model, how it is made). Files under SCRATCH are not committed.
 MIX_OVERRIDES = [
@@ -53,8 +53,11 @@ FILES = {
     "glm5.q8_0": ("glm5", "converter --outtype q8_0"),
     "v2lite.f32": ("v2lite", "converter --outtype f32 (scratch: only for the checkpoint check)"),
     "v2lite.q8_0": ("v2lite", "converter --outtype q8_0 --split-max-tensors 20: a split set of 3 shards"),
+    "story.q8_0": ("story", "story.py (ds3 layout trained on Genesis), converter --outtype q8_0"),
 }
 SCRATCH_FILES = {"glm5.f32", "v2lite.f32", "ds3.legacy-f32"}
+# Files whose references stay in target/ (the manifest keeps their figures): size.
+SCRATCH_REFS = SCRATCH_FILES | {"story.q8_0"}
 V2LITE_SPLIT_TENSORS = 20
 
 
@@ -93,6 +96,11 @@ def step_convert() -> None:
         raise SystemExit(f"expected 3 v2lite shards, got {[s.name for s in shards]}")
 
 
+def step_story() -> None:
+    run([PY, GOLDEN / "story.py", HF, HF / "story", WORK / "summaries" / "story.train.json"])
+    convert("story", gguf_path("story.q8_0"), "--outtype", "q8_0")
+
+
 def step_quantize() -> None:
     run([PY, GOLDEN / "quantize.py", "ftype", gguf_path("ds3.f32"), gguf_path("ds3.q4_k_m"), "Q4_K_M"])
     overrides = [f"{pattern}={qtype}" for pattern, qtype in MIX_OVERRIDES]
@@ -107,7 +115,7 @@ def step_refs() -> None:
         stale.unlink()
     for name, (model, _) in FILES.items():
         path = gguf_path(name)
-        prefix = (WORK / "refs" if name in SCRATCH_FILES else REFS) / name
+        prefix = (WORK / "refs" if name in SCRATCH_REFS else REFS) / name
         cmd = [PY, GOLDEN / "reference.py", "--gguf", path, "--tokenizer", HF / model,
                "--out", prefix, "--summary", WORK / "summaries" / f"{name}.json", "--llamacpp"]
         if name.endswith(".f32"):
@@ -137,6 +145,7 @@ def step_manifest() -> None:
 STEPS = {
     "models": step_models,
     "convert": step_convert,
+    "story": step_story,
     "quantize": step_quantize,
     "refs": step_refs,
     "tokenizer_cases": step_tokenizer_cases,

@@ -196,6 +196,7 @@ impl Tokenizer {
 }
 
 /// Turns a stream of ids into text pieces, holding back bytes of an incomplete UTF-8 character.
+/// Special tokens (a BOS the model emits between documents, say) print nothing.
 pub struct TextStream {
     ids: Vec<u32>,
     printed: usize,
@@ -212,7 +213,7 @@ impl TextStream {
     /// The new text after appending `id` ("" while a character is incomplete).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> String {
         self.ids.push(id);
-        let text = tok.decode(&self.ids);
+        let text = tok.inner.decode(&self.ids, true).unwrap_or_default();
         if text.ends_with('\u{FFFD}') {
             return String::new();
         }

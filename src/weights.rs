@@ -239,11 +239,15 @@ impl<W> Loader<'_, W> {
             .ok_or_else(|| WeightsError::Missing {
                 tensor: name.to_string(),
             })?;
-        let mut found = t.ne.clone();
-        while found.len() > ne.len() && found.last() == Some(&1) {
-            found.pop();
-        }
-        if found != ne {
+        // Writers may keep or drop trailing dimensions of 1 ({dn, kv_lora, 1} or {dn, kv_lora}).
+        let trim = |d: &[usize]| {
+            let mut d = d.to_vec();
+            while d.len() > 1 && d.last() == Some(&1) {
+                d.pop();
+            }
+            d
+        };
+        if trim(&t.ne) != trim(ne) {
             return Err(WeightsError::Shape {
                 tensor: name.to_string(),
                 expected: ne.to_vec(),

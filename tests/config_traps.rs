@@ -14,15 +14,31 @@ use std::path::{Path, PathBuf};
 /// Copies `src` to a scratch file without the keys in `drop`, with `retype` changing one
 /// tensor to another type (its bytes zeroed).
 fn rewrite(src: &Path, name: &str, drop: &[&str], retype: Option<(&str, GgmlType)>) -> PathBuf {
+    rewrite_with(src, name, drop, &[], &[], retype)
+}
+
+/// `rewrite`, also setting the keys `set` and adding zero-filled F32 tensors `extra`.
+fn rewrite_with(
+    src: &Path,
+    name: &str,
+    drop: &[&str],
+    set: &[(&str, Value)],
+    extra: &[(&str, Vec<u64>)],
+    retype: Option<(&str, GgmlType)>,
+) -> PathBuf {
     let file = GgufFile::open(src).unwrap();
     let dir = std::env::temp_dir().join(format!("mla-engine-traps-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let dst = dir.join(name);
     let mut w = GgufWriter::new(&dst, 32).unwrap();
     for (k, v) in file.metadata() {
-        if !drop.contains(&k.as_str()) && k != "general.alignment" {
+        let replaced = set.iter().any(|(key, _)| key == k);
+        if !drop.contains(&k.as_str()) && !replaced && k != "general.alignment" {
             w.add_kv(k, v.clone()).unwrap();
         }
+    }
+    for (k, v) in set {
+        w.add_kv(k, v.clone()).unwrap();
     }
     let ty = |t: &mla_engine::gguf::TensorInfo| match retype {
         Some((n, ty)) if n == t.name => ty,
@@ -30,6 +46,9 @@ fn rewrite(src: &Path, name: &str, drop: &[&str], retype: Option<(&str, GgmlType
     };
     for t in file.tensors() {
         w.add_tensor(&t.name, ty(t), &t.ne).unwrap();
+    }
+    for (n, ne) in extra {
+        w.add_tensor(n, GgmlType::F32, ne).unwrap();
     }
     w.write_header().unwrap();
     for t in file.tensors() {
@@ -39,6 +58,10 @@ fn rewrite(src: &Path, name: &str, drop: &[&str], retype: Option<(&str, GgmlType
             let n = mla_engine::gguf::tensor_bytes(ty(t), &t.ne).unwrap();
             w.write_tensor(&t.name, &vec![0u8; n as usize]).unwrap();
         }
+    }
+    for (n, ne) in extra {
+        w.write_tensor(n, &vec![0u8; 4 * ne.iter().product::<u64>() as usize])
+            .unwrap();
     }
     w.finish().unwrap();
     dst
@@ -119,4 +142,40 @@ fn unsupported_architecture_is_refused() {
         ),
         "{err}"
     );
+}
+
+/// GLM-5 files count the MTP (nextn) block in block_count. The engine runs only the real
+/// layers: a file declaring one more block as nextn, with that block's tensors present, gives
+/// the same stages as the original.
+#[test]
+fn nextn_layers_are_skipped() {
+    let src = model_path("glm5.q8_0");
+    let n_layer = ModelConfig::from_gguf(&GgufFile::open(&src).unwrap())
+        .unwrap()
+        .n_layer;
+    let e = 256u64;
+    let path = rewrite_with(
+        &src,
+        "glm5-mtp.gguf",
+        &[],
+        &[
+            ("glm-dsa.block_count", Value::U32(n_layer as u32 + 1)),
+            ("glm-dsa.nextn_predict_layers", Value::U32(1)),
+        ],
+        &[
+            (
+                &format!("blk.{n_layer}.nextn.eh_proj.weight"),
+                vec![2 * e, e],
+            ),
+            (&format!("blk.{n_layer}.attn_norm.weight"), vec![e]),
+        ],
+        None,
+    );
+    let model = Model::open(&path, Cpu).unwrap();
+    assert_eq!((model.cfg.n_layer, model.cfg.n_nextn), (n_layer, 1));
+    let reference = load_ref("glm5.q8_0", 0);
+    let ours = traced_prefill(&model, &ref_tokens(&reference));
+    for (name, cmp) in compare(&ours, &reference) {
+        assert!(!cmp.diverges(1e-5), "{name}: {cmp:?}");
+    }
 }

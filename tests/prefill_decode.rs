@@ -42,3 +42,44 @@ fn prefill_equals_prefill_then_decode(
     let err = relative_error(&stepped, &one_prefill);
     assert!(err < BOUND, "{variant} k={k}: relative error {err:.2e}");
 }
+
+/// A prefill in two chunks (the second one expanded over a cache that already holds the first)
+/// equals one prefill: positions, the causal mask and DSA's selection all continue from pos0.
+#[rstest]
+fn chunked_prefill_equals_one_prefill(
+    #[values(
+        "ds3.f32",
+        "ds3.q8_0",
+        "ds3.q4_k_m",
+        "ds3.mix",
+        "ds3.legacy-q8_0",
+        "glm5.q8_0",
+        "v2lite.q8_0"
+    )]
+    variant: &str,
+    #[values(3, 10)] k: usize,
+) {
+    let model = load(variant);
+    let tokens = ref_tokens(&load_ref(variant, 1));
+    let mut cache = model.new_cache(model.cfg.n_ctx);
+    let one = model.backend.download(
+        &model
+            .forward(&mut cache, &tokens, &mut Taps::none())
+            .unwrap(),
+    );
+    let mut cache = model.new_cache(model.cfg.n_ctx);
+    let mut chunked = model.backend.download(
+        &model
+            .forward(&mut cache, &tokens[..k], &mut Taps::none())
+            .unwrap(),
+    );
+    chunked.extend(
+        model.backend.download(
+            &model
+                .forward(&mut cache, &tokens[k..], &mut Taps::none())
+                .unwrap(),
+        ),
+    );
+    let err = relative_error(&chunked, &one);
+    assert!(err < BOUND, "{variant} k={k}: relative error {err:.2e}");
+}

@@ -328,3 +328,35 @@ fn the_engine_loads_and_runs_a_synthetic_file() {
         std::fs::remove_file(&path).unwrap();
     }
 }
+
+#[test]
+fn bad_arguments_are_refused_with_a_reason() {
+    let args = |quant: &str, layers, vocab| synth::Args {
+        arch: SynthArch::Deepseek2,
+        layers,
+        quant: quant.into(),
+        dense: 1,
+        nextn: 0,
+        tiny: false,
+        vocab,
+        seed: 0,
+        out: "never.gguf".into(),
+    };
+    let spec = Spec::from_args(&args("iq4_xs", 4, Some(4096))).unwrap();
+    assert_eq!(
+        (spec.mix, spec.shape.n_vocab, spec.shape.n_embd),
+        (GgmlType::IQ4_XS, 4096, 7168)
+    );
+    for (a, message) in [
+        (
+            args("q9_k", 4, None),
+            "--quant q9_k: expected one of F32, F16",
+        ),
+        (args("iq2_xxs", 4, None), "--quant iq2_xxs: expected one of"),
+        (args("q4_k", 0, None), "--layers must be at least 1"),
+        (args("q4_k", 4, Some(300)), "--vocab 300: at least 512"),
+    ] {
+        let err = Spec::from_args(&a).unwrap_err().to_string();
+        assert!(err.contains(message), "{err}");
+    }
+}

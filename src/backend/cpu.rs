@@ -169,9 +169,12 @@ impl Backend for Cpu {
                 Some(v)
             }
         };
+        // Trailing dimensions of 1 may be absent in the file: {dn, kv_lora} is {dn, kv_lora, 1}.
+        let mut ne = t.ne.clone();
+        ne.resize(ne.len().max(3), 1);
         Ok(CpuWeight {
             ggml_type: t.ggml_type,
-            ne: t.ne.clone(),
+            ne,
             bytes: t.bytes.clone(),
             values,
         })

@@ -41,7 +41,7 @@ pub fn run(args: Args) -> Result<()> {
         });
     }
     let started = Instant::now();
-    for name in ["models", "convert", "quantize"] {
+    for name in ["models", "convert", "story", "quantize"] {
         step(name, || python_run(&python, &["golden/pipeline.py", name]))?;
     }
     step("quant blocks", || {

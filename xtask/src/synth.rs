@@ -55,6 +55,10 @@ pub struct Args {
     /// Small widths with the same structure, for tests (hidden 256, 16 experts, vocab 1024).
     #[arg(long)]
     pub tiny: bool,
+    /// Vocabulary size instead of the real one: full-width layers with a small embedding and
+    /// head, so that a transformers reference of a slice fits in a laptop's memory.
+    #[arg(long)]
+    pub vocab: Option<usize>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Output file.
@@ -210,9 +214,16 @@ impl Spec {
         if args.layers == 0 {
             bail!("--layers must be at least 1");
         }
+        let mut shape = Shape::of(args.arch, args.tiny);
+        if let Some(n_vocab) = args.vocab {
+            if n_vocab < 512 {
+                bail!("--vocab {n_vocab}: at least 512 (special and byte tokens come first)");
+            }
+            shape.n_vocab = n_vocab;
+        }
         Ok(Spec {
             arch: args.arch,
-            shape: Shape::of(args.arch, args.tiny),
+            shape,
             n_layer: args.layers,
             n_dense: args.dense,
             n_nextn: args.nextn,
@@ -275,7 +286,7 @@ impl Planned {
 /// (attn_k_b rows of 128 or 192): the 32-element type of about the same precision.
 pub fn fit_type(mix: GgmlType, row_len: usize) -> GgmlType {
     let fallback = match mix {
-        _ if row_len % mix.block_size() == 0 => return mix,
+        _ if row_len.is_multiple_of(mix.block_size()) => return mix,
         GgmlType::Q4_K => GgmlType::Q5_0,
         GgmlType::Q5_K => GgmlType::Q5_1,
         GgmlType::Q6_K => GgmlType::Q8_0,
@@ -283,7 +294,7 @@ pub fn fit_type(mix: GgmlType, row_len: usize) -> GgmlType {
         GgmlType::Q2_K | GgmlType::Q3_K => GgmlType::Q4_0,
         _ => GgmlType::F16,
     };
-    if row_len % fallback.block_size() == 0 {
+    if row_len.is_multiple_of(fallback.block_size()) {
         fallback
     } else {
         GgmlType::F16

@@ -25,8 +25,8 @@ use std::time::Instant;
 
 /// The model run when --model is not given: a tiny DeepSeek-V3-shaped model (random weights,
 /// 1000-token BPE vocabulary) from golden/, so `generate --prompt ...` works anywhere.
-const DEFAULT_MODEL: &[u8] = include_bytes!("../../../golden/models/ds3.q8_0.gguf");
-const DEFAULT_MODEL_NAME: &str = "<embedded ds3.q8_0.gguf>";
+const DEFAULT_MODEL: &[u8] = include_bytes!("../../../golden/models/story.q8_0.gguf");
+const DEFAULT_MODEL_NAME: &str = "<embedded story.q8_0.gguf>";
 
 /// Files above this size get a progress bar while their pages are read in.
 const PROGRESS_BAR_BYTES: u64 = 1 << 30;
