@@ -277,12 +277,24 @@ fn kv_file(n_kv: u64, entries: &Enc) -> Vec<u8> {
     e.0
 }
 
-/// A file with one tensor entry (already encoded) and no metadata.
-fn tensor_file(entry: &Enc) -> Vec<u8> {
+/// A file with `n_tensors` tensor entries (already encoded), no metadata, and the data section's
+/// start padded to the default alignment of 32 but nothing in it.
+fn tensors_file(n_tensors: u64, entries: &Enc) -> Vec<u8> {
     let mut e = Enc::default();
-    e.raw(b"GGUF").u32(3).u64(1).u64(0).raw(&entry.0).pad_to(32);
-    e.0.resize(e.0.len() + 4096, 0);
+    e.raw(b"GGUF")
+        .u32(3)
+        .u64(n_tensors)
+        .u64(0)
+        .raw(&entries.0)
+        .pad_to(32);
     e.0
+}
+
+/// A file with one tensor entry (already encoded), no metadata, and 4096 bytes of data.
+fn tensor_file(entry: &Enc) -> Vec<u8> {
+    let mut bytes = tensors_file(1, entry);
+    bytes.resize(bytes.len() + 4096, 0);
+    bytes
 }
 
 #[test]
@@ -413,15 +425,9 @@ fn invalid_tensor_entries() {
     let mut entries = Enc::default();
     entries.str("t").u32(1).u64(8).u32(0).u64(0);
     entries.str("t").u32(1).u64(8).u32(0).u64(32);
-    let mut e = Enc::default();
-    e.raw(b"GGUF")
-        .u32(3)
-        .u64(2)
-        .u64(0)
-        .raw(&entries.0)
-        .pad_to(32)
-        .raw(&[0; 64]);
-    let err = parse_err(&e.0);
+    let mut bytes = tensors_file(2, &entries);
+    bytes.extend([0; 64]);
+    let err = parse_err(&bytes);
     assert!(
         matches!(&err, GgufError::DuplicateTensor { offset: 57, tensor, .. } if tensor == "t"),
         "{err}"
@@ -433,14 +439,7 @@ fn empty_tensors_may_share_an_offset() {
     let mut entries = Enc::default();
     entries.str("e1").u32(2).u64(0).u64(4).u32(0).u64(0);
     entries.str("e2").u32(1).u64(0).u32(0).u64(0);
-    let mut e = Enc::default();
-    e.raw(b"GGUF")
-        .u32(3)
-        .u64(2)
-        .u64(0)
-        .raw(&entries.0)
-        .pad_to(32);
-    let f = parse(&e.0).unwrap();
+    let f = parse(&tensors_file(2, &entries)).unwrap();
     assert_eq!(
         f.tensors().iter().map(|t| t.n_bytes).collect::<Vec<_>>(),
         [0, 0]

@@ -37,39 +37,55 @@ impl Rng {
     }
 }
 
-#[rstest]
-#[case::f32(GgmlType::F32)]
-#[case::f16(GgmlType::F16)]
-#[case::bf16(GgmlType::BF16)]
-#[case::q4_0(GgmlType::Q4_0)]
-#[case::q4_1(GgmlType::Q4_1)]
-#[case::q5_0(GgmlType::Q5_0)]
-#[case::q5_1(GgmlType::Q5_1)]
-#[case::q8_0(GgmlType::Q8_0)]
-#[case::q2_k(GgmlType::Q2_K)]
-#[case::q3_k(GgmlType::Q3_K)]
-#[case::q4_k(GgmlType::Q4_K)]
-#[case::q5_k(GgmlType::Q5_K)]
-#[case::q6_k(GgmlType::Q6_K)]
-#[case::iq4_nl(GgmlType::IQ4_NL)]
-#[case::iq4_xs(GgmlType::IQ4_XS)]
-fn dequantize_is_bit_exact_with_gguf_py(#[case] t: GgmlType) {
-    let (blocks, expected) = fixture(t);
-    assert_eq!(t.row_bytes(expected.len()), Some(blocks.len()));
-    let mut got = vec![f32::NAN; expected.len()];
-    quant::dequantize(t, &blocks, &mut got).unwrap();
-    let mismatches: Vec<usize> = (0..got.len())
-        .filter(|&i| got[i].to_bits() != expected[i].to_bits())
-        .collect();
-    assert!(
-        mismatches.is_empty(),
-        "{t}: {} of {} values differ, first at {}: got {:e}, gguf-py {:e}",
-        mismatches.len(),
-        got.len(),
-        mismatches[0],
-        got[mismatches[0]],
-        expected[mismatches[0]]
-    );
+/// An rstest with one case per supported type (those of golden/quant/), wrapped around a test
+/// function of one argument `t: GgmlType`.
+macro_rules! every_supported_type {
+    (
+        $(#[$($attr:tt)*])*
+        fn $name:ident($t:ident: GgmlType) { $($body:tt)* }
+    ) => {
+        $(#[$($attr)*])*
+        #[rstest]
+        #[case::f32(GgmlType::F32)]
+        #[case::f16(GgmlType::F16)]
+        #[case::bf16(GgmlType::BF16)]
+        #[case::q4_0(GgmlType::Q4_0)]
+        #[case::q4_1(GgmlType::Q4_1)]
+        #[case::q5_0(GgmlType::Q5_0)]
+        #[case::q5_1(GgmlType::Q5_1)]
+        #[case::q8_0(GgmlType::Q8_0)]
+        #[case::q2_k(GgmlType::Q2_K)]
+        #[case::q3_k(GgmlType::Q3_K)]
+        #[case::q4_k(GgmlType::Q4_K)]
+        #[case::q5_k(GgmlType::Q5_K)]
+        #[case::q6_k(GgmlType::Q6_K)]
+        #[case::iq4_nl(GgmlType::IQ4_NL)]
+        #[case::iq4_xs(GgmlType::IQ4_XS)]
+        fn $name(#[case] $t: GgmlType) {
+            $($body)*
+        }
+    };
+}
+
+every_supported_type! {
+    fn dequantize_is_bit_exact_with_gguf_py(t: GgmlType) {
+        let (blocks, expected) = fixture(t);
+        assert_eq!(t.row_bytes(expected.len()), Some(blocks.len()));
+        let mut got = vec![f32::NAN; expected.len()];
+        quant::dequantize(t, &blocks, &mut got).unwrap();
+        let mismatches: Vec<usize> = (0..got.len())
+            .filter(|&i| got[i].to_bits() != expected[i].to_bits())
+            .collect();
+        assert!(
+            mismatches.is_empty(),
+            "{t}: {} of {} values differ, first at {}: got {:e}, gguf-py {:e}",
+            mismatches.len(),
+            got.len(),
+            mismatches[0],
+            got[mismatches[0]],
+            expected[mismatches[0]]
+        );
+    }
 }
 
 /// Byte offset of the f16 `d` of the formats whose element is `scale part - min part`; a block
@@ -82,77 +98,63 @@ fn d_offset_of_min_formats(t: GgmlType) -> Option<usize> {
     }
 }
 
-/// `dot` against the f64 dot of the dequantized row. Whatever order and grouping `dot` sums in
-/// (per block, per sub-block, factored scales), each term a_i x_i = (s_i - m_i) x_i, with s_i
-/// the scale part and m_i the min part (both exact products of the stored fields), passes
-/// through at most n + 16 f32 roundings (product, block sum, scale, min, block and row
-/// accumulation), so by Higham's bound
-///     |dot - sum a_i x_i| <= gamma_{n+16} * sum (|s_i| + |m_i|) |x_i|,  gamma_k = k u / (1 - k u),
-/// u = 2^-24, where |s_i| + |m_i| <= |a_i| + 2 |m_i| (one more u covers a_i's own rounding,
-/// already inside the 16 spare steps).
-#[rstest]
-#[case::f32(GgmlType::F32)]
-#[case::f16(GgmlType::F16)]
-#[case::bf16(GgmlType::BF16)]
-#[case::q4_0(GgmlType::Q4_0)]
-#[case::q4_1(GgmlType::Q4_1)]
-#[case::q5_0(GgmlType::Q5_0)]
-#[case::q5_1(GgmlType::Q5_1)]
-#[case::q8_0(GgmlType::Q8_0)]
-#[case::q2_k(GgmlType::Q2_K)]
-#[case::q3_k(GgmlType::Q3_K)]
-#[case::q4_k(GgmlType::Q4_K)]
-#[case::q5_k(GgmlType::Q5_K)]
-#[case::q6_k(GgmlType::Q6_K)]
-#[case::iq4_nl(GgmlType::IQ4_NL)]
-#[case::iq4_xs(GgmlType::IQ4_XS)]
-fn dot_is_within_rounding_of_f64_dot(#[case] t: GgmlType) {
-    let (blocks, values) = fixture(t);
-    let bs = t.block_size();
-    let ts = t.type_size();
-    let n_blocks = blocks.len() / ts;
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ t.id() as u64);
-    // Row lengths in blocks (floats: in elements): one, odd counts, the whole fixture.
-    let lengths: &[usize] = if bs == 1 {
-        &[1, 7, 8, 63, 64, 65, 1000, 4096]
-    } else {
-        &[1, 2, 3, 5, 8, 13, 64]
-    };
-    for &len in lengths {
-        // Rows start at different blocks so that each length sees different data.
-        let first = (len * 7) % (n_blocks - len + 1);
-        let row = &blocks[first * ts..(first + len) * ts];
-        let a = &values[first * bs..(first + len) * bs];
-        let n = a.len();
-        let x: Vec<f32> = (0..n).map(|_| rng.next_f32()).collect();
-
-        let mins = match d_offset_of_min_formats(t) {
-            Some(off) => {
-                let mut zeroed = row.to_vec();
-                for b in zeroed.chunks_exact_mut(ts) {
-                    b[off..off + 2].fill(0);
-                }
-                let mut m = vec![0f32; n];
-                quant::dequantize(t, &zeroed, &mut m).unwrap();
-                m
-            }
-            None => vec![0f32; n],
+every_supported_type! {
+    /// `dot` against the f64 dot of the dequantized row. Whatever order and grouping `dot` sums in
+    /// (per block, per sub-block, factored scales), each term a_i x_i = (s_i - m_i) x_i, with s_i
+    /// the scale part and m_i the min part (both exact products of the stored fields), passes
+    /// through at most n + 16 f32 roundings (product, block sum, scale, min, block and row
+    /// accumulation), so by Higham's bound
+    ///     |dot - sum a_i x_i| <= gamma_{n+16} * sum (|s_i| + |m_i|) |x_i|,
+    /// gamma_k = k u / (1 - k u), u = 2^-24, where |s_i| + |m_i| <= |a_i| + 2 |m_i| (one more u
+    /// covers a_i's own rounding, already inside the 16 spare steps).
+    fn dot_is_within_rounding_of_f64_dot(t: GgmlType) {
+        let (blocks, values) = fixture(t);
+        let bs = t.block_size();
+        let ts = t.type_size();
+        let n_blocks = blocks.len() / ts;
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ t.id() as u64);
+        // Row lengths in blocks (floats: in elements): one, odd counts, the whole fixture.
+        let lengths: &[usize] = if bs == 1 {
+            &[1, 7, 8, 63, 64, 65, 1000, 4096]
+        } else {
+            &[1, 2, 3, 5, 8, 13, 64]
         };
+        for &len in lengths {
+            // Rows start at different blocks so that each length sees different data.
+            let first = (len * 7) % (n_blocks - len + 1);
+            let row = &blocks[first * ts..(first + len) * ts];
+            let a = &values[first * bs..(first + len) * bs];
+            let n = a.len();
+            let x: Vec<f32> = (0..n).map(|_| rng.next_f32()).collect();
 
-        let exact: f64 = a.iter().zip(&x).map(|(&a, &x)| a as f64 * x as f64).sum();
-        let magnitude: f64 = (0..n)
-            .map(|i| (a[i].abs() as f64 + 2.0 * mins[i].abs() as f64) * x[i].abs() as f64)
-            .sum();
-        let u = f32::EPSILON as f64 / 2.0;
-        let k = (n + 16) as f64;
-        let bound = k * u / (1.0 - k * u) * magnitude;
+            let mins = match d_offset_of_min_formats(t) {
+                Some(off) => {
+                    let mut zeroed = row.to_vec();
+                    for b in zeroed.chunks_exact_mut(ts) {
+                        b[off..off + 2].fill(0);
+                    }
+                    let mut m = vec![0f32; n];
+                    quant::dequantize(t, &zeroed, &mut m).unwrap();
+                    m
+                }
+                None => vec![0f32; n],
+            };
 
-        let got = quant::dot(t, row, &x) as f64;
-        assert!(
-            (got - exact).abs() <= bound,
-            "{t}, {n} elements: dot {got:e}, f64 {exact:e}, error {:e} > bound {bound:e}",
-            (got - exact).abs()
-        );
+            let exact: f64 = a.iter().zip(&x).map(|(&a, &x)| a as f64 * x as f64).sum();
+            let magnitude: f64 = (0..n)
+                .map(|i| (a[i].abs() as f64 + 2.0 * mins[i].abs() as f64) * x[i].abs() as f64)
+                .sum();
+            let u = f32::EPSILON as f64 / 2.0;
+            let k = (n + 16) as f64;
+            let bound = k * u / (1.0 - k * u) * magnitude;
+
+            let got = quant::dot(t, row, &x) as f64;
+            assert!(
+                (got - exact).abs() <= bound,
+                "{t}, {n} elements: dot {got:e}, f64 {exact:e}, error {:e} > bound {bound:e}",
+                (got - exact).abs()
+            );
+        }
     }
 }
 

@@ -68,23 +68,15 @@ fn writes_the_planned_table_with_the_intended_spread() {
         for (t, p) in file.tensors().iter().zip(&plan) {
             assert_eq!((&t.name, t.ggml_type, &t.ne), (&p.name, p.ggml_type, &p.ne));
         }
-        // attn_k_b rows (32 or 64 elements) cannot hold Q4_K blocks: Q5_0, as quantizers do.
-        assert_eq!(
-            file.tensor("blk.0.attn_k_b.weight").unwrap().ggml_type,
-            GgmlType::Q5_0
-        );
-        assert_eq!(
-            file.tensor("blk.2.ffn_up_exps.weight").unwrap().ggml_type,
-            GgmlType::Q4_K
-        );
-        assert_eq!(
-            file.tensor("output.weight").unwrap().ggml_type,
-            GgmlType::Q6_K
-        );
-        assert_eq!(
-            file.tensor("blk.2.ffn_gate_inp.weight").unwrap().ggml_type,
-            GgmlType::F32
-        );
+        for (name, expected) in [
+            // attn_k_b rows (32 or 64 elements) cannot hold Q4_K blocks: Q5_0, as quantizers do.
+            ("blk.0.attn_k_b.weight", GgmlType::Q5_0),
+            ("blk.2.ffn_up_exps.weight", GgmlType::Q4_K),
+            ("output.weight", GgmlType::Q6_K),
+            ("blk.2.ffn_gate_inp.weight", GgmlType::F32),
+        ] {
+            assert_eq!(file.tensor(name).unwrap().ggml_type, expected, "{name}");
+        }
 
         // Five leading dense layers asked for, capped at N-1.
         let key = |k: &str| format!("{}.{k}", file.get_str("general.architecture").unwrap());

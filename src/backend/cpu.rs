@@ -123,6 +123,26 @@ fn softmax64(scores: &[f64]) -> Vec<f64> {
     exps.into_iter().map(|e| e / sum).collect()
 }
 
+/// Attention's output for one query and head: the softmax of `scores` (one per key) weighting
+/// the keys' value rows, summed in f64 into `out` [dv].
+fn softmax_weighted_values<'a>(
+    out: &mut [f32],
+    keys: &[usize],
+    scores: &[f64],
+    value_row: impl Fn(usize) -> &'a [f32],
+) {
+    let p = softmax64(scores);
+    let mut acc = vec![0.0f64; out.len()];
+    for (&s, ps) in keys.iter().zip(&p) {
+        for (a, v) in acc.iter_mut().zip(value_row(s)) {
+            *a += ps * *v as f64;
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = a as f32;
+    }
+}
+
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
@@ -382,16 +402,7 @@ impl Backend for Cpu {
                     (dot64(&qh[..dn], kn) + dot64(&qh[dn..], k_pe.row(s))) * scale as f64
                 })
                 .collect();
-            let p = softmax64(&scores);
-            let mut acc = vec![0.0f64; dv];
-            for (&s, ps) in keys.iter().zip(&p) {
-                for (a, vv) in acc.iter_mut().zip(&v.row(s)[h * dv..(h + 1) * dv]) {
-                    *a += ps * *vv as f64;
-                }
-            }
-            for (o, a) in out.iter_mut().zip(acc) {
-                *o = a as f32;
-            }
+            softmax_weighted_values(out, &keys, &scores, |s| &v.row(s)[h * dv..(h + 1) * dv]);
         });
         y
     }
@@ -427,16 +438,8 @@ impl Backend for Cpu {
                         (dot64(ql, &row[..kv_lora]) + dot64(qp, &row[kv_lora..])) * scale as f64
                     })
                     .collect();
-                let p = softmax64(&scores);
-                let mut acc = vec![0.0f64; kv_lora];
-                for (&s, ps) in keys.iter().zip(&p) {
-                    for (a, c) in acc.iter_mut().zip(&cache.row(s)[..kv_lora]) {
-                        *a += ps * *c as f64;
-                    }
-                }
-                for (o, a) in out.iter_mut().zip(acc) {
-                    *o = a as f32;
-                }
+                // The latent cache row is both key and value: its first kv_lora columns.
+                softmax_weighted_values(out, &keys, &scores, |s| &cache.row(s)[..kv_lora]);
             });
         y
     }

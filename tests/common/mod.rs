@@ -3,10 +3,39 @@
 
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::Backend;
-use mla_engine::model::{Model, Taps};
+use mla_engine::model::{Cache, Model, Taps};
 use mla_engine::sampling::argmax;
 use mla_engine::trace::Trace;
 use std::path::PathBuf;
+
+/// An rstest with one case per committed golden GGUF. Wraps a test function whose first argument
+/// is `variant: &str`: each file's name (`ds3.q8_0`) becomes its own case, and the other
+/// arguments keep their own rstest attributes (`#[values(0, 1)] prompt: usize`).
+#[macro_export]
+macro_rules! every_golden_file {
+    (
+        $(#[$($attr:tt)*])*
+        fn $name:ident($variant:ident: &str $(, $($args:tt)*)?) { $($body:tt)* }
+    ) => {
+        $(#[$($attr)*])*
+        #[rstest::rstest]
+        fn $name(
+            #[values(
+                "ds3.f32",
+                "ds3.q8_0",
+                "ds3.q4_k_m",
+                "ds3.mix",
+                "ds3.legacy-q8_0",
+                "glm5.q8_0",
+                "v2lite.q8_0"
+            )]
+            $variant: &str,
+            $($($args)*)?
+        ) {
+            $($body)*
+        }
+    };
+}
 
 pub fn golden_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden")
@@ -50,10 +79,15 @@ pub fn load_ref(variant: &str, prompt: usize) -> Trace {
 
 /// The prompt ids stored in a reference file.
 pub fn ref_tokens(r: &Trace) -> Vec<u32> {
-    r.get("tokens")
-        .expect("tokens")
+    ref_ids(r, "tokens")
+}
+
+/// The token ids stored under `name` in a reference file (`tokens`, `greedy`).
+pub fn ref_ids(r: &Trace, name: &str) -> Vec<u32> {
+    r.get(name)
+        .unwrap_or_else(|| panic!("no {name} in the reference"))
         .i32()
-        .expect("i32 tokens")
+        .unwrap_or_else(|| panic!("{name}: not i32 ids"))
         .iter()
         .map(|&t| t as u32)
         .collect()
@@ -69,17 +103,20 @@ pub fn traced_prefill(model: &Model<Cpu>, tokens: &[u32]) -> Trace {
     trace
 }
 
+/// Logits [tokens.len(), V] of one untraced forward pass over `tokens`, appended to `cache`.
+pub fn forward_logits(model: &Model<Cpu>, cache: &mut Cache<Cpu>, tokens: &[u32]) -> Vec<f32> {
+    let logits = model
+        .forward(cache, tokens, &mut Taps::none())
+        .expect("forward");
+    model.backend.download(&logits)
+}
+
 /// Logits [n, V] of a prefill of `tokens[..k]` followed by one decode step per remaining token.
 pub fn logits_prefill_then_decode(model: &Model<Cpu>, tokens: &[u32], k: usize) -> Vec<f32> {
     let mut cache = model.new_cache(model.cfg.n_ctx);
-    let mut out = Vec::new();
-    let logits = model
-        .forward(&mut cache, &tokens[..k], &mut Taps::none())
-        .unwrap();
-    out.extend(model.backend.download(&logits));
+    let mut out = forward_logits(model, &mut cache, &tokens[..k]);
     for &t in &tokens[k..] {
-        let logits = model.forward(&mut cache, &[t], &mut Taps::none()).unwrap();
-        out.extend(model.backend.download(&logits));
+        out.extend(forward_logits(model, &mut cache, &[t]));
     }
     out
 }
@@ -88,20 +125,11 @@ pub fn logits_prefill_then_decode(model: &Model<Cpu>, tokens: &[u32], k: usize) 
 pub fn greedy(model: &Model<Cpu>, prompt: &[u32], n: usize) -> Vec<u32> {
     let vocab = model.cfg.n_vocab;
     let mut cache = model.new_cache(model.cfg.n_ctx);
-    let logits = model.backend.download(
-        &model
-            .forward(&mut cache, prompt, &mut Taps::none())
-            .unwrap(),
-    );
+    let logits = forward_logits(model, &mut cache, prompt);
     let mut next = argmax(&logits[logits.len() - vocab..]) as u32;
     let mut out = vec![next];
     while out.len() < n {
-        let logits = model.backend.download(
-            &model
-                .forward(&mut cache, &[next], &mut Taps::none())
-                .unwrap(),
-        );
-        next = argmax(&logits) as u32;
+        next = argmax(&forward_logits(model, &mut cache, &[next])) as u32;
         out.push(next);
     }
     out

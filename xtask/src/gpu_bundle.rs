@@ -20,6 +20,9 @@ pub struct Args {
     /// Build `generate` with the release profile (the tests always use the test profile).
     #[arg(long)]
     release: bool,
+    /// Also ship the `xtask` binary (bench, synth) and bench.sh, which runs the benchmark.
+    #[arg(long)]
+    bench: bool,
 }
 
 fn run_cmd(cmd: &mut Command) -> Result<()> {
@@ -182,6 +185,9 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::write(out.join("run.sh"), script)?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(out.join("run.sh"), std::fs::Permissions::from_mode(0o755))?;
+    if args.bench {
+        crate::bench::add_to_bundle(&root, &out)?;
+    }
     eprintln!("gpu-bundle: wrote {}", out.display());
     Ok(())
 }

@@ -1,0 +1,960 @@
+//! `cargo xtask bench`: how close each decode kernel, the prefill products and whole-model
+//! decode come to the GPU's own ceilings, measured in one run (issue 9).
+//!
+//! Ceilings first: the device-to-device copy bandwidth (bytes read + written over the time of
+//! a 1 GiB `cuMemcpyDtoDAsync`) and the bf16 `mma.sync` rate (a register-only loop of
+//! m16n8k16 products with 8 independent accumulators per warp), plus the cost of one launch of
+//! an empty kernel. Then every kernel at the real shapes of DeepSeek-V3 and GLM-5: achieved
+//! GB/s = the bytes the kernel must read and write (weights once, activations once) over its
+//! median time, beside the ratio to the copy bandwidth; prefill products as TFLOP/s beside the
+//! ratio to the mma rate. Last, whole models from synthetic GGUF files: decode tokens/s beside
+//! the bandwidth bound of the bytes a token must read, and prefill tokens/s.
+//!
+//! Timing: CUDA events around `reps` back-to-back launches (so a sample includes the gaps
+//! between launches, as decode does), the median of several samples, after a warm-up. Weights
+//! come from one large arena of random bytes on the device, and consecutive launches read
+//! different copies of a matrix so that no launch finds its weights in the 50 MB L2. Every byte
+//! of the arena has bit 6 clear, so every f16 scale and every f32 read from it is finite.
+//!
+//! On the GPU host (no Rust there) the `xtask` binary of the bundle runs this; see
+//! `bench.sh`, which `cargo xtask gpu-bundle --bench` writes next to it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use mla_engine::backend::cuda::ops::{Matmul, Matvec, MlaDecode};
+use mla_engine::backend::cuda::{Cuda, Gpu};
+use mla_engine::backend::Backend;
+use mla_engine::config::ModelConfig;
+use mla_engine::gguf::{GgmlType, GgufFile};
+use mla_engine::model::{Model, Taps};
+use mla_engine::weights::GgufTensors;
+use serde_json::{json, Value};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Synthetic (or real) GGUF files whose whole-model decode and prefill are timed.
+    #[arg(long)]
+    model: Vec<PathBuf>,
+    /// Where to write the results as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Only the rows whose name contains one of these (comma-separated) substrings.
+    #[arg(long, value_delimiter = ',')]
+    filter: Vec<String>,
+    /// One sample of two launches per row and no ceilings: for runs under a profiler.
+    #[arg(long)]
+    quick: bool,
+    /// Only the ceilings and the models (each model in its own process keeps a crash in one
+    /// from losing the others' numbers).
+    #[arg(long)]
+    skip_kernels: bool,
+    /// Decode tokens timed per model.
+    #[arg(long, default_value_t = 32)]
+    tokens: usize,
+    /// Prefill lengths timed per model (0 for none).
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    prefill: Vec<usize>,
+    /// After loading the first model, run one decode token between cuProfilerStart and
+    /// cuProfilerStop and exit (for `ncu --profile-from-start off`: launches per token).
+    #[arg(long)]
+    profile_token: bool,
+}
+
+/// The bench's own kernels: a random fill, the mma.sync rate and an empty kernel.
+const BENCH_KERNELS: &str = r#"
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Every byte gets bit 6 cleared: f16 exponents stay below 31 and f32 exponents below 255, so
+// whatever type a kernel reads the arena as, the values are finite.
+extern "C" __global__ void fill_random(u32* p, u64 n_words, u32 seed) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n_words;
+         i += (u64)gridDim.x * blockDim.x) {
+        u32 x = (u32)i * 0x9E3779B9u ^ (u32)(i >> 32) * 0x85EBCA6Bu ^ seed;
+        x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+        p[i] = x & 0xBFBFBFBFu;
+    }
+}
+
+// Each warp runs `iters` rounds of 8 independent m16n8k16 bf16 products (f32 accumulate).
+extern "C" __global__ void mma_peak(float* out, int iters) {
+    u32 s = (blockIdx.x * blockDim.x + threadIdx.x) * 0x9E3779B9u + 1u;
+    u32 a[4], b[2];
+    for (int i = 0; i < 4; i++) { s ^= s << 13; s ^= s >> 17; s ^= s << 5; a[i] = s & 0x3f7f3f7fu; }
+    for (int i = 0; i < 2; i++) { s ^= s << 13; s ^= s >> 17; s ^= s << 5; b[i] = s & 0x3f7f3f7fu; }
+    float c[8][4];
+    for (int j = 0; j < 8; j++) for (int e = 0; e < 4; e++) c[j][e] = 0.0f;
+    for (int it = 0; it < iters; it++) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3])
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < 8; j++) for (int e = 0; e < 4; e++) sum += c[j][e];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
+extern "C" __global__ void empty_kernel() {}
+
+// Busy for `ns` nanoseconds of the global timer.
+extern "C" __global__ void spin_ns(u64 ns) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"#;
+
+const MMA_CHAINS: usize = 8;
+const MMA_FLOPS: f64 = 2.0 * 16.0 * 8.0 * 16.0;
+
+/// The device arena of random bytes that every weight, cache and activation is cut from.
+const ARENA_BYTES: usize = 6 << 30;
+/// Consecutive launches rotate over copies spanning at least this many bytes (L2 is 50 MB).
+const ROTATE_BYTES: usize = 1 << 30;
+
+struct Bench {
+    gpu: Arc<Gpu>,
+    module: Arc<CudaModule>,
+    quick: bool,
+    filter: Vec<String>,
+    rows: Vec<Value>,
+    /// Ceilings, once measured: bytes/s and FLOP/s.
+    copy_bw: f64,
+    mma_rate: f64,
+}
+
+/// The matrix-vector shapes of one model family: (name, rows, k).
+struct Family {
+    name: &'static str,
+    hidden: usize,
+    heads: usize,
+    mats: Vec<(&'static str, usize, usize)>,
+    /// Expert FFN width.
+    ff_expert: usize,
+}
+
+fn families() -> Vec<Family> {
+    // DeepSeek-V3: q_lora 1536, 128 heads of 128 + 64 (q) and 128 (v), kv_lora 512 + 64.
+    let ds3 = Family {
+        name: "ds3",
+        hidden: 7168,
+        heads: 128,
+        ff_expert: 2048,
+        mats: vec![
+            ("q_a", 1536, 7168),
+            ("q_b", 128 * 192, 1536),
+            ("kv_a", 576, 7168),
+            ("attn_output", 7168, 128 * 128),
+            ("ffn_up", 18432, 7168),
+            ("ffn_down", 7168, 18432),
+            ("expert_up", 2048, 7168),
+            ("expert_down", 7168, 2048),
+            ("lm_head", 129280, 7168),
+        ],
+    };
+    // GLM-5: q_lora 2048, 64 heads of 192 + 64 (q) and 256 (v), kv_lora 512 + 64.
+    let glm5 = Family {
+        name: "glm5",
+        hidden: 6144,
+        heads: 64,
+        ff_expert: 2048,
+        mats: vec![
+            ("q_a", 2048, 6144),
+            ("q_b", 64 * 256, 2048),
+            ("kv_a", 576, 6144),
+            ("attn_output", 6144, 64 * 256),
+            ("ffn_up", 12288, 6144),
+            ("ffn_down", 6144, 12288),
+            ("expert_up", 2048, 6144),
+            ("expert_down", 6144, 2048),
+            ("lm_head", 154880, 6144),
+        ],
+    };
+    vec![ds3, glm5]
+}
+
+const DECODE_TYPES: &[GgmlType] = &[
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+    GgmlType::IQ4_XS,
+];
+const PREFILL_TYPES: &[GgmlType] = &[GgmlType::Q4_K, GgmlType::Q8_0];
+const PREFILL_TOKENS: &[usize] = &[512, 2048];
+const MLA_CONTEXTS: &[usize] = &[1024, 8192, 32768];
+/// Selected experts per token (DeepSeek-V3 and GLM-5 both route to 8 of 256).
+const MOE_USED: usize = 8;
+const MOE_EXPERTS: usize = 256;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(256) * 256
+}
+
+/// How many copies of `bytes` to rotate over, and the distance between them.
+fn rotation(bytes: usize, room: usize) -> (usize, usize) {
+    let step = align(bytes);
+    let copies = ROTATE_BYTES.div_ceil(step).clamp(1, (room / step).max(1));
+    (copies, step)
+}
+
+impl Bench {
+    fn new(quick: bool, filter: Vec<String>) -> Result<Bench> {
+        let gpu = Arc::new(Gpu::new(0)?);
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec![format!("--gpu-architecture=compute_{}", &gpu.arch[3..])],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(BENCH_KERNELS, opts)
+            .context("compiling the bench kernels with NVRTC")?;
+        let module = gpu.ctx.load_module(ptx)?;
+        Ok(Bench {
+            gpu,
+            module,
+            quick,
+            filter,
+            rows: Vec::new(),
+            copy_bw: f64::NAN,
+            mma_rate: f64::NAN,
+        })
+    }
+
+    fn wanted(&self, name: &str) -> bool {
+        self.filter.is_empty() || self.filter.iter().any(|f| name.contains(f.as_str()))
+    }
+
+    fn function(&self, name: &str) -> Result<CudaFunction> {
+        Ok(self.module.load_function(name)?)
+    }
+
+    fn fill_random(&self, buf: &mut CudaSlice<u8>, seed: u32) -> Result<()> {
+        let f = self.function("fill_random")?;
+        let words = (buf.len() / 4) as u64;
+        let mut b = self.gpu.stream.launch_builder(&f);
+        b.arg(buf).arg(&words).arg(&seed);
+        let cfg = LaunchConfig {
+            grid_dim: (4 * self.gpu.multiprocessors as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match fill_random's (u32*, u64, u32).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Median seconds per call of `f(i)` (i counts calls, for rotating inputs) on the device,
+    /// and the host's seconds to submit one call.
+    ///
+    /// Each sample is a batch of back-to-back calls timed by CUDA events. A spin kernel queued
+    /// first keeps the GPU busy while the host submits the whole batch, so the events see the
+    /// kernels run back to back (the device's own gaps included) rather than the host's pace;
+    /// the host's pace is the second number, and whole-model decode shows both together.
+    fn time(&self, mut f: impl FnMut(usize) -> Result<()>) -> Result<(f64, f64)> {
+        let stream = &self.gpu.stream;
+        let spin = self.function("spin_ns")?;
+        let ev = || {
+            self.gpu
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        };
+        let (start, end) = (ev()?, ev()?);
+        let mut calls = 0usize;
+        let mut batch = |reps: usize, spin_ns: u64, calls: &mut usize| -> Result<(f64, f64)> {
+            if spin_ns > 0 {
+                let mut b = stream.launch_builder(&spin);
+                b.arg(&spin_ns);
+                let one = LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: spin_ns takes one u64.
+                unsafe { b.launch(one) }?;
+            }
+            start.record(stream)?;
+            let t = Instant::now();
+            for _ in 0..reps {
+                f(*calls)?;
+                *calls += 1;
+            }
+            let host = t.elapsed().as_secs_f64() / reps as f64;
+            end.record(stream)?;
+            let device = start.elapsed_ms(&end)? as f64 * 1e-3 / reps as f64;
+            Ok((device, host))
+        };
+        if self.quick {
+            return batch(2, 0, &mut calls);
+        }
+        let (_, host) = batch(3, 0, &mut calls)?; // warm-up: compiles and loads the kernels
+        let (first, _) = batch(3, (4.0 * host * 1e9) as u64 + 20_000, &mut calls)?;
+        // Enough calls per sample for about 5 ms of device time.
+        let reps = ((5e-3 / first.max(1e-7)) as usize).clamp(3, 500);
+        let spin_ns = (1.5 * reps as f64 * host * 1e9) as u64 + 20_000;
+        let samples = (0..9)
+            .map(|_| batch(reps, spin_ns, &mut calls))
+            .collect::<Result<Vec<_>>>()?;
+        self.gpu.sync()?;
+        Ok((
+            median(samples.iter().map(|s| s.0).collect()),
+            median(samples.iter().map(|s| s.1).collect()),
+        ))
+    }
+
+    /// The timing of a row, or None after recording why it failed, so that one bad row (a
+    /// shape a kernel refuses) does not cost the rest of the run.
+    fn ok_or_report(
+        &mut self,
+        section: &str,
+        name: &str,
+        timed: Result<(f64, f64)>,
+    ) -> Option<(f64, f64)> {
+        match timed {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.push(json!({"section": section, "name": name, "error": format!("{e:#}")}));
+                None
+            }
+        }
+    }
+
+    fn push(&mut self, row: Value) {
+        print_row(&row);
+        self.rows.push(row);
+    }
+
+    /// A memory-bound row: `bytes` moved per call in `secs`.
+    #[allow(clippy::too_many_arguments)]
+    fn push_bw(
+        &mut self,
+        section: &str,
+        name: String,
+        bytes: f64,
+        secs: f64,
+        host: f64,
+        extra: Value,
+    ) {
+        let gbps = bytes / secs / 1e9;
+        let mut row = json!({
+            "section": section, "name": name, "us": secs * 1e6, "host_us": host * 1e6,
+            "bytes": bytes,
+            "gb_s": gbps, "of_copy": bytes / secs / self.copy_bw,
+        });
+        merge(&mut row, extra);
+        self.push(row);
+    }
+
+    fn ceilings(&mut self) -> Result<()> {
+        let stream = self.gpu.stream.clone();
+        let n = 1usize << 30;
+        let mut src = stream.alloc_zeros::<u8>(n)?;
+        let mut dst = stream.alloc_zeros::<u8>(n)?;
+        self.fill_random(&mut src, 7)?;
+        let (secs, _) = self.time(|_| Ok(stream.memcpy_dtod(&src, &mut dst)?))?;
+        self.copy_bw = 2.0 * n as f64 / secs;
+        self.push(json!({
+            "section": "ceiling", "name": "copy d2d 1 GiB (read + write)", "us": secs * 1e6,
+            "bytes": 2.0 * n as f64, "gb_s": self.copy_bw / 1e9, "of_copy": 1.0,
+        }));
+        drop((src, dst));
+
+        let f = self.function("mma_peak")?;
+        let blocks = 8 * self.gpu.multiprocessors;
+        let threads = 256usize;
+        let iters = 4096i32;
+        let out = stream.alloc_zeros::<f32>(blocks * threads)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (secs, _) = self.time(|_| {
+            let mut b = stream.launch_builder(&f);
+            b.arg(&out).arg(&iters);
+            // SAFETY: mma_peak takes (float*, int); out holds one float per thread.
+            unsafe { b.launch(cfg) }?;
+            Ok(())
+        })?;
+        let flops = (blocks * threads / 32) as f64 * iters as f64 * MMA_CHAINS as f64 * MMA_FLOPS;
+        self.mma_rate = flops / secs;
+        self.push(json!({
+            "section": "ceiling", "name": "mma.sync m16n8k16 bf16 (register loop)",
+            "us": secs * 1e6, "flops": flops, "tflop_s": self.mma_rate / 1e12, "of_mma": 1.0,
+        }));
+
+        // One launch: the host's cost to submit it, and the GPU's time per empty kernel when
+        // they come back to back.
+        let e = self.function("empty_kernel")?;
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let launch = || -> Result<()> {
+            let mut b = stream.launch_builder(&e);
+            // SAFETY: empty_kernel takes no arguments.
+            unsafe { b.launch(one) }?;
+            Ok(())
+        };
+        for _ in 0..100 {
+            launch()?;
+        }
+        self.gpu.sync()?;
+        let count = 20000;
+        let t = Instant::now();
+        for _ in 0..count {
+            launch()?;
+        }
+        let host = t.elapsed().as_secs_f64() / count as f64;
+        self.gpu.sync()?;
+        let (gpu_secs, _) = self.time(|_| launch())?;
+        self.push(json!({
+            "section": "ceiling", "name": "launch of an empty kernel",
+            "us": gpu_secs * 1e6, "host_us": host * 1e6,
+        }));
+        Ok(())
+    }
+
+    fn matvec(&mut self, arena: &CudaSlice<u8>, x: u64, y: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        for fam in families() {
+            for &(mat, rows, k) in &fam.mats {
+                for &ty in DECODE_TYPES {
+                    let name = format!("matvec {} {}.{mat} {rows}x{k}", tname(ty), fam.name);
+                    if !self.wanted(&name) {
+                        continue;
+                    }
+                    let row_bytes = ty.row_bytes(k).context("whole blocks")?;
+                    let bytes = rows * row_bytes;
+                    let (copies, step) = rotation(bytes, ARENA_BYTES);
+                    let gpu = self.gpu.clone();
+                    let timed = self.time(|i| {
+                        Ok(gpu.matvec(&Matvec {
+                            ty,
+                            w: base + ((i % copies) * step) as u64,
+                            mat_stride: 0,
+                            transposed: false,
+                            ids: 0,
+                            rows,
+                            k,
+                            x,
+                            x_group: 1,
+                            x_stride: k,
+                            y,
+                            y_stride: rows,
+                            batch: 1,
+                        })?)
+                    });
+                    let Some((secs, host)) = self.ok_or_report("matvec", &name, timed) else {
+                        continue;
+                    };
+                    let moved = (bytes + 4 * k + 4 * rows) as f64;
+                    self.push_bw(
+                        "matvec",
+                        name,
+                        moved,
+                        secs,
+                        host,
+                        json!({"type": tname(ty), "rows": rows, "k": k, "family": fam.name}),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The routed experts of one token as the CUDA backend runs them at decode: gate and up
+    /// (8 items sharing x), silu * up, down (8 items), each item picking its expert by id.
+    fn moe(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        // 64 sets of 8 distinct experts, so consecutive tokens read different experts.
+        let mut s = 0x2545F4914F6CDD1Du64;
+        let mut sets: Vec<i32> = Vec::new();
+        for _ in 0..64 {
+            let mut set: Vec<i32> = Vec::new();
+            while set.len() < MOE_USED {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let e = (s % MOE_EXPERTS as u64) as i32;
+                if !set.contains(&e) {
+                    set.push(e);
+                }
+            }
+            sets.extend(set);
+        }
+        let ids = self.gpu.upload(&sets)?;
+        let ids_ptr = self.gpu.ptr(&ids, 0);
+        for fam in families() {
+            for &ty in DECODE_TYPES {
+                let name = format!("moe {} {} 8 of 256 experts", tname(ty), fam.name);
+                if !self.wanted(&name) {
+                    continue;
+                }
+                let (e, f) = (fam.hidden, fam.ff_expert);
+                let gate_bytes = f * ty.row_bytes(e).context("whole blocks")?;
+                let down_bytes = e * ty.row_bytes(f).context("whole blocks")?;
+                let tensor = MOE_EXPERTS * gate_bytes.max(down_bytes);
+                if tensor > ARENA_BYTES {
+                    bail!("{name}: the expert tensor does not fit the arena");
+                }
+                // Three tensors over the arena, overlapping but shifted, so that gate, up and
+                // down of one expert never share bytes.
+                let room = ARENA_BYTES - tensor;
+                let (gate_w, up_w, down_w) =
+                    (base, base + align(room) as u64 / 2, base + room as u64);
+                let (x, g, u, d) = (
+                    scratch,
+                    scratch + 4 * 8192,
+                    scratch + 4 * (8192 + 8 * 8192),
+                    scratch + 4 * (8192 + 16 * 8192),
+                );
+                let gpu = self.gpu.clone();
+                let item = |w, mat_stride, rows, k, x, x_group, x_stride, y, i: usize| Matvec {
+                    ty,
+                    w,
+                    mat_stride,
+                    transposed: false,
+                    ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
+                    rows,
+                    k,
+                    x,
+                    x_group,
+                    x_stride,
+                    y,
+                    y_stride: rows,
+                    batch: MOE_USED,
+                };
+                let timed = self.time(|i| {
+                    gpu.matvec(&item(gate_w, gate_bytes, f, e, x, MOE_USED, e, g, i))?;
+                    gpu.matvec(&item(up_w, gate_bytes, f, e, x, MOE_USED, e, u, i))?;
+                    gpu.silu_mul(g, u, g, MOE_USED * f)?;
+                    gpu.matvec(&item(down_w, down_bytes, e, f, g, 1, f, d, i))?;
+                    Ok(())
+                });
+                let Some((secs, host)) = self.ok_or_report("moe", &name, timed) else {
+                    continue;
+                };
+                let moved = MOE_USED as f64 * (2.0 * gate_bytes as f64 + down_bytes as f64)
+                    + 4.0 * (e + 3 * MOE_USED * f + MOE_USED * e) as f64;
+                self.push_bw(
+                    "moe",
+                    name,
+                    moved,
+                    secs,
+                    host,
+                    json!({"type": tname(ty), "family": fam.name, "launches": 4}),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Absorbed MLA decode of one token over an f32 latent cache of S rows [c_kv 512 | k_pe 64].
+    fn mla(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        let (dl, dr) = (512usize, 64usize);
+        for fam in families() {
+            for &s in MLA_CONTEXTS {
+                let name = format!("mla_decode {} {}K context", fam.name, s / 1024);
+                if !self.wanted(&name) {
+                    continue;
+                }
+                let h = fam.heads;
+                let cache_bytes = 4 * s * (dl + dr);
+                let q_bytes = 4 * h * (dl + dr);
+                let (copies, step) = rotation(cache_bytes + q_bytes, ARENA_BYTES);
+                let gpu = self.gpu.clone();
+                let timed = self.time(|i| {
+                    let at = base + ((i % copies) * step) as u64;
+                    Ok(gpu.mla_decode(&MlaDecode {
+                        q_lat: at + cache_bytes as u64,
+                        ql_tok: h * dl,
+                        q_pe: at + (cache_bytes + 4 * h * dl) as u64,
+                        qp_tok: h * dr,
+                        cache: at,
+                        dl,
+                        dr,
+                        heads: h,
+                        tokens: 1,
+                        pos0: s - 1,
+                        key_ids: 0,
+                        n_ids: 0,
+                        scale: 0.07,
+                        out: scratch,
+                        out_tok: h * dl,
+                    })?)
+                });
+                let Some((secs, host)) = self.ok_or_report("mla", &name, timed) else {
+                    continue;
+                };
+                let (splits, per) = self.gpu.mla_decode_splits(s, h);
+                let moved = (cache_bytes + q_bytes + 4 * h * dl) as f64;
+                self.push_bw(
+                    "mla",
+                    name,
+                    moved,
+                    secs,
+                    host,
+                    json!({"family": fam.name, "context": s, "heads": h,
+                           "splits": splits, "keys_per_split": per, "launches": 2}),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Tensor-core products of T prompt tokens (f32 activations, quantized weights).
+    fn prefill(&mut self, arena: &CudaSlice<u8>, xbuf: u64, ybuf: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        for fam in families() {
+            for &(mat, n, k) in &fam.mats {
+                if mat.starts_with("expert") || mat == "lm_head" {
+                    continue;
+                }
+                for &ty in PREFILL_TYPES {
+                    for &m in PREFILL_TOKENS {
+                        let name = format!("matmul {} {}.{mat} {m}x{n}x{k}", tname(ty), fam.name);
+                        if !self.wanted(&name) {
+                            continue;
+                        }
+                        let bytes = n * ty.row_bytes(k).context("whole blocks")?;
+                        let (copies, step) = rotation(bytes, ARENA_BYTES);
+                        let gpu = self.gpu.clone();
+                        let timed = self.time(|i| {
+                            Ok(gpu.matmul(&Matmul {
+                                ty,
+                                w: base + ((i % copies) * step) as u64,
+                                transposed: false,
+                                x: xbuf,
+                                x_stride: k,
+                                row_ids: 0,
+                                y: ybuf,
+                                y_stride: n,
+                                m,
+                                n,
+                                k,
+                            })?)
+                        });
+                        let Some((secs, host)) = self.ok_or_report("prefill", &name, timed) else {
+                            continue;
+                        };
+                        let flops = 2.0 * (m * n * k) as f64;
+                        let moved = (bytes + 4 * m * k + 4 * m * n) as f64;
+                        self.push(json!({
+                            "section": "prefill", "name": name, "us": secs * 1e6,
+                            "host_us": host * 1e6,
+                            "flops": flops, "tflop_s": flops / secs / 1e12,
+                            "of_mma": flops / secs / self.mma_rate,
+                            "bytes": moved, "gb_s": moved / secs / 1e9,
+                            "type": tname(ty), "m": m, "n": n, "k": k, "family": fam.name,
+                        }));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn kernels(&mut self) -> Result<()> {
+        let stream = self.gpu.stream.clone();
+        let mut arena = stream.alloc_zeros::<u8>(ARENA_BYTES)?;
+        self.fill_random(&mut arena, 1)?;
+        // Activations: x for matvec / prefill (up to 2048 x 18432 f32), y up to 2048 x 18432.
+        let mut act = stream.alloc_zeros::<u8>(2 * 4 * 2048 * 18432)?;
+        self.fill_random(&mut act, 2)?;
+        let x = self.gpu.ptr(&act, 0);
+        let mut out = stream.alloc_zeros::<u8>(4 * 2048 * 154880)?;
+        self.fill_random(&mut out, 3)?;
+        let y = self.gpu.ptr(&out, 0);
+        self.gpu.sync()?;
+        self.matvec(&arena, x, y)?;
+        self.moe(&arena, x)?;
+        self.mla(&arena, y)?;
+        self.prefill(&arena, x, y)?;
+        Ok(())
+    }
+
+    /// Whole-model decode and prefill on a GGUF file.
+    fn model(&mut self, path: &Path, tokens: usize, prefill: &[usize]) -> Result<()> {
+        let file = Arc::new(GgufFile::open(path)?);
+        let cfg = ModelConfig::from_gguf(&file)?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let t = Instant::now();
+        let cuda = Cuda::new(0)?;
+        let model = Model::load(cfg.clone(), cuda, &GgufTensors(file.clone()))
+            .with_context(|| format!("loading {}", path.display()))?;
+        let load_secs = t.elapsed().as_secs_f64();
+        let per_token = active_bytes(&file, &cfg);
+        let prompt: Vec<u32> = (0..8)
+            .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
+            .collect();
+        let mut cache = model.new_cache(prompt.len() + tokens + 8);
+        model
+            .backend
+            .download(&model.forward(&mut cache, &prompt, &mut Taps::none())?);
+        let mut next = 1u32;
+        let mut step = |cache: &mut _| -> Result<f64> {
+            let t = Instant::now();
+            let logits =
+                model
+                    .backend
+                    .download(&model.forward(cache, &[next], &mut Taps::none())?);
+            next = argmax(&logits) as u32;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        for _ in 0..3 {
+            step(&mut cache)?;
+        }
+        let times = (0..tokens)
+            .map(|_| step(&mut cache))
+            .collect::<Result<Vec<_>>>()?;
+        let secs = median(times);
+        // The latent cache rows read per token are few here (a short context): left out.
+        let bound = per_token / self.copy_bw;
+        self.push(json!({
+            "section": "model", "name": format!("decode {name}"), "us": secs * 1e6,
+            "tok_s": 1.0 / secs, "bytes": per_token, "gb_s": per_token / secs / 1e9,
+            "of_copy": bound / secs, "bound_tok_s": 1.0 / bound, "load_s": load_secs,
+            "layers": cfg.n_layer,
+        }));
+        for &n in prefill {
+            if n == 0 {
+                continue;
+            }
+            let ids: Vec<u32> = (0..n)
+                .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
+                .collect();
+            let run = || -> Result<f64> {
+                let mut cache = model.new_cache(n);
+                let t = Instant::now();
+                let logits = model.forward(&mut cache, &ids, &mut Taps::none())?;
+                model.backend.gpu.sync()?;
+                let secs = t.elapsed().as_secs_f64();
+                drop(logits);
+                Ok(secs)
+            };
+            run()?;
+            let secs = median((0..3).map(|_| run()).collect::<Result<Vec<_>>>()?);
+            self.push(json!({
+                "section": "model", "name": format!("prefill {n} {name}"), "us": secs * 1e6,
+                "tok_s": n as f64 / secs, "tokens": n,
+            }));
+        }
+        Ok(())
+    }
+}
+
+/// The bytes one decode token must read: every tensor of the layers run, the selected share
+/// of the expert tensors, one row of the embedding (when the head is a separate tensor).
+fn active_bytes(file: &GgufFile, cfg: &ModelConfig) -> f64 {
+    let used = cfg
+        .moe
+        .as_ref()
+        .map_or(1.0, |m| m.n_used as f64 / m.n_expert as f64);
+    let layer_of = |name: &str| {
+        name.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok())
+    };
+    file.tensors()
+        .iter()
+        .filter(|t| layer_of(&t.name).is_none_or(|i| i < cfg.n_layer))
+        .map(|t| {
+            let bytes = t.n_bytes as f64;
+            if t.name.contains("_exps") {
+                bytes * used
+            } else if t.name == "token_embd.weight" && file.tensor("output.weight").is_some() {
+                bytes / cfg.n_vocab as f64
+            } else {
+                bytes
+            }
+        })
+        .sum()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i)
+}
+
+fn tname(ty: GgmlType) -> String {
+    ty.name().to_lowercase()
+}
+
+fn merge(row: &mut Value, extra: Value) {
+    if let (Value::Object(r), Value::Object(e)) = (row, extra) {
+        r.extend(e);
+    }
+}
+
+fn print_row(row: &Value) {
+    let f = |k: &str| row.get(k).and_then(Value::as_f64);
+    let mut line = format!(
+        "{:<8} {:<52} {:>10.1} us",
+        row["section"].as_str().unwrap_or(""),
+        row["name"].as_str().unwrap_or(""),
+        f("us").unwrap_or(f64::NAN)
+    );
+    if let Some(g) = f("gb_s") {
+        line += &format!(" {g:>8.0} GB/s");
+    }
+    if let Some(r) = f("of_copy") {
+        line += &format!(" {:>5.1}% of copy", 100.0 * r);
+    }
+    if let Some(t) = f("tflop_s") {
+        line += &format!(
+            " {t:>7.1} TFLOP/s {:>5.1}% of mma",
+            100.0 * f("of_mma").unwrap_or(0.0)
+        );
+    }
+    if let Some(t) = f("tok_s") {
+        line += &format!(" {t:>9.1} tok/s");
+    }
+    if let Some(e) = row.get("error").and_then(Value::as_str) {
+        line += &format!(" FAILED: {e}");
+    }
+    if let Some(h) = f("host_us") {
+        line += &format!(" (host {h:.2} us)");
+    }
+    println!("{line}");
+}
+
+/// One decode token between cuProfilerStart and cuProfilerStop.
+fn profile_token(path: &Path) -> Result<()> {
+    let file = Arc::new(GgufFile::open(path)?);
+    let cfg = ModelConfig::from_gguf(&file)?;
+    let model = Model::load(cfg.clone(), Cuda::new(0)?, &GgufTensors(file))?;
+    let mut cache = model.new_cache(16);
+    model
+        .backend
+        .download(&model.forward(&mut cache, &[1, 2, 3, 4], &mut Taps::none())?);
+    for id in [5, 6] {
+        model
+            .backend
+            .download(&model.forward(&mut cache, &[id], &mut Taps::none())?);
+    }
+    // SAFETY: plain driver calls on the current context, which Model's backend made current.
+    unsafe { cudarc::driver::sys::cuProfilerStart() }.result()?;
+    model
+        .backend
+        .download(&model.forward(&mut cache, &[7], &mut Taps::none())?);
+    unsafe { cudarc::driver::sys::cuProfilerStop() }.result()?;
+    Ok(())
+}
+
+/// Puts the running `xtask` binary (stripped; it holds bench and synth) and bench.sh into the
+/// GPU bundle `out`.
+pub fn add_to_bundle(root: &Path, out: &Path) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let status = std::process::Command::new("strip")
+        .arg("-o")
+        .arg(out.join("xtask"))
+        .arg(&exe)
+        .status()
+        .context("running strip")?;
+    if !status.success() {
+        bail!("strip {} failed: {status}", exe.display());
+    }
+    std::fs::copy(root.join("xtask/bench.sh"), out.join("bench.sh")).context("copying bench.sh")?;
+    Ok(())
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.profile_token {
+        let path = args
+            .model
+            .first()
+            .context("--profile-token needs --model")?;
+        return profile_token(path);
+    }
+    let mut bench = Bench::new(args.quick, args.filter.clone())?;
+    println!(
+        "{} ({}, {} SMs)",
+        bench.gpu.name, bench.gpu.arch, bench.gpu.multiprocessors
+    );
+    if !args.quick {
+        bench.ceilings()?;
+    }
+    if !args.skip_kernels {
+        bench.kernels()?;
+    }
+    for path in &args.model {
+        if let Err(e) = bench.model(path, args.tokens, &args.prefill) {
+            println!("model {}: {e:#}", path.display());
+        }
+    }
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "gpu": bench.gpu.name, "arch": bench.gpu.arch,
+            "multiprocessors": bench.gpu.multiprocessors,
+            "copy_gb_s": bench.copy_bw / 1e9, "mma_tflop_s": bench.mma_rate / 1e12,
+            "rows": bench.rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| path.display().to_string())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct SynthCli {
+        #[command(flatten)]
+        args: synth::Args,
+    }
+
+    /// The bytes a decode token reads, counted from the file's tensor table, agree with the
+    /// count synth makes from its own plan, for both families, with an MTP block the engine
+    /// skips and the experts that a token does not select.
+    #[test]
+    fn active_bytes_agree_with_the_synth_plan() {
+        for arch in ["glm-dsa", "deepseek2"] {
+            let path = std::env::temp_dir().join(format!(
+                "mla-bench-active-{arch}-{}.gguf",
+                std::process::id()
+            ));
+            let cli = SynthCli::parse_from([
+                "synth",
+                "--arch",
+                arch,
+                "--layers",
+                "3",
+                "--nextn",
+                "1",
+                "--tiny",
+                path.to_str().unwrap(),
+            ]);
+            let spec = synth::Spec::from_args(&cli.args).unwrap();
+            let summary = synth::synthesize(&spec, &path, false).unwrap();
+            let file = GgufFile::open(&path).unwrap();
+            let cfg = ModelConfig::from_gguf(&file).unwrap();
+            let counted = active_bytes(&file, &cfg);
+            std::fs::remove_file(&path).unwrap();
+            assert_eq!(counted, summary.active_bytes as f64, "{arch}");
+        }
+    }
+}
