@@ -497,3 +497,37 @@ fn split_legacy_kv_b(
     }
     (k_b, v_b)
 }
+
+/// The layer a tensor name belongs to and the rest of its name: "blk.12.attn_norm.weight" is
+/// (12, "attn_norm.weight"); None outside layers ("output.weight").
+pub fn layer_of(name: &str) -> Option<(usize, &str)> {
+    let rest = name.strip_prefix("blk.")?;
+    let (index, rest) = rest.split_once('.')?;
+    Some((index.parse().ok()?, rest))
+}
+
+/// Weight bytes one decode token reads: every tensor of the model's `n_layer` layers (MTP
+/// blocks after them are not run) and outside them, of the routed experts only the chosen
+/// n_used of n_expert, and of the token embedding one row when the head is a separate tensor
+/// (a tied head reads all of it).
+pub fn active_bytes_per_token(file: &GgufFile, cfg: &ModelConfig) -> f64 {
+    let used = cfg
+        .moe
+        .as_ref()
+        .map_or(1.0, |m| m.n_used as f64 / m.n_expert as f64);
+    let separate_head = file.tensor("output.weight").is_some();
+    file.tensors()
+        .iter()
+        .filter(|t| layer_of(&t.name).is_none_or(|(il, _)| il < cfg.n_layer))
+        .map(|t| {
+            let bytes = t.n_bytes as f64;
+            if t.name.contains("_exps") {
+                bytes * used
+            } else if t.name == "token_embd.weight" && separate_head {
+                bytes / cfg.n_vocab as f64
+            } else {
+                bytes
+            }
+        })
+        .sum()
+}

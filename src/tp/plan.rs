@@ -270,15 +270,11 @@ fn split_of(name: &str, cfg: &ModelConfig, dense_split: bool, shared_split: bool
         "output.weight" => return Split::Rows,
         _ => {}
     }
-    let Some((layer, suffix)) = name
-        .strip_prefix("blk.")
-        .and_then(|rest| rest.split_once('.'))
-    else {
+    let Some((il, suffix)) = crate::weights::layer_of(name) else {
         return Split::Unused;
     };
-    match layer.parse::<usize>() {
-        Ok(il) if il < cfg.n_layer => {}
-        _ => return Split::Unused,
+    if il >= cfg.n_layer {
+        return Split::Unused;
     }
     match suffix {
         "attn_q_b.weight" | "attn_q.weight" | "attn_k_b.weight" | "attn_v_b.weight" => Split::Rows,

@@ -701,7 +701,7 @@ impl Bench {
         let model = Model::load(cfg.clone(), cuda, &GgufTensors(file.clone()))
             .with_context(|| format!("loading {}", path.display()))?;
         let load_secs = t.elapsed().as_secs_f64();
-        let per_token = active_bytes(&file, &cfg);
+        let per_token = mla_engine::weights::active_bytes_per_token(&file, &cfg);
         let prompt: Vec<u32> = (0..8)
             .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
             .collect();
@@ -759,34 +759,6 @@ impl Bench {
         }
         Ok(())
     }
-}
-
-/// The bytes one decode token must read: every tensor of the layers run, the selected share
-/// of the expert tensors, one row of the embedding (when the head is a separate tensor).
-fn active_bytes(file: &GgufFile, cfg: &ModelConfig) -> f64 {
-    let used = cfg
-        .moe
-        .as_ref()
-        .map_or(1.0, |m| m.n_used as f64 / m.n_expert as f64);
-    let layer_of = |name: &str| {
-        name.strip_prefix("blk.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|i| i.parse::<usize>().ok())
-    };
-    file.tensors()
-        .iter()
-        .filter(|t| layer_of(&t.name).is_none_or(|i| i < cfg.n_layer))
-        .map(|t| {
-            let bytes = t.n_bytes as f64;
-            if t.name.contains("_exps") {
-                bytes * used
-            } else if t.name == "token_embd.weight" && file.tensor("output.weight").is_some() {
-                bytes / cfg.n_vocab as f64
-            } else {
-                bytes
-            }
-        })
-        .sum()
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -952,7 +924,7 @@ mod tests {
             let summary = synth::synthesize(&spec, &path, false).unwrap();
             let file = GgufFile::open(&path).unwrap();
             let cfg = ModelConfig::from_gguf(&file).unwrap();
-            let counted = active_bytes(&file, &cfg);
+            let counted = mla_engine::weights::active_bytes_per_token(&file, &cfg);
             std::fs::remove_file(&path).unwrap();
             assert_eq!(counted, summary.active_bytes as f64, "{arch}");
         }

@@ -21,6 +21,7 @@
 //! chunks of [`CHUNK`] bytes and streamed into `GgufWriter`, so memory is one chunk, whatever
 //! the size of the input.
 
+use mla_engine::weights::layer_of;
 use std::collections::HashSet;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -54,14 +55,6 @@ pub struct Summary {
     pub n_tensors: usize,
     pub bytes_copied: u64,
     pub seconds: f64,
-}
-
-/// The layer a tensor name belongs to and the rest of its name: "blk.12.attn_norm.weight" is
-/// (12, "attn_norm.weight").
-fn layer_of(name: &str) -> Option<(usize, &str)> {
-    let rest = name.strip_prefix("blk.")?;
-    let (index, rest) = rest.split_once('.')?;
-    Some((index.parse().ok()?, rest))
 }
 
 /// Checks the chosen layers against the `n_layer` transformer layers of `input`

@@ -397,37 +397,6 @@ fn teacher_forced<B: Backend>(cli: &Cli, model: &ShardedModel<B>, ids: &[String]
     Ok(())
 }
 
-/// Weight bytes read to produce one token: every matrix once, the routed experts for the
-/// fraction of them a token uses, one embedding row.
-fn bytes_per_token(file: &GgufFile, cfg: &ModelConfig) -> f64 {
-    let used = cfg
-        .moe
-        .as_ref()
-        .map_or(1.0, |m| m.n_used as f64 / m.n_expert as f64);
-    file.tensors()
-        .iter()
-        .filter(|t| !t.name.contains("nextn") && !skip_layer(&t.name, cfg.n_layer))
-        .map(|t| {
-            let bytes = t.n_bytes as f64;
-            if t.name.contains("_exps") {
-                bytes * used
-            } else if t.name == "token_embd.weight" && file.tensor("output.weight").is_some() {
-                bytes / cfg.n_vocab as f64
-            } else {
-                bytes
-            }
-        })
-        .sum()
-}
-
-/// Tensors of MTP layers (index >= n_layer) are not read.
-fn skip_layer(name: &str, n_layer: usize) -> bool {
-    name.strip_prefix("blk.")
-        .and_then(|r| r.split('.').next())
-        .and_then(|i| i.parse::<usize>().ok())
-        .is_some_and(|i| i >= n_layer)
-}
-
 fn generate<B: Backend + DeviceMemory>(
     cli: &Cli,
     file: &GgufFile,
@@ -505,7 +474,7 @@ fn generate<B: Backend + DeviceMemory>(
     writeln!(out)?;
     let gen_secs = start.elapsed().as_secs_f64();
 
-    let per_token = bytes_per_token(file, model.cfg());
+    let per_token = mla_engine::weights::active_bytes_per_token(file, model.cfg());
     let gen_rate = generated.saturating_sub(1) as f64 / gen_secs.max(1e-9);
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | {:.1} MB/token, {:.2} GB/s",
