@@ -6,6 +6,7 @@ One model per process (llama.cpp keeps global state), CPU only, and without llam
 buffer types: their weight repacking crashes on these tiny MLA files on AMX machines.
 """
 
+import os
 import sys
 
 import numpy as np
@@ -39,6 +40,11 @@ def main() -> None:
     )
     llm.eval(ids)
     np.save(out, np.asarray(llm.scores[: len(ids)], dtype=np.float32))
+    # Skip llama.cpp's teardown: once in a fresh-clone run it crashed after the logits were
+    # saved (last log line from ~llama_context), which made the run report a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
