@@ -11,24 +11,9 @@ use super::kernels::{
     attention_smem_bytes, mla_decode_smem_bytes, ATT_DQK_MAX, ATT_DV_MAX, MLA_DL_MAX, MLA_DR_MAX,
 };
 
-/// The ggml types the matvec, matmul and embedding kernels read.
-pub const KERNEL_TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-];
+/// The ggml types the matvec, matmul and embedding kernels read: every type the CPU reference
+/// reads, so any file the CPU runs, the GPU runs (tests/nvrtc_compile.rs checks the kernels).
+pub const KERNEL_TYPES: &[GgmlType] = crate::quant::SUPPORTED;
 
 fn typed_kernel(prefix: &str, ty: GgmlType) -> Result<String, CudaError> {
     check(KERNEL_TYPES.contains(&ty), prefix, || {
