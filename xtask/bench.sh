@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs mla-engine's benchmark (issue 9) on a GPU host without Rust, from the GPU bundle
-# (`cargo xtask gpu-bundle --bench` puts this script and the `xtask` binary side by side).
+# (`cargo xtask gpu-bundle` puts this script beside run.sh and the `xtask` binary in bin/).
 #
 #   bench.sh [MODEL...]     MODEL: glm5 (4 layers, GLM-5 shapes, Q4_K) and/or ds3 (4 layers,
 #                           DeepSeek-V3 shapes, Q4_K); default: glm5 ds3
@@ -18,7 +18,8 @@ out=${OUT:-$here/out}
 work=${BENCH_WORK:-/tmp/mla-bench}
 mkdir -p "$out" "$work"
 export MLA_CUBIN_CACHE=${MLA_CUBIN_CACHE:-/tmp/mla-cubin}
-x="$here/xtask"
+[ -x "$here/bin/xtask" ] || tar -xzf "$here/bin.tar.gz" -C "$here"
+x="$here/bin/xtask"
 
 main() {
   date -u +%FT%TZ
@@ -36,6 +37,7 @@ main() {
   }
   (
     for m in $models; do
+      [ -e "$work/$m.gguf" ] && { echo "$m.gguf: already there"; continue; }
       t0=$SECONDS
       nice -n 19 "$x" synth $(synth_args "$m") "$work/$m.gguf" 2>&1 | tail -n 2
       echo "synth $m: $((SECONDS - t0)) s, done at $(date -u +%T)"

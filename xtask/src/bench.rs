@@ -17,7 +17,7 @@
 //! of the arena has bit 6 clear, so every f16 scale and every f32 read from it is finite.
 //!
 //! On the GPU host (no Rust there) the `xtask` binary of the bundle runs this; see
-//! `bench.sh`, which `cargo xtask gpu-bundle --bench` writes next to it.
+//! `bench.sh`, which `cargo xtask gpu-bundle` writes next to it.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -830,23 +830,6 @@ fn profile_token(path: &Path) -> Result<()> {
         .backend
         .download(&model.forward(&mut cache, &[7], &mut Taps::none())?);
     unsafe { cudarc::driver::sys::cuProfilerStop() }.result()?;
-    Ok(())
-}
-
-/// Puts the running `xtask` binary (stripped; it holds bench and synth) and bench.sh into the
-/// GPU bundle `out`.
-pub fn add_to_bundle(root: &Path, out: &Path) -> Result<()> {
-    let exe = std::env::current_exe()?;
-    let status = std::process::Command::new("strip")
-        .arg("-o")
-        .arg(out.join("xtask"))
-        .arg(&exe)
-        .status()
-        .context("running strip")?;
-    if !status.success() {
-        bail!("strip {} failed: {status}", exe.display());
-    }
-    std::fs::copy(root.join("xtask/bench.sh"), out.join("bench.sh")).context("copying bench.sh")?;
     Ok(())
 }
 

@@ -1,11 +1,14 @@
-//! `cargo xtask gpu-bundle`: one folder that runs the GPU tests on a machine with a GPU and no
-//! Rust toolchain: the nextest archive of the GPU test binaries (tests/cuda_*.rs and
-//! tests/nvrtc_compile.rs), the `cargo-nextest` binary that runs it, the `generate` binary, the
-//! golden fixtures the tests read (models, references, manifest), and `run.sh`. Binaries are
-//! stripped of symbols to keep the folder small enough to carry to the GPU host (64 MiB).
+//! `cargo xtask gpu-bundle`: one folder that runs the GPU checks on a machine with GPUs and no
+//! Rust toolchain: the nextest archive of the GPU test binaries (tests/cuda_*.rs,
+//! tests/nvrtc_compile.rs, tests/tp_nccl.rs), and in bin.tar.gz the `cargo-nextest` binary
+//! that runs it, the release `generate` and the `xtask` binary (synth, bench); the golden
+//! fixtures the tests read (models, references, manifest); `run.sh` (xtask/gpu-run.sh: the
+//! phases tests, golden, tp, synth, tp-synth, bench) and `bench.sh`. Binaries are stripped of
+//! symbols and compressed to keep the folder small enough to carry to the GPU host (64 MiB).
 //!
 //! The tests find the fixtures at this machine's workspace path (compiled in), so `run.sh`
-//! points that path at the bundle's copy when it does not exist on the GPU host.
+//! points that path at the bundle's copy, or with `--no-fixtures` at the checkout the bundle
+//! sits in, when it does not exist on the GPU host.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -17,12 +20,10 @@ pub struct Args {
     /// Output folder (replaced).
     #[arg(long, default_value = "bundle")]
     out: PathBuf,
-    /// Build `generate` with the release profile (the tests always use the test profile).
+    /// Leave the golden fixtures out: run.sh then reads them from the checkout the bundle is
+    /// placed in (bundle inside the repository root).
     #[arg(long)]
-    release: bool,
-    /// Also ship the `xtask` binary (bench, synth) and bench.sh, which runs the benchmark.
-    #[arg(long)]
-    bench: bool,
+    no_fixtures: bool,
 }
 
 fn run_cmd(cmd: &mut Command) -> Result<()> {
@@ -117,7 +118,7 @@ pub fn run(args: Args) -> Result<()> {
     for entry in std::fs::read_dir(root.join("tests"))? {
         let name = entry?.file_name().to_string_lossy().into_owned();
         if let Some(stem) = name.strip_suffix(".rs") {
-            if stem.starts_with("cuda_") || stem == "nvrtc_compile" {
+            if stem.starts_with("cuda_") || stem == "nvrtc_compile" || stem == "tp_nccl" {
                 archive.args(["--test", stem]);
                 binaries.push(format!("binary({stem})"));
             }
@@ -128,38 +129,35 @@ pub fn run(args: Args) -> Result<()> {
     run_cmd(archive.arg("--archive-file").arg(&archive_file))?;
     strip_archive(&archive_file)?;
 
-    let mut build = Command::new(&cargo);
-    build
-        .current_dir(&root)
-        .args(["build", "--bin", "generate"]);
-    if args.release {
-        build.arg("--release");
-    }
-    run_cmd(&mut build)?;
-    let profile = if args.release { "release" } else { "debug" };
-    std::fs::copy(
-        root.join("target").join(profile).join("generate"),
-        out.join("generate"),
-    )
-    .context("copying generate")?;
-
+    run_cmd(Command::new(&cargo).current_dir(&root).args([
+        "build",
+        "--release",
+        "--bin",
+        "generate",
+    ]))?;
     let which = Command::new("which").arg("cargo-nextest").output()?;
     let nextest = String::from_utf8(which.stdout)?.trim().to_string();
     if nextest.is_empty() {
         bail!("cargo-nextest is not on PATH (cargo install cargo-nextest)");
     }
+    let bin = out.join("bin");
+    std::fs::create_dir_all(&bin)?;
     for (from, to) in [
         (PathBuf::from(nextest), "cargo-nextest"),
-        (out.join("generate"), "generate"),
+        (root.join("target/release/generate"), "generate"),
+        (std::env::current_exe()?, "xtask"),
     ] {
-        run_cmd(
-            Command::new("strip")
-                .arg("-o")
-                .arg(out.join(format!("{to}.stripped")))
-                .arg(&from),
-        )?;
-        std::fs::rename(out.join(format!("{to}.stripped")), out.join(to))?;
+        run_cmd(Command::new("strip").arg("-o").arg(bin.join(to)).arg(&from))?;
     }
+    run_cmd(
+        Command::new("tar")
+            .arg("-czf")
+            .arg(out.join("bin.tar.gz"))
+            .arg("-C")
+            .arg(&out)
+            .arg("bin"),
+    )?;
+    std::fs::remove_dir_all(&bin)?;
 
     // `nextest run --workspace-remap` wants a workspace there: its manifests, and a stub for
     // the library's root file that the manifest names (the tests are already built).
@@ -169,59 +167,31 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::write(ws.join("src/lib.rs"), "")?;
     copy_dir(&root.join("xtask"), &ws.join("xtask"))?;
 
-    let golden = root.join("golden");
-    copy_dir(&golden.join("models"), &out.join("workspace/golden/models"))?;
-    copy_dir(&golden.join("refs"), &out.join("workspace/golden/refs"))?;
-    if golden.join("manifest.json").exists() {
+    if !args.no_fixtures {
+        let golden = root.join("golden");
+        for dir in ["models", "refs"] {
+            copy_dir(&golden.join(dir), &ws.join("golden").join(dir))?;
+        }
         std::fs::copy(
             golden.join("manifest.json"),
-            out.join("workspace/golden/manifest.json"),
+            ws.join("golden/manifest.json"),
         )?;
     }
 
-    let script = RUN_SH
+    let script = std::fs::read_to_string(root.join("xtask/gpu-run.sh"))?
         .replace("@WORKSPACE@", &root.display().to_string())
         .replace("@FILTER@", &binaries.join(" | "));
-    std::fs::write(out.join("run.sh"), script)?;
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(out.join("run.sh"), std::fs::Permissions::from_mode(0o755))?;
-    if args.bench {
-        crate::bench::add_to_bundle(&root, &out)?;
+    for (name, text) in [
+        ("run.sh", script),
+        (
+            "bench.sh",
+            std::fs::read_to_string(root.join("xtask/bench.sh"))?,
+        ),
+    ] {
+        std::fs::write(out.join(name), text)?;
+        std::fs::set_permissions(out.join(name), std::fs::Permissions::from_mode(0o755))?;
     }
     eprintln!("gpu-bundle: wrote {}", out.display());
     Ok(())
 }
-
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Runs mla-engine's GPU tests on a host with an NVIDIA GPU and no Rust toolchain.
-# Usage: run.sh [NEXTEST_FILTER]    (default: every test binary in the archive), then one
-# `generate --backend cuda` on the embedded tiny model.
-# Logs go to $OUT when set (the device tool's output folder), else ./out.
-# Needs the NVIDIA driver (libcuda) and libnvrtc on the loader path.
-set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-out=${OUT:-$here/out}
-mkdir -p "$out"
-
-# The tests read golden fixtures at the build machine's workspace path.
-ws="@WORKSPACE@"
-if [ ! -e "$ws/golden" ]; then
-  mkdir -p "$(dirname "$ws")"
-  ln -sfn "$here/workspace" "$ws"
-fi
-export MLA_CUBIN_CACHE=${MLA_CUBIN_CACHE:-/tmp/mla-cubin}
-
-{ nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } >"$out/gpu.txt" 2>&1
-head -n 20 "$out/gpu.txt"
-
-filter=${1:-"@FILTER@"}
-"$here/cargo-nextest" nextest run --archive-file "$here/tests.tar.zst" \
-  --workspace-remap "$here/workspace" -E "$filter" --no-fail-fast \
-  --success-output final --failure-output final 2>&1 | tee "$out/tests.log"
-rc=${PIPESTATUS[0]}
-
-# The whole model end to end on the GPU: the embedded tiny model, greedy.
-"$here/generate" --backend cuda --prompt "The capital of France is" --max-tokens 16 2>&1 |
-  tee "$out/generate.log"
-exit "$rc"
-"#;

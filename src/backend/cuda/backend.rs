@@ -89,6 +89,16 @@ impl Cuda {
         self.weight_bytes.load(Ordering::Relaxed)
     }
 
+    /// A [rows, cols] activation that the next kernel writes whole (`Gpu::empty`).
+    fn empty(&self, rows: usize, cols: usize) -> CudaTensor {
+        // At least one element: a zero-sized device allocation has no address.
+        CudaTensor {
+            buf: ok(self.gpu.empty((rows * cols).max(1)), "alloc"),
+            rows,
+            cols,
+        }
+    }
+
     /// (free, total) device memory in bytes.
     pub fn memory(&self) -> (usize, usize) {
         ok(
@@ -255,7 +265,7 @@ impl Backend for Cuda {
             x.cols
         );
         let (n, w) = (rows.len(), cols.len());
-        let y = self.zeros(n, w);
+        let y = self.empty(n, w);
         let src = self.p(x, rows.start * x.cols + cols.start);
         ok(
             self.gpu
@@ -273,7 +283,7 @@ impl Backend for Cuda {
             x.cols
         );
         let w = cols.len();
-        let y = self.zeros(x.rows, heads * w);
+        let y = self.empty(x.rows, heads * w);
         let src = self.p(x, cols.start);
         ok(
             self.gpu.copy_block(
@@ -318,7 +328,7 @@ impl Backend for Cuda {
         let e = table.ne[0];
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let dids = self.upload_i32(&ids);
-        let y = self.zeros(tokens.len(), e);
+        let y = self.empty(tokens.len(), e);
         ok(
             self.gpu.embed(
                 table.ty,
@@ -334,7 +344,7 @@ impl Backend for Cuda {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> CudaTensor {
-        let y = self.zeros(x.rows, x.cols);
+        let y = self.empty(x.rows, x.cols);
         ok(
             self.gpu.rmsnorm(
                 self.p(x, 0),
@@ -352,7 +362,7 @@ impl Backend for Cuda {
     }
 
     fn layer_norm(&self, x: &CudaTensor, w: &CudaWeight, b: &CudaWeight, eps: f32) -> CudaTensor {
-        let y = self.zeros(x.rows, x.cols);
+        let y = self.empty(x.rows, x.cols);
         ok(
             self.gpu.layernorm(
                 self.p(x, 0),
@@ -381,7 +391,7 @@ impl Backend for Cuda {
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "swiglu shapes");
-        let y = self.zeros(gate.rows, gate.cols);
+        let y = self.empty(gate.rows, gate.cols);
         ok(
             self.gpu.silu_mul(
                 self.p(gate, 0),
@@ -421,7 +431,7 @@ impl Backend for Cuda {
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
         let (k, rows) = (w.ne[0], w.dim(1));
         assert_eq!(x.cols, k, "linear {}: x has {} columns", w.name, x.cols);
-        let y = self.zeros(x.rows, rows);
+        let y = self.empty(x.rows, rows);
         self.product(
             w.ty,
             self.w(w),
@@ -449,7 +459,7 @@ impl Backend for Cuda {
             x.cols
         );
         let n = x.rows;
-        let y = self.zeros(n, heads * dout);
+        let y = self.empty(n, heads * dout);
         if n < MATMUL_MIN_ROWS || din % 32 != 0 {
             // One f32 matrix-vector item per (token, head), matrix index = head.
             let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
@@ -519,7 +529,7 @@ impl Backend for Cuda {
             }
             ok(self.gpu.upload(&bits), "upload")
         });
-        let out = self.zeros(n, heads * dv);
+        let out = self.empty(n, heads * dv);
         let a = AttentionPrefill {
             q: self.p(q, 0),
             q_tok: q.cols,
@@ -569,7 +579,7 @@ impl Backend for Cuda {
             cache.cols
         );
         let ids = keep.map(|k| self.upload_i32(k));
-        let out = self.zeros(n, heads * dl);
+        let out = self.empty(n, heads * dl);
         let a = MlaDecode {
             q_lat: self.p(q_lat, 0),
             ql_tok: q_lat.cols,
@@ -649,9 +659,9 @@ impl Backend for Cuda {
         let f = gate.dim(1);
         let rows = n * k;
         let (gate_bytes, down_bytes) = (f * gate.row_bytes(), e * down.row_bytes());
-        let g_out = self.zeros(rows, f);
-        let u_out = self.zeros(rows, f);
-        let d_out = self.zeros(rows, e);
+        let g_out = self.empty(rows, f);
+        let u_out = self.empty(rows, f);
+        let d_out = self.empty(rows, e);
         // Row r of the expert outputs belongs to (token, choice) slots[t * k + j] == r.
         let slots: Vec<i32>;
         if n < MATMUL_MIN_ROWS {

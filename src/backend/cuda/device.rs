@@ -130,6 +130,23 @@ impl Gpu {
         Ok(self.stream.alloc_zeros(n)?)
     }
 
+    /// A buffer of `n` f32 for a kernel to overwrite whole, without the memset of `zeros`:
+    /// uninitialized in release builds; in debug builds (the GPU tests) every byte is 0xff, a
+    /// NaN, so an element a kernel fails to write shows up in the stage comparisons.
+    pub fn empty(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        // SAFETY: the callers hand the buffer to a kernel that writes every element before
+        // anything reads it (checked by the NaN fill under the GPU tests).
+        let buf = unsafe { self.stream.alloc::<f32>(n) }?;
+        if cfg!(debug_assertions) {
+            let (p, _record) = buf.device_ptr(&self.stream);
+            // SAFETY: p addresses the n * 4 bytes just allocated on this stream.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(p, 0xff, n * 4, self.stream.cu_stream())
+            }?;
+        }
+        Ok(buf)
+    }
+
     /// Waits for all queued work, surfacing any error a kernel raised.
     pub fn sync(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# Runs mla-engine's GPU checks on a host with NVIDIA GPUs and no Rust toolchain, from the folder
+# `cargo xtask gpu-bundle` writes (this script is its run.sh).
+#
+#   run.sh [PHASE...]    default: tests golden tp
+#     tests   the nextest archive: cuda_kernels, cuda_forward, nvrtc_compile, tp_nccl
+#     golden  `generate --backend cuda` against `--backend cpu` on every golden file: the
+#             prefill traces with `generate diff`, and the greedy text
+#     tp      `generate --backend cuda --tp 2` against `--tp 1` on every golden file (2 GPUs)
+#     synth   writes the synthetic full-width GLM-5 and DeepSeek-V3 files (4 layers, Q4_K)
+#     tp-synth  TP=2 against TP=1 on the synthetic GLM-5 file: trace diff, decode tokens/s and
+#             all-reduce time per token (MLA_TP_TIMING=1)
+#     bench   bench.sh on the synthetic files (issue 9)
+#
+# synth runs in the background from the start (tp-synth and bench wait for it). Each phase's
+# log goes to $WORK/NAME.log (WORK default /tmp/mla-gpu) and to stdout; at the end the logs and
+# the bench's JSON are packed into $OUT/results.tar.gz ($OUT: the device tool's folder, else
+# ./out). Every phase is killed MLA_LIMIT seconds (default 560) after the start, so the pack
+# happens inside a caller's time limit. MAX_TOKENS (default 24) greedy tokens per generate.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$here/out}
+work=${WORK:-/tmp/mla-gpu}
+limit=${MLA_LIMIT:-560}
+max_tokens=${MAX_TOKENS:-24}
+mkdir -p "$out" "$work"
+export MLA_CUBIN_CACHE=${MLA_CUBIN_CACHE:-$work/cubin}
+export NCCL_NVLS_ENABLE=0 # never NVLink multicast on shared hosts
+[ -x "$here/bin/generate" ] || tar -xzf "$here/bin.tar.gz" -C "$here"
+bin=$here/bin
+
+# The test binaries read the golden fixtures at the build machine's workspace path. Take the
+# bundle's copy, or the checkout the bundle sits in when it was built with --no-fixtures.
+src=$here/workspace
+[ -e "$src/golden/manifest.json" ] || src=$(cd "$here/.." && pwd)
+ws="@WORKSPACE@"
+if [ ! -e "$ws/golden/manifest.json" ]; then
+  mkdir -p "$(dirname "$ws")"
+  ln -sfn "$src" "$ws"
+fi
+
+# cudarc opens libnccl.so; the NCCL wheels and some distributions ship only libnccl.so.2.
+if ! ldconfig -p | grep -q 'libnccl\.so '; then
+  nccl=$(find /usr /opt -name 'libnccl.so.2' 2>/dev/null | head -n 1)
+  if [ -n "$nccl" ]; then
+    mkdir -p "$here/lib" && ln -sfn "$nccl" "$here/lib/libnccl.so"
+    export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
+
+# Short enough (under 16 tokens) that the CUDA backend runs every product in f32 matrix-vector
+# kernels: the traces then agree to f32 summation order (1e-4); cuda_forward covers the bf16
+# tensor-core path of longer prompts.
+prompt="In the beginning God created"
+golden_files() {
+  for f in ds3.f32 ds3.q8_0 ds3.q4_k_m ds3.mix ds3.legacy-q8_0 glm5.q8_0 \
+    v2lite.q8_0-00001-of-00003 story.q8_0; do
+    echo "$ws/golden/models/$f.gguf"
+  done
+}
+
+# gen NAME MODEL ARGS...: greedy text to $work/NAME.txt, the prefill trace to $work/NAME.st.
+gen() {
+  local name=$1 model=$2
+  shift 2
+  timeout 120 "$bin/generate" --model "$model" --prompt "$prompt" --max-tokens "$max_tokens" \
+    --trace "$work/$name.st" "$@" >"$work/$name.txt" 2>"$work/$name.err"
+  local rc=$?
+  tail -n 3 "$work/$name.err"
+  return $rc
+}
+
+# same A B: the two runs' prefill traces stage by stage, and their greedy text.
+same() {
+  "$bin/generate" diff "$work/$1.st" "$work/$2.st" --threshold 1e-4 >"$work/$1-vs-$2.diff"
+  echo "diff exit $?: $(grep -E '^logits ' "$work/$1-vs-$2.diff" | tr -s ' ') | $(tail -n 1 "$work/$1-vs-$2.diff")"
+  awk '{for (i = 2; i <= NF; i++) if ($i ~ /^[0-9.]+e[-+]?[0-9]+$/ && $i + 0 >= m) {m = $i + 0; w = $1}}
+    END {printf "worst stage %s %.3e\n", w, m}' "$work/$1-vs-$2.diff"
+  if cmp -s "$work/$1.txt" "$work/$2.txt"; then
+    echo "greedy text identical: $(head -c 160 "$work/$1.txt")"
+  else
+    echo "greedy text differs:"; echo "  $1: $(head -c 160 "$work/$1.txt")"
+    echo "  $2: $(head -c 160 "$work/$2.txt")"
+  fi
+}
+
+phase_tests() {
+  local filter="@FILTER@"
+  timeout 300 "$bin/cargo-nextest" nextest run --archive-file "$here/tests.tar.zst" \
+    --workspace-remap "$src" -E "$filter" --no-fail-fast \
+    --success-output final --failure-output final
+}
+
+phase_golden() {
+  for m in $(golden_files); do
+    n=$(basename "$m" .gguf)
+    echo "-- $n"
+    gen "$n.cpu" "$m" --backend cpu && gen "$n.cuda" "$m" --backend cuda && same "$n.cuda" "$n.cpu"
+  done
+}
+
+phase_tp() {
+  for m in $(golden_files); do
+    n=$(basename "$m" .gguf)
+    echo "-- $n"
+    [ -e "$work/$n.cuda.st" ] || gen "$n.cuda" "$m" --backend cuda
+    gen "$n.tp2" "$m" --backend cuda --tp 2 && same "$n.tp2" "$n.cuda"
+  done
+}
+
+synth_file() { echo "${BENCH_WORK:-/tmp/mla-bench}/$1.gguf"; }
+
+wait_synth() {
+  while [ -e "$work/synth.running" ]; do sleep 2; done
+}
+
+phase_synth() {
+  mkdir -p "$(dirname "$(synth_file glm5)")"
+  for m in glm5 ds3; do
+    [ -e "$(synth_file $m)" ] && continue
+    arch=glm-dsa; [ $m = ds3 ] && arch=deepseek2
+    t0=$SECONDS
+    "$bin/xtask" synth --arch $arch --layers 4 --quant q4_k "$(synth_file $m).part" 2>&1 | tail -n 2 &&
+      mv "$(synth_file $m).part" "$(synth_file $m)"
+    echo "synth $m: $((SECONDS - t0)) s"
+  done
+}
+
+phase_tp_synth() {
+  # Words of the synthetic vocabulary: 9 tokens, the f32 path, so TP=2 must match TP=1 to
+  # f32 reordering. (A 17-token prompt takes the bf16 path, where a 1e-5 difference flips
+  # bf16 roundings and random weights amplify them layer after layer.)
+  local m prompt="And God said let there be light" max_tokens=64
+  wait_synth
+  m=$(synth_file glm5)
+  [ -e "$m" ] || { echo "no $m (phase synth)"; return 1; }
+  gen synth.tp1 "$m" --backend cuda
+  MLA_TP_TIMING=1 gen synth.tp2.timed "$m" --backend cuda --tp 2
+  gen synth.tp2 "$m" --backend cuda --tp 2 && same synth.tp2 synth.tp1
+}
+
+phase_bench() {
+  wait_synth
+  OUT=$work/bench BENCH_WORK=$(dirname "$(synth_file glm5)") timeout 400 bash "$here/bench.sh"
+}
+
+if [ "${1:-}" = --phase ]; then
+  "phase_${2//-/_}"
+  exit
+fi
+
+start=$SECONDS
+{ nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } 2>&1 |
+  tee "$work/gpu.log" | tail -n 4
+phases=${*:-tests golden tp}
+if [[ " $phases " == *" synth "* ]]; then
+  touch "$work/synth.running"
+  (nice -n 19 "$0" --phase synth >"$work/synth.log" 2>&1; rm -f "$work/synth.running") &
+fi
+for p in $phases; do
+  [ "$p" = synth ] && continue
+  left=$((limit - (SECONDS - start)))
+  if [ "$left" -le 10 ]; then
+    echo "== $p: not run, past the ${limit} s limit" | tee -a "$work/skipped.log"
+    continue
+  fi
+  echo "== $p ($((SECONDS - start)) s)"
+  t0=$SECONDS
+  timeout "$left" "$0" --phase "$p" 2>&1 | tee "$work/$p.log"
+  echo "== $p: exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s"
+done
+[ -e "$work/synth.log" ] && tail -n 6 "$work/synth.log"
+tar -czf "$out/results.tar.gz" -C "$work" --exclude='*.st' --exclude=cubin --exclude='*.gguf' . 2>/dev/null
+echo "results: $out/results.tar.gz ($((SECONDS - start)) s in all)"
