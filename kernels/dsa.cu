@@ -3,8 +3,11 @@
 // dsa_scores: scores[t, s] = sum_h w[t, h] * relu(scale * q[t, h, :] . k[s, :]) for s <= pos0 + t,
 //   -inf for later keys. q: [T, heads, dim], k: [S, dim] (the indexer key cache, one head),
 //   w: [T, heads] (the head weights), scores: [T, s_stride].
-//   grid (ceil(S / 128), T), block 128: one key per thread, the query in shared memory.
-//   heads * dim <= 8192.
+//   grid (ceil(S / 32), T), block 128: a block scores 32 keys, lane l of every warp key l of
+//   the tile; warp w takes heads 8w .. 8w + 7, then 8w + 32 .., and the 4 warps' sums are
+//   added at the end. Dynamic shared memory dsa_scores_smem_bytes(): the token's query
+//   [heads][dim] and the key tile [32][dim + 4] (row padding: conflict-free float4 reads).
+//   heads <= 64, heads * dim <= 8192, dim % 4 == 0, dim <= 256; k 16-byte aligned.
 //
 // topk_rows: for each row t, the positions of the k largest of scores[t, 0 .. n_valid(t)),
 //   n_valid(t) = pos0 + t + 1, ascending, -1 padded (all valid positions when there are at most
@@ -12,28 +15,62 @@
 //   per row: a 4-pass radix select on the order-preserving u32 image of the scores finds the
 //   k-th largest value, then a block scan writes the selected positions in order.
 
-extern "C" __global__ void dsa_scores(const float* q, const float* k, const float* w, int heads,
-                                      int dim, int S, int pos0, float scale, float* scores,
-                                      i64 s_stride) {
-    __shared__ float qs[8192];
+#define DSA_KEYS 32
+#define DSA_HC 8  // heads per warp pass
+
+extern "C" __global__ void __launch_bounds__(128) dsa_scores(
+    const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,
+    float scale, float* scores, i64 s_stride) {
+    extern __shared__ __align__(16) float dsmem[];
     __shared__ float ws[64];
-    int t = blockIdx.y, s = blockIdx.x * blockDim.x + threadIdx.x;
-    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = q[(i64)t * heads * dim + i];
-    for (int i = threadIdx.x; i < heads; i += blockDim.x) ws[i] = w[(i64)t * heads + i];
-    __syncthreads();
-    if (s >= S) return;
-    float total = NEG_INF;
-    if (s <= pos0 + t) {
-        const float* kr = k + (i64)s * dim;
-        total = 0.0f;
-        for (int h = 0; h < heads; h++) {
-            const float* qr = qs + h * dim;
-            float dot = 0.0f;
-            for (int d = 0; d < dim; d++) dot += qr[d] * kr[d];
-            total += ws[h] * fmaxf(scale * dot, 0.0f);
-        }
+    __shared__ float part[4][DSA_KEYS];
+    const int dim4 = dim / 4, kstride = dim + 4;
+    float* qs = dsmem;                 // [heads][dim]
+    float* ks = dsmem + heads * dim;   // [DSA_KEYS][dim + 4]
+    int t = blockIdx.y, s0 = blockIdx.x * DSA_KEYS, tid = threadIdx.x;
+    int lane = tid & 31, warp = tid >> 5;
+
+    const float4* q4 = (const float4*)(q + (i64)t * heads * dim);
+    for (int i = tid; i < heads * dim4; i += blockDim.x) ((float4*)qs)[i] = q4[i];
+    for (int i = tid; i < heads; i += blockDim.x) ws[i] = w[(i64)t * heads + i];
+    for (int i = tid; i < DSA_KEYS * dim4; i += blockDim.x) {
+        int r = i / dim4, c = i - r * dim4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (s0 + r < S) v = __ldg((const float4*)(k + (i64)(s0 + r) * dim) + c);
+        *(float4*)(ks + r * kstride + 4 * c) = v;
     }
-    scores[(i64)t * s_stride + s] = total;
+    __syncthreads();
+
+    const float4* kr = (const float4*)(ks + lane * kstride);
+    float total = 0.0f;
+    for (int hc = warp * DSA_HC; hc < heads; hc += 4 * DSA_HC) {
+        float dot[DSA_HC];
+        int qrow[DSA_HC];  // float4 offset of each head's query row (past heads: unused)
+#pragma unroll
+        for (int e = 0; e < DSA_HC; e++) {
+            dot[e] = 0.0f;
+            qrow[e] = min(hc + e, heads - 1) * dim4;
+        }
+        const float4* q4s = (const float4*)qs;
+        for (int d4 = 0; d4 < dim4; d4++) {
+            float4 kv = kr[d4];
+#pragma unroll
+            for (int e = 0; e < DSA_HC; e++) {
+                float4 qv = q4s[qrow[e] + d4];  // the same address in every lane: a broadcast
+                dot[e] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < DSA_HC; e++)
+            if (hc + e < heads) total += ws[hc + e] * fmaxf(scale * dot[e], 0.0f);
+    }
+    part[warp][lane] = total;
+    __syncthreads();
+    if (warp == 0) {
+        int s = s0 + lane;
+        float sum = part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane];
+        if (s < S) scores[(i64)t * s_stride + s] = s <= pos0 + t ? sum : NEG_INF;
+    }
 }
 
 // Larger float <=> larger key; -inf is the smallest non-NaN key.

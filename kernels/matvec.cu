@@ -4,34 +4,365 @@
 //   W_b = w + m * mat_stride bytes, m = ids ? ids[b] : b   (the expert, head or 0)
 //   x_b = x + (b / x_group) * x_stride                    (shared or per-item input)
 //   y_b = y + b * y_stride
-// W rows are `row_bytes` apart and `k` elements long (a whole number of blocks). One warp per
-// row; the lanes walk the row in 8-element units, so consecutive lanes read consecutive bytes.
+// W rows are `row_bytes` apart and `k` elements long (a whole number of blocks).
 
-#define MATVEC_WARPS 8
+// Launch geometry (Gpu::matvec): blocks of MATVEC_WARPS warps, grid (ceil(groups / G), batch)
+// where a group is MATVEC_ROWS consecutive rows and G (1, 2 or 4) groups share a block. The
+// MATVEC_WARPS / G warps of a group split the rows' k range and meet in shared memory; more
+// warps per group give short matrices (kv_a's 576 rows, the router's 256) enough warps to keep
+// every SM's loads in flight. The kernel reads G back from the grid size (matvec_body).
+//
+// Speed comes from bytes per instruction: decode reads each weight byte once, so the SMs must
+// turn ~16 bytes per clock each into products. Each thread owns one "piece" of a quant block
+// (usually 16 bytes of packed values, read with one 16-byte load, or a few 4-byte ones where
+// the block size leaves them unaligned), its x values are shared by the MATVEC_ROWS rows, and
+// small integers become floats through the mantissa (byte_f) rather than the quarter-rate I2F.
+// Types without such a piece walk 8-element units through dq8_<type> (generic_piece).
 
-template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
+#define MATVEC_WARPS 4
+#define MATVEC_ROWS 2
+
+// A piece function: acc[r] += (piece p of block blk[r]) . (the x values of that piece), for
+// the MATVEC_ROWS rows; xb points at x for the block's first element.
+typedef void (*PieceFn)(const u8* const* blk, int p, const float* xb, float* acc);
+
+// Weights are read once: 16-byte loads that bypass L1 so that x stays there.
+__device__ __forceinline__ uint4 ld_stream16(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ld_nc32(const u8* p) { return __ldg((const unsigned int*)p); }
+__device__ __forceinline__ u16 ld_nc16(const u8* p) { return __ldg((const unsigned short*)p); }
+
+// N little-endian words from any byte address: N + 1 aligned 4-byte loads (neighbouring
+// threads' words share L1 lines, so these keep the L1 allocation) joined by funnel shifts. The
+// extra word is read only when p is unaligned, and then it holds bytes of the range itself.
+template <int N>
+__device__ __forceinline__ void ld_words(const u8* p, u32* out) {
+    const u8* base = (const u8*)((unsigned long long)p & ~3ull);
+    u32 sh = 8 * (u32)((unsigned long long)p & 3);
+    u32 a[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; i++) a[i] = ld_nc32(base + 4 * i);
+    a[N] = sh ? ld_nc32(base + 4 * N) : 0u;
+#pragma unroll
+    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
+}
+
+// Byte k of w minus `bias`, as a float: the byte goes into the mantissa of 2^23 (exact) and
+// one FADD removes 2^23 + bias. Full FP32 rate, where an int-to-float conversion is 1/4.
+__device__ __forceinline__ float byte_f(u32 w, int k, float bias) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + k)) - (8388608.0f + bias);
+}
+
+// s += sum_j (byte j of q - bias) * x_j over the four bytes of q.
+__device__ __forceinline__ float dot4(u32 q, float4 x, float bias, float s) {
+    s = fmaf(byte_f(q, 0, bias), x.x, s);
+    s = fmaf(byte_f(q, 1, bias), x.y, s);
+    s = fmaf(byte_f(q, 2, bias), x.z, s);
+    return fmaf(byte_f(q, 3, bias), x.w, s);
+}
+
+__device__ __forceinline__ float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+
+// The 6-bit scales (low byte: sub-block 2c, high byte: 2c + 1) and mins of Q4_K / Q5_K chunk c
+// from the header words h1..h3 (scale bytes 0-3, 4-7, 8-11); kquant_scale_min, two at a time.
+__device__ __forceinline__ void kquant_pair(uint4 hd, int c, float* dl, float* ml) {
+    int sh = 16 * (c & 1);
+    u32 a = hd.y >> sh, b = hd.z >> sh, e = hd.w >> sh;
+    u32 sc = c < 2 ? a & 0x3F3F : (e & 0x0F0F) | ((a >> 2) & 0x3030);
+    u32 mn = c < 2 ? b & 0x3F3F : ((e >> 4) & 0x0F0F) | ((b >> 2) & 0x3030);
+    float d = f16_to_f32((u16)hd.x), dmin = f16_to_f32((u16)(hd.x >> 16));
+    dl[0] = d * (float)(sc & 0xFF);
+    dl[1] = d * (float)((sc >> 8) & 0xFF);
+    ml[0] = dmin * (float)(mn & 0xFF);
+    ml[1] = dmin * (float)((mn >> 8) & 0xFF);
+}
+
+// Q4_K / Q5_K piece p (8 per block; blocks 16-byte aligned): chunk c = p / 2, bytes
+// l = 16 (p % 2) + [0, 16) of the chunk's 32 qs bytes, i.e. 16 elements of sub-block 2c (low
+// nibbles) and 16 of 2c + 1 (high nibbles). value = dl * q - ml, summed as
+// dl * sum(q x) - ml * sum(x) per sub-block, sum(x) shared by the rows. Q5_K adds bit s of
+// qh[l] as the fifth bit.
+template <bool Q5>
+__device__ __forceinline__ void kquant45_piece(const u8* const* blk, int p, const float* xb,
+                                               float* acc) {
+    int c = p >> 1, l = 16 * (p & 1);
+    uint4 hd[MATVEC_ROWS], qs[MATVEC_ROWS], qh[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        hd[r] = ld_stream16(blk[r]);
+        qs[r] = ld_stream16(blk[r] + (Q5 ? 48 : 16) + 32 * c + l);
+        if (Q5) qh[r] = ld_stream16(blk[r] + 16 + l);
+    }
+    const float* xlo = xb + 64 * c + l;
+    float sx0 = 0.0f, sx1 = 0.0f, sq0[MATVEC_ROWS], sq1[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) sq0[r] = sq1[r] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float4 x0 = *(const float4*)(xlo + 4 * i), x1 = *(const float4*)(xlo + 32 + 4 * i);
+        sx0 += sum4(x0);
+        sx1 += sum4(x1);
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++) {
+            u32 w = (&qs[r].x)[i];
+            u32 q0 = w & 0x0F0F0F0F, q1 = (w >> 4) & 0x0F0F0F0F;
+            if (Q5) {
+                u32 h = (&qh[r].x)[i];
+                q0 |= ((h >> (2 * c)) & 0x01010101) << 4;
+                q1 |= ((h >> (2 * c + 1)) & 0x01010101) << 4;
+            }
+            sq0[r] = dot4(q0, x0, 0.0f, sq0[r]);
+            sq1[r] = dot4(q1, x1, 0.0f, sq1[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        float dl[2], ml[2];
+        kquant_pair(hd[r], c, dl, ml);
+        acc[r] += (dl[0] * sq0[r] - ml[0] * sx0) + (dl[1] * sq1[r] - ml[1] * sx1);
+    }
+}
+__device__ __forceinline__ void piece_q4_k(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    kquant45_piece<false>(blk, p, xb, acc);
+}
+__device__ __forceinline__ void piece_q5_k(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    kquant45_piece<true>(blk, p, xb, acc);
+}
+
+// Q6_K piece p (8 per block; blocks only 2-byte aligned): half h = p / 4, j = (p / 2) % 2,
+// 16 ql bytes at 64h + 32j + 16 (p % 2): their low nibbles are quarter j, their high nibbles
+// quarter j + 2 of half h; the matching 16 qh bytes at 128 + 32h + 16 (p % 2) hold the high
+// bits (2j and 2j + 4). value = d * scale * (q - 32).
+__device__ __forceinline__ void piece_q6_k(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    int h = p >> 2, j = (p >> 1) & 1, l = 16 * (p & 1);
+    u32 ql[MATVEC_ROWS][4], qh[MATVEC_ROWS][4];
+    float d0[MATVEC_ROWS], d1[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        const u8* b = blk[r];
+        ld_words<4>(b + 64 * h + 32 * j + l, ql[r]);
+        ld_words<4>(b + 128 + 32 * h + l, qh[r]);
+        const signed char* sc = (const signed char*)(b + 192 + 8 * h + 2 * j + (l >> 4));
+        float d = f16_to_f32(ld_nc16(b + 208));
+        d0[r] = d * (float)sc[0];
+        d1[r] = d * (float)sc[4];
+    }
+    const float* xlo = xb + 128 * h + 32 * j + l;
+    float s0[MATVEC_ROWS], s1[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) s0[r] = s1[r] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float4 x0 = *(const float4*)(xlo + 4 * i), x1 = *(const float4*)(xlo + 64 + 4 * i);
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++) {
+            u32 w = ql[r][i], hb = qh[r][i];
+            u32 q0 = (w & 0x0F0F0F0F) | (((hb >> (2 * j)) & 0x03030303) << 4);
+            u32 q1 = ((w >> 4) & 0x0F0F0F0F) | (((hb >> (2 * j + 4)) & 0x03030303) << 4);
+            s0[r] = dot4(q0, x0, 32.0f, s0[r]);
+            s1[r] = dot4(q1, x1, 32.0f, s1[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) acc[r] += d0[r] * s0[r] + d1[r] * s1[r];
+}
+
+// Q8_0 piece p (2 per block; blocks 2-byte aligned): the 16 values qs[16p..]. The bytes are
+// signed: flipping their top bit gives q + 128.
+__device__ __forceinline__ void piece_q8_0(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    u32 qs[MATVEC_ROWS][4];
+    float d[MATVEC_ROWS], s[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        ld_words<4>(blk[r] + 2 + 16 * p, qs[r]);
+        d[r] = f16_to_f32(ld_nc16(blk[r]));
+        s[r] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float4 x = *(const float4*)(xb + 16 * p + 4 * i);
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++)
+            s[r] = dot4(qs[r][i] ^ 0x80808080u, x, 128.0f, s[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) acc[r] += d[r] * s[r];
+}
+
+// The IQ4 code book (IQ4_VALUES) plus 128, so that it fits unsigned bytes; entry i is byte
+// i % 4 of word i / 4.
+#define IQ4_B0 0x3F2D1801u // -127 -104  -83  -65
+#define IQ4_B1 0x766A5D4Fu //  -49  -35  -22  -10
+#define IQ4_B2 0xA6998D81u //    1   13   25   38
+#define IQ4_B3 0xF1D9C5B5u //   53   69   89  113
+
+// The biased code book entries of the four nibbles of `sel` (bits 0-15), as four bytes: two
+// byte permutes look up entries 0-7 and 8-15 by the nibbles' low three bits, a third picks
+// one of the two by the nibble's top bit. No table in memory, so no serialized lookups.
+__device__ __forceinline__ u32 iq4_lookup(u32 sel) {
+    u32 idx = sel & 0x7777, top = (sel >> 1) & 0x4444;
+    u32 lo = __byte_perm(IQ4_B0, IQ4_B1, idx), hi = __byte_perm(IQ4_B2, IQ4_B3, idx);
+    return __byte_perm(lo, hi, 0x3210 | top);
+}
+
+// s += the 32 IQ4 values packed in qs[0..3] (element i < 16: low nibble of byte i, i + 16:
+// its high nibble) . x[0..32). Word i's two lookups give bytes in the order low, high, low,
+// high nibble.
+__device__ __forceinline__ float iq4_dot32(const u32* qs, const float* x, float s) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 a = iq4_lookup(qs[i]), b = iq4_lookup(qs[i] >> 16);
+        float4 x0 = *(const float4*)(x + 4 * i), x1 = *(const float4*)(x + 16 + 4 * i);
+        s = fmaf(byte_f(a, 0, 128.0f), x0.x, s);
+        s = fmaf(byte_f(a, 2, 128.0f), x0.y, s);
+        s = fmaf(byte_f(b, 0, 128.0f), x0.z, s);
+        s = fmaf(byte_f(b, 2, 128.0f), x0.w, s);
+        s = fmaf(byte_f(a, 1, 128.0f), x1.x, s);
+        s = fmaf(byte_f(a, 3, 128.0f), x1.y, s);
+        s = fmaf(byte_f(b, 1, 128.0f), x1.z, s);
+        s = fmaf(byte_f(b, 3, 128.0f), x1.w, s);
+    }
+    return s;
+}
+
+// IQ4_XS piece p (8 per block; blocks 8-byte aligned at best): sub-block p, 16 qs bytes at
+// 8 + 16p; scale d * (ls - 32) from the header (see dq8_iq4_xs).
+__device__ __forceinline__ void piece_iq4_xs(const u8* const* blk, int p, const float* xb,
+                                             float* acc) {
+    u32 hd[MATVEC_ROWS][2], qs[MATVEC_ROWS][4];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        ld_words<2>(blk[r], hd[r]);
+        ld_words<4>(blk[r] + 8 + 16 * p, qs[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        int ls = ((hd[r][1] >> (4 * p)) & 15) | (((hd[r][0] >> (16 + 2 * p)) & 3) << 4);
+        float dl = f16_to_f32((u16)hd[r][0]) * (float)(ls - 32);
+        acc[r] += dl * iq4_dot32(qs[r], xb + 32 * p, 0.0f);
+    }
+}
+
+// IQ4_NL piece (1 per block, 2-byte aligned): f16 d, then 16 qs bytes as one IQ4_XS sub-block.
+__device__ __forceinline__ void piece_iq4_nl(const u8* const* blk, int p, const float* xb,
+                                             float* acc) {
+    u32 qs[MATVEC_ROWS][4];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) ld_words<4>(blk[r] + 2, qs[r]);
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++)
+        acc[r] += f16_to_f32(ld_nc16(blk[r])) * iq4_dot32(qs[r], xb, 0.0f);
+}
+
+// Scalar types, 16-byte aligned rows: a "block" is 8 elements, a piece 16 bytes of it.
+__device__ __forceinline__ void piece_f32(const u8* const* blk, int p, const float* xb,
+                                          float* acc) {
+    float4 x = *(const float4*)(xb + 4 * p);
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        uint4 w = ld_stream16(blk[r] + 16 * p);
+        acc[r] += __uint_as_float(w.x) * x.x + __uint_as_float(w.y) * x.y +
+                  __uint_as_float(w.z) * x.z + __uint_as_float(w.w) * x.w;
+    }
+}
+template <bool BF16>
+__device__ __forceinline__ void half_piece(const u8* const* blk, const float* xb, float* acc) {
+    float4 x0 = *(const float4*)xb, x1 = *(const float4*)(xb + 4);
+    float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        uint4 w = ld_stream16(blk[r]);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            u16 v = (u16)((&w.x)[i / 2] >> (16 * (i % 2)));
+            s = fmaf(BF16 ? bf16_to_f32(v) : f16_to_f32(v), xs[i], s);
+        }
+        acc[r] += s;
+    }
+}
+__device__ __forceinline__ void piece_f16(const u8* const* blk, int p, const float* xb,
+                                          float* acc) {
+    half_piece<false>(blk, xb, acc);
+}
+__device__ __forceinline__ void piece_bf16(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    half_piece<true>(blk, xb, acc);
+}
+
+// Any type, any alignment: piece p is the 8-element unit p of the block, through dq8_<type>.
+template <void (*DQ8)(const u8*, int, float*)>
+__device__ __forceinline__ void generic_piece(const u8* const* blk, int p, const float* xb,
+                                              float* acc) {
+    const float4* xp = (const float4*)(xb + 8 * p);
+    float4 x0 = xp[0], x1 = xp[1];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        float v[8];
+        DQ8(blk[r], p, v);
+        acc[r] += v[0] * x0.x + v[1] * x0.y + v[2] * x0.z + v[3] * x0.w;
+        acc[r] += v[4] * x1.x + v[5] * x1.y + v[6] * x1.z + v[7] * x1.w;
+    }
+}
+
+// The rows of one block of threads (see the launch geometry above) with PIECES pieces per
+// quant block of ELEMS elements / BYTES bytes. Every thread reaches the barrier: rows past the
+// end are computed on the last row and not stored.
+template <int ELEMS, int BYTES, int PIECES, PieceFn PIECE>
 __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
                             i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y,
                             i64 y_stride) {
+    __shared__ float partial[MATVEC_WARPS][MATVEC_ROWS];
+    // Groups per block: the fewest (so the most warps per group) that still cover every row.
+    int groups = (rows + MATVEC_ROWS - 1) / MATVEC_ROWS, per_block = 1;
+    while (per_block < MATVEC_WARPS && (int)gridDim.x * per_block < groups) per_block *= 2;
+    int lanes = blockDim.x / per_block;  // threads per group, a multiple of 32
+    int t = threadIdx.x % lanes, group = threadIdx.x / lanes;
     int b = blockIdx.y;
-    int r = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (r >= rows) return;
+    int r0 = (blockIdx.x * per_block + group) * MATVEC_ROWS;
     i64 m = ids ? ids[b] : b;
-    const u8* row = w + m * mat_stride + r * row_bytes;
     const float* xb = x + (i64)(b / x_group) * x_stride;
-    const int units_per_block = ELEMS / 8;
-    float sum = 0.0f;
-    for (int u = lane; u < k / 8; u += 32) {
-        float wv[8];
-        DQ8(row + (i64)(u / units_per_block) * BYTES, u % units_per_block, wv);
-        const float4* xp = (const float4*)(xb + 8 * u);
-        float4 x0 = xp[0], x1 = xp[1];
-        sum += wv[0] * x0.x + wv[1] * x0.y + wv[2] * x0.z + wv[3] * x0.w;
-        sum += wv[4] * x1.x + wv[5] * x1.y + wv[6] * x1.z + wv[7] * x1.w;
+    const u8* row[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++)
+        row[r] = w + m * mat_stride + (i64)min(r0 + r, rows - 1) * row_bytes;
+    float acc[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) acc[r] = 0.0f;
+    // PIECES divides 32, so each thread keeps one piece index p and walks the blocks.
+    int pieces = k / ELEMS * PIECES, p = t % PIECES;
+    if (r0 < rows) {
+#pragma unroll 4
+        for (int q = t; q < pieces; q += lanes) {
+            i64 blk_off = (i64)(q / PIECES) * BYTES;
+            const u8* blk[MATVEC_ROWS];
+#pragma unroll
+            for (int r = 0; r < MATVEC_ROWS; r++) blk[r] = row[r] + blk_off;
+            PIECE(blk, p, xb + (i64)(q / PIECES) * ELEMS, acc);
+        }
     }
-    sum = warp_sum(sum);
-    if (lane == 0) y[b * y_stride + r] = sum;
+    int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        float s = warp_sum(acc[r]);
+        if ((threadIdx.x & 31) == 0) partial[warp][r] = s;
+    }
+    __syncthreads();
+    if (t < MATVEC_ROWS && r0 + t < rows) {
+        int first = group * (lanes >> 5);
+        float s = 0.0f;
+        for (int i = 0; i < (lanes >> 5); i++) s += partial[first + i][t];
+        y[b * y_stride + r0 + t] = s;
+    }
 }
 
 // matvec_t_<type>: the transposed product for small batches, y_b[j] = sum_i W_b[i, j] * x_b[i]
@@ -78,12 +409,56 @@ __device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int n, fl
     }
 }
 
+// The piece function of each type that has one: PIECES per block (0: none, use
+// generic_piece) and whether its loads need 16-byte aligned blocks.
+template <void (*DQ8)(const u8*, int, float*)>
+struct FastPiece {
+    static const int PIECES = 0;
+};
+#define FAST_PIECE(name, pieces, align16)                       \
+    template <>                                                 \
+    struct FastPiece<dq8_##name> {                              \
+        static const int PIECES = pieces;                       \
+        static const bool ALIGN16 = align16;                    \
+        static constexpr PieceFn FN = piece_##name;             \
+    };
+FAST_PIECE(f32, 2, true)
+FAST_PIECE(f16, 1, true)
+FAST_PIECE(bf16, 1, true)
+FAST_PIECE(q8_0, 2, false)
+FAST_PIECE(q4_k, 8, true)
+FAST_PIECE(q5_k, 8, true)
+FAST_PIECE(q6_k, 8, false)
+FAST_PIECE(iq4_nl, 1, false)
+FAST_PIECE(iq4_xs, 8, false)
+
+template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
+__device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
+                                i64 row_bytes, const float* x, int x_group, i64 x_stride,
+                                float* y, i64 y_stride) {
+    typedef FastPiece<DQ8> F;
+    if constexpr (F::PIECES == 0) {
+        matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>>(
+            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride);
+    } else if constexpr (!F::ALIGN16) {
+        matvec_body<ELEMS, BYTES, F::PIECES, F::FN>(w, mat_stride, ids, rows, k, row_bytes, x,
+                                                    x_group, x_stride, y, y_stride);
+    } else if ((((unsigned long long)w | mat_stride | row_bytes) & 15) == 0) {
+        matvec_body<ELEMS, BYTES, F::PIECES, F::FN>(w, mat_stride, ids, rows, k, row_bytes, x,
+                                                    x_group, x_stride, y, y_stride);
+    } else {
+        // A 16-byte piece type at an odd address (never seen in practice): the unit walk.
+        matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>>(
+            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride);
+    }
+}
+
 #define DEFINE_MATVEC(name, elems, bytes)                                                    \
     extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS) matvec_##name(           \
         const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,         \
         const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {                 \
-        matvec_body<elems, bytes, dq8_##name>(w, mat_stride, ids, rows, k, row_bytes, x,     \
-                                              x_group, x_stride, y, y_stride);               \
+        matvec_dispatch<elems, bytes, dq8_##name>(w, mat_stride, ids, rows, k, row_bytes, x, \
+                                                  x_group, x_stride, y, y_stride);           \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_t_##name(                       \
         const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,         \

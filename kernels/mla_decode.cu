@@ -7,126 +7,126 @@
 // Query token t (grid.z) sits at position pos0 + t: q_lat row t [H, dl] (q_nope absorbed by
 // W_UK), q_pe row t [H, dr]; cache: [S, dl + dr] rows [c_kv | k_pe]. Its keys are positions
 // 0 ..= pos0 + t, or, when key_ids is not null, the n_ids entries of key_ids row t (DSA top-k;
-// -1 entries are skipped).
+// -1 entries, and entries past pos0 + t, are skipped).
 //
 // Long contexts are split over the sequence (flash decoding): mla_decode_split handles
 // `keys_per_split` keys for a group of MLA_HB heads and writes an unnormalized partial result
 // (running max m, sum l, acc = sum p c_kv); mla_decode_combine merges the splits.
 //
-// mla_decode_split: grid (ceil(H / MLA_HB), n_splits, T), block 256 (8 warps, two heads each:
-// lanes 0-15 score 16 keys for the first head, lanes 16-31 for the second); dynamic shared
-// memory mla_decode_smem_bytes(): q rows [MLA_HB][dl + dr], key tile [MLA_BK][dl + dr + 1].
-// dl % 32 == 0 and dl <= 512.
+// mla_decode_split: grid (ceil(H / MLA_HB), n_splits, T), block 256, no shared memory. Each
+// warp owns two heads and walks the split's keys on its own (no block barriers): lane l holds
+// dims l + 32 i of both heads' query and of both heads' accumulator in registers, reads dims
+// l + 32 i of each key row (coalesced; the other warps of the block hit the same rows in L1),
+// so one loaded cache value feeds 2 score FMAs and 2 accumulator FMAs. Keys are taken 32 at
+// a time: one lane per key index checks it, a ballot lists the valid ones, so skipped DSA
+// entries cost nothing. Online softmax per key; the rescale runs only when the max grows.
+// dl % 32 == 0, dl <= 512, dr <= 64.
 
 #define MLA_HB 16
-#define MLA_BK 16
 #define MLA_DL_MAX 512
+#define MLA_NL (MLA_DL_MAX / 32)  // latent dims per lane
+#define MLA_NR 2                  // rope dims per lane (dr <= 64)
 
-extern "C" __global__ void __launch_bounds__(256) mla_decode_split(
+extern "C" __global__ void __launch_bounds__(256, 2) mla_decode_split(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache, int dl,
     int dr, int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,
     float scale, float* part_acc, float* part_ml) {
-    extern __shared__ float smem[];
-    const int dk = dl + dr;
-    float* qs = smem;                 // [MLA_HB][dk]
-    float* cs = qs + MLA_HB * dk;     // [MLA_BK][dk + 1]
-
-    int h0 = blockIdx.x * MLA_HB, split = blockIdx.y, t = blockIdx.z;
+    const int dk = dl + dr, nl = dl / 32;
+    int split = blockIdx.y, t = blockIdx.z;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int h0 = blockIdx.x * MLA_HB + 2 * warp;  // this warp's heads: h0, h0 + 1
+    if (h0 >= n_heads) return;
+    bool two = h0 + 1 < n_heads;
     int last = pos0 + t;  // the newest visible key position
     const int* ids = key_ids ? key_ids + (i64)t * n_ids : nullptr;
     int n_keys = ids ? n_ids : last + 1;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int half = lane >> 4, key = lane & 15;
-    int hl = 2 * warp + half;  // this lane's head within the group (scoring)
-    int h = h0 + hl;
 
-    for (int i = tid; i < MLA_HB * dk; i += blockDim.x) {
-        int r = i / dk, d = i % dk, hh = h0 + r;
-        float val = 0.0f;
-        if (hh < n_heads)
-            val = d < dl ? q_lat[t * ql_tok + (i64)hh * dl + d] : q_pe[t * qp_tok + (i64)hh * dr + d - dl];
-        qs[i] = val;
+    // Query dims of this lane, both heads (zero for a missing second head).
+    float ql[2][MLA_NL], qr[2][MLA_NR];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        bool he = e == 0 || two;
+        const float* qle = q_lat + t * ql_tok + (i64)(h0 + e) * dl;
+        const float* qpe = q_pe + t * qp_tok + (i64)(h0 + e) * dr;
+#pragma unroll
+        for (int i = 0; i < MLA_NL; i++) ql[e][i] = (he && i < nl) ? qle[lane + 32 * i] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_NR; i++) {
+            int d = lane + 32 * i;
+            qr[e][i] = (he && d < dr) ? qpe[d] : 0.0f;
+        }
     }
 
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    float acc[2][MLA_DL_MAX / 32];
+    float acc[2][MLA_NL];
 #pragma unroll
-    for (int i = 0; i < MLA_DL_MAX / 32; i++) acc[0][i] = acc[1][i] = 0.0f;
+    for (int i = 0; i < MLA_NL; i++) acc[0][i] = acc[1][i] = 0.0f;
 
     int j_begin = split * keys_per_split, j_end = min(n_keys, j_begin + keys_per_split);
-    for (int j0 = j_begin; j0 < j_end; j0 += MLA_BK) {
-        __syncthreads();
-        for (int i = tid; i < MLA_BK * dk; i += blockDim.x) {
-            int r = i / dk, d = i % dk, j = j0 + r;
-            int s = j < j_end ? (ids ? ids[j] : j) : -1;
-            cs[r * (dk + 1) + d] = (s >= 0 && s <= last) ? cache[(i64)s * dk + d] : 0.0f;
-        }
-        __syncthreads();
+    for (int j0 = j_begin; j0 < j_end; j0 += 32) {
+        int j = j0 + lane;
+        int s = j < j_end ? (ids ? ids[j] : j) : -1;
+        u32 valid = __ballot_sync(0xffffffffu, s >= 0 && s <= last);
+        while (valid) {
+            int b = __ffs(valid) - 1;
+            valid &= valid - 1;
+            int sb = __shfl_sync(0xffffffffu, s, b);
+            const float* row = cache + (i64)sb * dk;
 
-        int j = j0 + key;
-        bool ok = j < j_end && h < n_heads;
-        if (ok && ids) ok = ids[j] >= 0 && ids[j] <= last;
-        float score = NEG_INF;
-        if (ok) {
-            const float* qr = qs + hl * dk;
-            const float* cr = cs + key * (dk + 1);
-            float dot = 0.0f;
-            for (int d = 0; d < dk; d++) dot += qr[d] * cr[d];
-            score = dot * scale;
-        }
-        // Online softmax per head, over the 16 lanes of each half-warp.
-        float tmax = score;
-        for (int o = 8; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
-        float m_new = fmaxf(m[half], tmax);
-        float p = (ok && m_new != NEG_INF) ? expf(score - m_new) : 0.0f;
-        float alpha = m_new == NEG_INF ? 1.0f : expf(m[half] - m_new);
-        float psum = p;
-        for (int o = 8; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
-        // Both heads' state lives in every lane of the warp: fetch the other half's values.
-        float alpha_o = __shfl_xor_sync(0xffffffffu, alpha, 16);
-        float m_new_o = __shfl_xor_sync(0xffffffffu, m_new, 16);
-        float psum_o = __shfl_xor_sync(0xffffffffu, psum, 16);
-        float al[2], mn[2], ps[2];
-        al[half] = alpha, al[1 - half] = alpha_o;
-        mn[half] = m_new, mn[1 - half] = m_new_o;
-        ps[half] = psum, ps[1 - half] = psum_o;
+            float c[MLA_NL], r[MLA_NR];
 #pragma unroll
-        for (int e = 0; e < 2; e++) {
-            l[e] = l[e] * al[e] + ps[e];
-            m[e] = mn[e];
-        }
-        // acc[e][i] covers dim lane + 32 i of head 2 warp + e.
+            for (int i = 0; i < MLA_NL; i++) c[i] = i < nl ? __ldg(row + lane + 32 * i) : 0.0f;
 #pragma unroll
-        for (int i = 0; i < MLA_DL_MAX / 32; i++) {
-            acc[0][i] *= al[0];
-            acc[1][i] *= al[1];
-        }
-        for (int kk = 0; kk < MLA_BK; kk++) {
-            float p0 = __shfl_sync(0xffffffffu, p, kk);
-            float p1 = __shfl_sync(0xffffffffu, p, 16 + kk);
-            const float* cr = cs + kk * (dk + 1);
-#pragma unroll
-            for (int i = 0; i < MLA_DL_MAX / 32; i++) {
+            for (int i = 0; i < MLA_NR; i++) {
                 int d = lane + 32 * i;
-                if (d < dl) {
-                    float c = cr[d];
-                    acc[0][i] += p0 * c;
-                    acc[1][i] += p1 * c;
+                r[i] = d < dr ? __ldg(row + dl + d) : 0.0f;
+            }
+            float dot0 = 0.0f, dot1 = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MLA_NL; i++) {
+                dot0 += ql[0][i] * c[i];
+                dot1 += ql[1][i] * c[i];
+            }
+#pragma unroll
+            for (int i = 0; i < MLA_NR; i++) {
+                dot0 += qr[0][i] * r[i];
+                dot1 += qr[1][i] * r[i];
+            }
+            // Reduce both dots at once: lanes 0-15 end with head 0's, lanes 16-31 head 1's.
+            bool upper = lane >= 16;
+            float a = upper ? dot1 : dot0, o = upper ? dot0 : dot1;
+            a += __shfl_xor_sync(0xffffffffu, o, 16);
+            for (int off = 8; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+            float other = __shfl_xor_sync(0xffffffffu, a, 16);
+            float sc[2];
+            sc[0] = (upper ? other : a) * scale;
+            sc[1] = (upper ? a : other) * scale;
+
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (sc[e] > m[e]) {  // the same in every lane: no divergence
+                    float alpha = m[e] == NEG_INF ? 0.0f : expf(m[e] - sc[e]);
+                    l[e] *= alpha;
+#pragma unroll
+                    for (int i = 0; i < MLA_NL; i++) acc[e][i] *= alpha;
+                    m[e] = sc[e];
                 }
+                float p = expf(sc[e] - m[e]);
+                l[e] += p;
+#pragma unroll
+                for (int i = 0; i < MLA_NL; i++) acc[e][i] += p * c[i];
             }
         }
     }
 
 #pragma unroll
     for (int e = 0; e < 2; e++) {
-        int he = h0 + 2 * warp + e;
+        int he = h0 + e;
         if (he >= n_heads) continue;
         i64 base = ((i64)t * gridDim.y + split) * n_heads + he;
 #pragma unroll
-        for (int i = 0; i < MLA_DL_MAX / 32; i++) {
-            int d = lane + 32 * i;
-            if (d < dl) part_acc[base * dl + d] = acc[e][i];
-        }
+        for (int i = 0; i < MLA_NL; i++)
+            if (i < nl) part_acc[base * dl + lane + 32 * i] = acc[e][i];
         if (lane == 0) {
             part_ml[base * 2] = m[e];
             part_ml[base * 2 + 1] = l[e];

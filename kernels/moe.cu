@@ -10,7 +10,8 @@
 //   ids [T, k] (i32), weights [T, k]. n_exp <= 1024, n_group <= 32.
 //
 // moe_combine: out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] (slots < 0 skipped);
-//   rows are the expert outputs, one per (token, choice), in any order. grid (T), block 256.
+//   rows are the expert outputs, one per (token, choice), in any order.
+//   grid (ceil(dim / 256), T), block 256: one output value per thread.
 
 #define ROUTER_MAX_EXP 1024
 
@@ -90,15 +91,16 @@ extern "C" __global__ void __launch_bounds__(32) moe_router(
     if (lane < k) weights[(i64)t * k + lane] = (norm ? wmine / wsum : wmine) * scale;
 }
 
-extern "C" __global__ void moe_combine(const float* rows, const int* slots, const float* weights,
-                                       int k, int dim, float* out) {
-    int t = blockIdx.x;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) {
-            int r = slots[(i64)t * k + j];
-            if (r >= 0) sum += weights[(i64)t * k + j] * rows[(i64)r * dim + d];
-        }
-        out[(i64)t * dim + d] = sum;
+extern "C" __global__ void __launch_bounds__(256) moe_combine(
+    const float* rows, const int* slots, const float* weights, int k, int dim, float* out) {
+    int t = blockIdx.y, d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= dim) return;
+    const int* st = slots + (i64)t * k;
+    const float* wt = weights + (i64)t * k;
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int r = st[j];
+        if (r >= 0) sum += wt[j] * rows[(i64)r * dim + d];
     }
+    out[(i64)t * dim + d] = sum;
 }

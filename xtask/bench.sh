@@ -78,6 +78,25 @@ EOF
   echo "ncu token: exit $?, $(grep -c '"gpu__time_duration.sum"' "$out/ncu-token.csv") kernel launches"
   tail -n 3 "$work/ncu-token.err"
 
+  echo "== ncu: one 512-token prefill of $first"
+  ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    "$x" bench --profile-prefill 512 --model "$work/$first.gguf" >"$out/ncu-prefill.csv" 2>"$work/ncu-prefill.err"
+  echo "ncu prefill: exit $?"
+  for f in ncu-token ncu-prefill; do
+    echo "-- $f: device time per kernel"
+    python3 - "$out/$f.csv" <<'EOF'
+import collections, csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[12] == "gpu__time_duration.sum"]
+total, count = collections.Counter(), collections.Counter()
+for r in rows:
+    total[r[4]] += float(r[14].replace(",", "")) * {"ns": 1e-3, "us": 1, "ms": 1e3}.get(r[13], 1)
+    count[r[4]] += 1
+print(f"{sum(total.values()):.1f} us in {sum(count.values())} launches")
+for name, us in total.most_common(12):
+    print(f"{us:10.1f} us {count[name]:5d}  {name}")
+EOF
+  done
+
   echo "== ncu: decode and prefill kernels"
   ncu --clock-control none -k 'regex:^(matvec_q4_k|mla_decode_split|matmul_q4_k)$' --launch-count 8 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \

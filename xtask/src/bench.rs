@@ -63,6 +63,9 @@ pub struct Args {
     /// cuProfilerStop and exit (for `ncu --profile-from-start off`: launches per token).
     #[arg(long)]
     profile_token: bool,
+    /// Like --profile-token, for one prefill of this many tokens (after a warm-up prefill).
+    #[arg(long)]
+    profile_prefill: Option<usize>,
 }
 
 /// The bench's own kernels: a random fill, the mma.sync rate and an empty kernel.
@@ -811,35 +814,43 @@ fn print_row(row: &Value) {
 }
 
 /// One decode token between cuProfilerStart and cuProfilerStop.
-fn profile_token(path: &Path) -> Result<()> {
+/// Loads the model and runs one decode token (`prefill` None) or one prefill of `prefill`
+/// tokens between cuProfilerStart and cuProfilerStop, after warming the same shapes up.
+fn profile_one_step(path: &Path, prefill: Option<usize>) -> Result<()> {
     let file = Arc::new(GgufFile::open(path)?);
     let cfg = ModelConfig::from_gguf(&file)?;
     let model = Model::load(cfg.clone(), Cuda::new(0)?, &GgufTensors(file))?;
-    let mut cache = model.new_cache(16);
-    model
-        .backend
-        .download(&model.forward(&mut cache, &[1, 2, 3, 4], &mut Taps::none())?);
-    for id in [5, 6] {
+    let run = |cache: &mut _, tokens: &[u32]| -> Result<()> {
         model
             .backend
-            .download(&model.forward(&mut cache, &[id], &mut Taps::none())?);
+            .download(&model.forward(cache, tokens, &mut Taps::none())?);
+        Ok(())
+    };
+    let profiled: Vec<u32> = match prefill {
+        Some(n) => {
+            let tokens: Vec<u32> = (0..n as u32).map(|i| 1 + i % 1000).collect();
+            run(&mut model.new_cache(n), &tokens)?;
+            tokens
+        }
+        None => vec![7],
+    };
+    let mut cache = model.new_cache(profiled.len() + 16);
+    if prefill.is_none() {
+        for tokens in [&[1, 2, 3, 4][..], &[5], &[6]] {
+            run(&mut cache, tokens)?;
+        }
     }
     // SAFETY: plain driver calls on the current context, which Model's backend made current.
     unsafe { cudarc::driver::sys::cuProfilerStart() }.result()?;
-    model
-        .backend
-        .download(&model.forward(&mut cache, &[7], &mut Taps::none())?);
+    run(&mut cache, &profiled)?;
     unsafe { cudarc::driver::sys::cuProfilerStop() }.result()?;
     Ok(())
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if args.profile_token {
-        let path = args
-            .model
-            .first()
-            .context("--profile-token needs --model")?;
-        return profile_token(path);
+    if args.profile_token || args.profile_prefill.is_some() {
+        let path = args.model.first().context("profiling needs --model")?;
+        return profile_one_step(path, args.profile_prefill);
     }
     let mut bench = Bench::new(args.quick, args.filter.clone())?;
     println!(

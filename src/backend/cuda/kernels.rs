@@ -72,14 +72,12 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
 /// every architecture so that what runs on the H200 also runs on an RTX PRO 6000.
 pub const SHARED_MEMORY_LIMIT: usize = 99 * 1024;
 
-// Tile sizes shared with attention.cu and mla_decode.cu (ATT_BQ, ATT_BK, MLA_HB, MLA_BK).
+// Tile sizes shared with attention.cu (ATT_BQ, ATT_BK).
 const ATT_BQ: usize = 16;
 const ATT_BK: usize = 32;
 /// Largest head dims of attention_prefill (GLM-5: 192 + 64 and 256).
 pub const ATT_DQK_MAX: usize = 256;
 pub const ATT_DV_MAX: usize = 256;
-const MLA_HB: usize = 16;
-const MLA_BK: usize = 16;
 /// Largest latent width of mla_decode_split (kv_lora of DeepSeek-V3 and GLM-5).
 pub const MLA_DL_MAX: usize = 512;
 /// Largest rope width next to it.
@@ -91,16 +89,22 @@ pub fn attention_smem_bytes(dqk: usize, dv: usize) -> usize {
     4 * (ATT_BQ * dqk + ATT_BK * (dqk + 1) + ATT_BK * dv)
 }
 
-/// Dynamic shared memory of mla_decode_split: the group's query rows and one key tile.
-pub fn mla_decode_smem_bytes(dl: usize, dr: usize) -> usize {
-    4 * (MLA_HB * (dl + dr) + MLA_BK * (dl + dr + 1))
+/// Largest key width of dsa_scores, and its largest query tile (heads x dim floats).
+pub const DSA_DIM_MAX: usize = 256;
+pub const DSA_Q_MAX: usize = 8192;
+
+/// Dynamic shared memory of dsa_scores: the query [heads][dim] and a tile of 32 keys, rows
+/// padded by 4 floats.
+pub fn dsa_scores_smem_bytes(heads: usize, dim: usize) -> usize {
+    4 * (heads * dim + 32 * (dim + 4))
 }
 
 /// The largest dynamic shared memory each kernel that uses it is ever launched with.
 pub fn max_dynamic_smem(kernel: &str) -> usize {
     match kernel {
         "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
-        "mla_decode_split" => mla_decode_smem_bytes(MLA_DL_MAX, MLA_DR_MAX),
+        // heads * dim <= DSA_Q_MAX and dim <= DSA_DIM_MAX.
+        "dsa_scores" => 4 * (DSA_Q_MAX + 32 * (DSA_DIM_MAX + 4)),
         _ => 0,
     }
 }

@@ -8,7 +8,8 @@ use crate::gguf::ggml_type::GgmlType;
 use super::device::{launch, DevicePtrRaw as Ptr, Gpu};
 use super::error::{check, CudaError};
 use super::kernels::{
-    attention_smem_bytes, mla_decode_smem_bytes, ATT_DQK_MAX, ATT_DV_MAX, MLA_DL_MAX, MLA_DR_MAX,
+    attention_smem_bytes, dsa_scores_smem_bytes, ATT_DQK_MAX, ATT_DV_MAX, DSA_DIM_MAX, DSA_Q_MAX,
+    MLA_DL_MAX, MLA_DR_MAX,
 };
 
 /// The ggml types the matvec, matmul and embedding kernels read: every type the CPU reference
@@ -49,7 +50,27 @@ pub struct Matvec {
     pub transposed: bool,
 }
 
-const MATVEC_WARPS: usize = 8;
+// The geometry of matvec (kernels/matvec.cu): blocks of MATVEC_WARPS warps, each row group of
+// MATVEC_ROWS rows shared by 1, 2 or 4 of them.
+const MATVEC_WARPS: usize = 4;
+const MATVEC_ROWS: usize = 2;
+/// About as many warps as an H200 holds at once (132 SMs x 64): a grid with fewer leaves
+/// memory bandwidth unused, so short matrices split each row group over more warps.
+const MATVEC_FILL_WARPS: usize = 8192;
+
+/// Row groups per block of matvec: more warps per group (fewer groups per block) until the
+/// grid has about MATVEC_FILL_WARPS warps, as long as each thread still gets 16 bytes (a
+/// piece) or more of each row. The kernel reads the choice back from the grid size.
+fn matvec_groups_per_block(groups: usize, batch: usize, row_bytes: usize) -> usize {
+    let mut split = 1;
+    while split < MATVEC_WARPS
+        && groups * batch * split < MATVEC_FILL_WARPS
+        && row_bytes >= 2 * split * 32 * 16
+    {
+        split *= 2;
+    }
+    MATVEC_WARPS / split
+}
 
 impl Gpu {
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
@@ -64,11 +85,13 @@ impl Gpu {
         check(a.x_group > 0 && a.batch > 0, "matvec", || {
             "empty batch".into()
         })?;
-        // Non-transposed: one warp per row; transposed: one thread per 8 output columns.
+        // Non-transposed: row groups sharing blocks; transposed: one thread per 8 columns.
         let (grid_x, block) = if a.transposed {
             (grid1(a.k / 8, 128), 128)
         } else {
-            (grid1(a.rows, MATVEC_WARPS), 32 * MATVEC_WARPS as u32)
+            let groups = a.rows.div_ceil(MATVEC_ROWS);
+            let per_block = matvec_groups_per_block(groups, a.batch, row_bytes.unwrap());
+            (grid1(groups, per_block), 32 * MATVEC_WARPS as u32)
         };
         launch!(self, kernel, (grid_x, a.batch as u32, 1), block, 0;
             a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, row_bytes.unwrap() as i64,
@@ -95,6 +118,15 @@ impl Gpu {
             w, row_bytes.unwrap() as i64, ids, n as i32, y);
         Ok(())
     }
+}
+
+/// Threads per block of rmsnorm / layernorm for rows of n values: each thread keeps at most
+/// NORM_VALS = 8 of them in registers (kernels/norm.cu), 4 up to rows of 4096.
+fn norm_block(n: usize, kernel: &str) -> Result<u32, CudaError> {
+    check(n > 0 && n <= 8 * 1024, kernel, || {
+        format!("rows of {n} values (1 ..= 8192)")
+    })?;
+    Ok((n.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32)
 }
 
 /// Y[m, :] = W X[row(m), :] for m < M on tensor cores (bf16 operands, f32 accumulation);
@@ -153,7 +185,8 @@ impl Gpu {
         n: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
-        launch!(self, "rmsnorm", (rows as u32, 1, 1), 256, 0;
+        let block = norm_block(n, "rmsnorm")?;
+        launch!(self, "rmsnorm", (rows as u32, 1, 1), block, 0;
             x, x_stride as i64, w, y, y_stride as i64, n as i32, eps);
         Ok(())
     }
@@ -172,7 +205,8 @@ impl Gpu {
         n: usize,
         eps: f32,
     ) -> Result<(), CudaError> {
-        launch!(self, "layernorm", (rows as u32, 1, 1), 256, 0;
+        let block = norm_block(n, "layernorm")?;
+        launch!(self, "layernorm", (rows as u32, 1, 1), block, 0;
             x, x_stride as i64, w, b, y, y_stride as i64, n as i32, eps);
         Ok(())
     }
@@ -224,7 +258,8 @@ impl Gpu {
         if rows == 0 || heads == 0 || cols == 0 {
             return Ok(());
         }
-        launch!(self, "copy_block", (rows as u32, heads as u32, 1), 128, 0;
+        // COPY_COLS = 512 columns a block (kernels/elementwise.cu).
+        launch!(self, "copy_block", (rows as u32, heads as u32, grid1(cols, 512)), 128, 0;
             src, src_row as i64, src_head as i64, dst, dst_row as i64, dst_head as i64, cols as i32);
         Ok(())
     }
@@ -315,14 +350,18 @@ pub struct MlaDecode {
     pub out_tok: usize,
 }
 
+/// Heads per block of mla_decode_split (MLA_HB in kernels/mla_decode.cu: 8 warps, 2 heads each).
+const MLA_HB: usize = 16;
+
 impl Gpu {
     /// The number of sequence splits and keys per split for up to `n_keys` keys and `heads`
-    /// heads: enough blocks to fill the GPU twice, at least 64 keys a split.
+    /// heads: enough blocks to fill the GPU twice, at least 32 keys (one ballot of a warp) a
+    /// split.
     pub fn mla_decode_splits(&self, n_keys: usize, heads: usize) -> (usize, usize) {
-        let groups = heads.div_ceil(16);
+        let groups = heads.div_ceil(MLA_HB);
         let want = (2 * self.multiprocessors).div_ceil(groups).max(1);
-        let splits = want.min(n_keys.div_ceil(64)).max(1);
-        let per = (n_keys.div_ceil(splits).div_ceil(16) * 16).max(16);
+        let splits = want.min(n_keys.div_ceil(32)).max(1);
+        let per = (n_keys.div_ceil(splits).div_ceil(32) * 32).max(32);
         (n_keys.div_ceil(per).max(1), per)
     }
 
@@ -347,11 +386,11 @@ impl Gpu {
         };
         let (splits, per) = self.mla_decode_splits(max_keys, a.heads);
         // Partial results: acc [T, splits, heads, dl] and (m, l) [T, splits, heads, 2].
-        let part_acc = self.zeros::<f32>(a.tokens * splits * a.heads * a.dl)?;
-        let part_ml = self.zeros::<f32>(a.tokens * splits * a.heads * 2)?;
+        // Every element is written by mla_decode_split (empty splits write m = -inf, l = 0).
+        let part_acc = self.empty(a.tokens * splits * a.heads * a.dl)?;
+        let part_ml = self.empty(a.tokens * splits * a.heads * 2)?;
         let (pa, pm) = (self.ptr(&part_acc, 0), self.ptr(&part_ml, 0));
-        let smem = mla_decode_smem_bytes(a.dl, a.dr) as u32;
-        launch!(self, "mla_decode_split", (grid1(a.heads, 16), splits as u32, a.tokens as u32), 256, smem;
+        launch!(self, "mla_decode_split", (grid1(a.heads, MLA_HB), splits as u32, a.tokens as u32), 256, 0;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
             a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
         launch!(self, "mla_decode_combine", (a.heads as u32, a.tokens as u32, 1), 128, 0;
@@ -375,10 +414,19 @@ impl Gpu {
         scores: Ptr,
         s_stride: usize,
     ) -> Result<(), CudaError> {
-        check(heads * dim <= 8192 && heads <= 64, "dsa_scores", || {
-            format!("{heads} heads x {dim} over the 8192-float query tile")
+        check(
+            heads * dim <= DSA_Q_MAX && heads <= 64 && dim % 4 == 0 && dim <= DSA_DIM_MAX,
+            "dsa_scores",
+            || format!("{heads} heads x {dim}: dim % 4 == 0, dim <= {DSA_DIM_MAX}, <= 64 heads"),
+        )?;
+        check(q % 16 == 0 && k % 16 == 0, "dsa_scores", || {
+            "q and k must be 16-byte aligned".into()
         })?;
-        launch!(self, "dsa_scores", (grid1(keys, 128), tokens as u32, 1), 128, 0;
+        if keys == 0 || tokens == 0 {
+            return Ok(());
+        }
+        let smem = dsa_scores_smem_bytes(heads, dim) as u32;
+        launch!(self, "dsa_scores", (grid1(keys, 32), tokens as u32, 1), 128, smem;
             q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores, s_stride as i64);
         Ok(())
     }
@@ -450,7 +498,10 @@ impl Gpu {
         dim: usize,
         out: Ptr,
     ) -> Result<(), CudaError> {
-        launch!(self, "moe_combine", (tokens as u32, 1, 1), 256, 0;
+        if tokens == 0 || dim == 0 {
+            return Ok(());
+        }
+        launch!(self, "moe_combine", (grid1(dim, 256), tokens as u32, 1), 256, 0;
             rows, slots, weights, k as i32, dim as i32, out);
         Ok(())
     }
