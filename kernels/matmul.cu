@@ -13,6 +13,13 @@
 // rows of n elements; n must be a multiple of 8.
 //
 // Tiles: 64 (M) x 64 (N) x 32 (K) per block of 4 warps; each warp owns a 32 x 32 corner.
+//
+// Grouped mode (the MoE prefill, one launch for all experts): spans != 0 points at
+// gridDim.z triples (expert, first row r0, count). Block z multiplies matrix
+// w + expert * mat_stride (bytes) for the global rows r0 .. r0 + count: local row m is global
+// row r = r0 + m, read from X row row_ids ? row_ids[r] : r, written to Y row r. M is then
+// unused (the grid's y covers the largest count); blocks past their span's count return at
+// once. spans == 0: one matrix, rows 0 .. M, mat_stride unused.
 
 #define MM_BM 64
 #define MM_BN 64
@@ -29,7 +36,20 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32
 
 template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*), bool TRANS>
 __device__ void matmul_body(const u8* w, i64 row_bytes, const float* x, i64 x_stride,
-                            const int* row_ids, float* y, i64 y_stride, int M, int N, int K) {
+                            const int* row_ids, float* y, i64 y_stride, int M, int N, int K,
+                            const int* spans, i64 mat_stride) {
+    if (spans) {
+        const int* sp = spans + 3 * blockIdx.z;
+        int ex = sp[0], r0 = sp[1];
+        M = sp[2];
+        if ((int)blockIdx.y * MM_BM >= M) return;  // whole block: before any barrier
+        w += (i64)ex * mat_stride;
+        if (row_ids)
+            row_ids += r0;
+        else
+            x += (i64)r0 * x_stride;
+        y += (i64)r0 * y_stride;
+    }
     // Tiles as bf16 pairs (u32), [row][k]; 64 x (32 + 8) bf16 each.
     __shared__ __align__(16) u16 xs[MM_BM][MM_BK + MM_PAD];
     __shared__ __align__(16) u16 ws[MM_BN][MM_BK + MM_PAD];
@@ -148,15 +168,15 @@ __device__ void matmul_body(const u8* w, i64 row_bytes, const float* x, i64 x_st
 #define DEFINE_MATMUL(name, elems, bytes)                                                     \
     extern "C" __global__ void __launch_bounds__(128) matmul_##name(                          \
         const u8* w, i64 row_bytes, const float* x, i64 x_stride, const int* row_ids, float* y, \
-        i64 y_stride, int M, int N, int K) {                                                  \
+        i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride) {                \
         matmul_body<elems, bytes, dq8_##name, false>(w, row_bytes, x, x_stride, row_ids, y,   \
-                                                     y_stride, M, N, K);                      \
+                                                     y_stride, M, N, K, spans, mat_stride);   \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) matmul_t_##name(                        \
         const u8* w, i64 row_bytes, const float* x, i64 x_stride, const int* row_ids, float* y, \
-        i64 y_stride, int M, int N, int K) {                                                  \
+        i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride) {                \
         matmul_body<elems, bytes, dq8_##name, true>(w, row_bytes, x, x_stride, row_ids, y,    \
-                                                    y_stride, M, N, K);                       \
+                                                    y_stride, M, N, K, spans, mat_stride);    \
     }
 
 FOR_EACH_QTYPE(DEFINE_MATMUL)

@@ -336,6 +336,9 @@ fn matmul_every_type_on_tensor_cores() {
                 m,
                 n,
                 k,
+                spans: 0,
+                n_spans: 0,
+                mat_stride: 0,
             })
             .unwrap();
             let y = g.download(&dy).unwrap();
@@ -352,6 +355,72 @@ fn matmul_every_type_on_tensor_cores() {
                 }
             }
             let what = format!("matmul{} {t}", if transposed { "_t" } else { "" });
+            assert_close(&what, &y, &want, BF16_MATMUL);
+        }
+    }
+}
+
+#[test]
+fn matmul_grouped_experts_match_per_expert_products() {
+    // The MoE prefill's grouped mode: one launch, block z takes span z = (expert, first row,
+    // count) of matrix w + expert * mat_stride. Spans of 70 (two row tiles), 1 and 5 rows;
+    // expert 1 has no rows (not in the table), expert 3 comes before expert 0.
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matmul grouped");
+    let (n_exp, n, k) = (4, 136, 512);
+    let spans: [(usize, usize, usize); 3] = [(3, 0, 70), (0, 70, 1), (2, 71, 5)];
+    let rows = 76;
+    for &t in KERNEL_TYPES {
+        let mat_stride = n * t.row_bytes(k).unwrap();
+        let w = random_rows(&mut rng, t, n_exp * n, k);
+        let wf = dequant_rows(t, &w, n_exp * n, k);
+        let x = rng.normals(100 * k);
+        let row_ids: Vec<i32> = (0..rows).map(|_| rng.below(100) as i32).collect();
+        let table: Vec<i32> = spans
+            .iter()
+            .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
+            .collect();
+        let (dw, dx, dr, ds) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&row_ids).unwrap(),
+            g.upload(&table).unwrap(),
+        );
+        // Gathered (gate / up: row_ids) and consecutive (down: row r of x) rows.
+        for gathered in [true, false] {
+            let dy = poisoned(&g, rows * n);
+            g.matmul(&Matmul {
+                ty: t,
+                w: g.ptr(&dw, 0),
+                transposed: false,
+                x: g.ptr(&dx, 0),
+                x_stride: k,
+                row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
+                y: g.ptr(&dy, 0),
+                y_stride: n,
+                m: 70,
+                n,
+                k,
+                spans: g.ptr(&ds, 0),
+                n_spans: spans.len(),
+                mat_stride,
+            })
+            .unwrap();
+            let y = g.download(&dy).unwrap();
+            let mut want = vec![0f64; rows * n];
+            for &(ex, r0, count) in &spans {
+                for r in r0..r0 + count {
+                    let src = if gathered { row_ids[r] as usize } else { r };
+                    let xr = &x[src * k..][..k];
+                    for j in 0..n {
+                        want[r * n + j] = dot64(&wf[(ex * n + j) * k..][..k], xr);
+                    }
+                }
+            }
+            let what = format!(
+                "matmul grouped{} {t}",
+                if gathered { " gathered" } else { "" }
+            );
             assert_close(&what, &y, &want, BF16_MATMUL);
         }
     }
@@ -1196,6 +1265,9 @@ fn decode_and_prefill_kernel_timings() {
         m,
         n,
         k,
+        spans: 0,
+        n_spans: 0,
+        mat_stride: 0,
     };
     let ms = time_ms(&g, 10, || g.matmul(&a).unwrap());
     println!(

@@ -650,6 +650,9 @@ impl Bench {
                                 m,
                                 n,
                                 k,
+                                spans: 0,
+                                n_spans: 0,
+                                mat_stride: 0,
                             })?)
                         });
                         let Some((secs, host)) = self.ok_or_report("prefill", &name, timed) else {

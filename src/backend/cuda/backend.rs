@@ -149,6 +149,9 @@ impl Cuda {
                 m: n,
                 n: rows,
                 k,
+                spans: 0,
+                n_spans: 0,
+                mat_stride: 0,
             };
             ok(self.gpu.matmul(&a), "matmul");
         } else {
@@ -495,6 +498,9 @@ impl Backend for Cuda {
                 m: n,
                 n: dout,
                 k: din,
+                spans: 0,
+                n_spans: 0,
+                mat_stride: 0,
             };
             ok(self.gpu.matmul(&mm), "head_matmul");
         }
@@ -747,39 +753,55 @@ impl Backend for Cuda {
                 slot_rows[s] = r as i32;
             }
             slots = slot_rows;
-            for &(ex, r0, count) in &spans {
-                let mm = |w: &CudaWeight,
-                          bytes: usize,
-                          nn,
-                          kk,
-                          x: DevicePtrRaw,
-                          x_stride,
-                          row_ids,
-                          y: &CudaTensor| Matmul {
-                    ty: w.ty,
-                    w: self.w(w) + (ex * bytes) as u64,
-                    transposed: false,
-                    x,
-                    x_stride,
-                    row_ids,
-                    y: self.p(y, r0 * nn),
-                    y_stride: nn,
-                    m: count,
-                    n: nn,
-                    k: kk,
-                };
-                let tok = self.gpu.ptr(&dtok, r0);
-                ok(
-                    self.gpu
-                        .matmul(&mm(gate, gate_bytes, f, e, self.p(x, 0), e, tok, &g_out)),
-                    "moe gate",
-                );
-                ok(
-                    self.gpu
-                        .matmul(&mm(up, gate_bytes, f, e, self.p(x, 0), e, tok, &u_out)),
-                    "moe up",
-                );
-            }
+            // One grouped launch per product for all experts: block z takes span z.
+            let table: Vec<i32> = spans
+                .iter()
+                .flat_map(|&(ex, r0, count)| [ex as i32, r0 as i32, count as i32])
+                .collect();
+            let dspans = self.upload_i32(&table);
+            let max_count = spans.iter().map(|s| s.2).max().unwrap_or(0);
+            let grouped = |w: &CudaWeight,
+                           bytes: usize,
+                           nn,
+                           kk,
+                           x: DevicePtrRaw,
+                           x_stride,
+                           row_ids,
+                           y: &CudaTensor| Matmul {
+                ty: w.ty,
+                w: self.w(w),
+                transposed: false,
+                x,
+                x_stride,
+                row_ids,
+                y: self.p(y, 0),
+                y_stride: nn,
+                m: max_count,
+                n: nn,
+                k: kk,
+                spans: self.gpu.ptr(&dspans, 0),
+                n_spans: spans.len(),
+                mat_stride: bytes,
+            };
+            let tok = self.gpu.ptr(&dtok, 0);
+            ok(
+                self.gpu.matmul(&grouped(
+                    gate,
+                    gate_bytes,
+                    f,
+                    e,
+                    self.p(x, 0),
+                    e,
+                    tok,
+                    &g_out,
+                )),
+                "moe gate",
+            );
+            ok(
+                self.gpu
+                    .matmul(&grouped(up, gate_bytes, f, e, self.p(x, 0), e, tok, &u_out)),
+                "moe up",
+            );
             ok(
                 self.gpu.silu_mul(
                     self.p(&g_out, 0),
@@ -789,22 +811,19 @@ impl Backend for Cuda {
                 ),
                 "moe silu",
             );
-            for &(ex, r0, count) in &spans {
-                let mm = Matmul {
-                    ty: down.ty,
-                    w: self.w(down) + (ex * down_bytes) as u64,
-                    transposed: false,
-                    x: self.p(&g_out, r0 * f),
-                    x_stride: f,
-                    row_ids: 0,
-                    y: self.p(&d_out, r0 * e),
-                    y_stride: e,
-                    m: count,
-                    n: e,
-                    k: f,
-                };
-                ok(self.gpu.matmul(&mm), "moe down");
-            }
+            ok(
+                self.gpu.matmul(&grouped(
+                    down,
+                    down_bytes,
+                    e,
+                    f,
+                    self.p(&g_out, 0),
+                    f,
+                    0,
+                    &d_out,
+                )),
+                "moe down",
+            );
         }
         let (dslots, dw) = (
             self.upload_i32(&slots),

@@ -131,6 +131,12 @@ fn norm_block(n: usize, kernel: &str) -> Result<u32, CudaError> {
 
 /// Y[m, :] = W X[row(m), :] for m < M on tensor cores (bf16 operands, f32 accumulation);
 /// row(m) = row_ids[m] when given (the tokens routed to one expert), else m.
+///
+/// Grouped mode (`spans` != 0, the MoE prefill in one launch): `spans` is `n_spans` i32
+/// triples (expert, first row r0, count); span s multiplies the matrix at
+/// `w + expert * mat_stride` bytes for global rows r = r0 .. r0 + count, reading X row
+/// row_ids[r] (or r) and writing Y row r; `m` is then the largest count (it sizes the grid).
+/// With `spans` = 0 there is one matrix and `n_spans`, `mat_stride` are unused.
 pub struct Matmul {
     pub ty: GgmlType,
     /// [n, k] quantized, or [k, n] when `transposed` (Y = X W).
@@ -147,6 +153,11 @@ pub struct Matmul {
     pub m: usize,
     pub n: usize,
     pub k: usize,
+    /// [n_spans, 3] i32 (expert, first row, count) or 0.
+    pub spans: Ptr,
+    pub n_spans: usize,
+    /// Bytes between consecutive experts' matrices (grouped mode).
+    pub mat_stride: usize,
 }
 
 impl Gpu {
@@ -166,9 +177,17 @@ impl Gpu {
         check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matmul", || {
             "x rows must be 16-byte aligned".into()
         })?;
-        launch!(self, kernel, (grid1(a.n, 64), grid1(a.m, 64), 1), 128, 0;
+        let z = if a.spans == 0 { 1 } else { a.n_spans };
+        check(z <= 65535, "matmul", || {
+            format!("{z} spans (at most 65535)")
+        })?;
+        if z == 0 || a.m == 0 || a.n == 0 {
+            return Ok(());
+        }
+        launch!(self, kernel, (grid1(a.n, 64), grid1(a.m, 64), z as u32), 128, 0;
             a.w, row_bytes.unwrap() as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
-            a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32);
+            a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32, a.spans,
+            a.mat_stride as i64);
         Ok(())
     }
 
