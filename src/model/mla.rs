@@ -79,8 +79,10 @@ pub fn attention<B: Backend>(
             .clone()
             .expect("validated: layer 0 runs its own indexer");
         taps.ids(|| format!("L{il}.dsa_topk"), n, &kept);
-        kept
+        // Every causal key kept: the dense path computes the same, without the id lists.
+        (!dsa::selects_all(ix, pos0, n)).then_some(kept)
     });
+    let keep = keep.flatten();
     let keep = keep.as_deref();
 
     let s = pos0 + n; // keys visible to the last query
