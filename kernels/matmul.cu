@@ -12,19 +12,32 @@
 // per-head products with the rows on the reduced side (MLA's k_nope = k_b^T c_kv): W has k
 // rows of n elements; n must be a multiple of 8.
 //
-// Tiles: 64 (M) x 64 (N) x 32 (K) per block of 4 warps; each warp owns a 32 x 32 corner.
+// Tiles: BM (M) x 128 (N) x 32 (K) per block of 8 warps laid out 2 (M) x 4 (N), each warp
+// owning a BM/2 x 32 corner. matmul_<type> / matmul_t_<type> use BM = 128 (large M: twice
+// the MMAs per staged byte of the 64-row tile); matmul_m64_<type> / matmul_t_m64_<type> use
+// BM = 64 for few rows per matrix (the grouped MoE spans, ~16 rows per expert), where a
+// 128-row tile would mostly multiply padding.
+//
+// Pipeline: two shared-memory stages. While the warps multiply stage s, every thread already
+// holds the next tile in registers (X as raw f32, W dequantized to bf16 pairs) and writes it
+// to stage s ^ 1 afterwards, so the global loads and the dequantization overlap the MMAs and
+// there is one barrier per k step. Fragments come from shared memory through ldmatrix.
+//
+// Batched mode (spans == 0; the per-head products, one launch for all heads): block z
+// multiplies matrix w + z * mat_stride (bytes) with X from x + z * x_mat_stride and Y at
+// y + z * y_mat_stride (elements). With gridDim.z == 1 that is the plain single product.
 //
 // Grouped mode (the MoE prefill, one launch for all experts): spans != 0 points at
 // gridDim.z triples (expert, first row r0, count). Block z multiplies matrix
 // w + expert * mat_stride (bytes) for the global rows r0 .. r0 + count: local row m is global
 // row r = r0 + m, read from X row row_ids ? row_ids[r] : r, written to Y row r. M is then
 // unused (the grid's y covers the largest count); blocks past their span's count return at
-// once. spans == 0: one matrix, rows 0 .. M, mat_stride unused.
+// once. x_mat_stride and y_mat_stride are unused.
 
-#define MM_BM 64
-#define MM_BN 64
+#define MM_BN 128
 #define MM_BK 32
-#define MM_PAD 8  // bf16 elements of padding per shared row: fragment loads hit 32 banks
+#define MM_THREADS 256
+#define MM_PAD 8  // bf16 of padding per shared row: ldmatrix's 8 row addresses hit 32 banks
 
 __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
     asm volatile(
@@ -34,124 +47,253 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*), bool TRANS>
-__device__ void matmul_body(const u8* w, i64 row_bytes, const float* x, i64 x_stride,
-                            const int* row_ids, float* y, i64 y_stride, int M, int N, int K,
-                            const int* spans, i64 mat_stride) {
+// Four 8x8 bf16 matrices; lane l gives the shared address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// The same, each matrix transposed (B fragments from a [k][n] tile).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// 8 weights -> 4 bf16 pairs.
+__device__ __forceinline__ uint4 pack8(const float* v) {
+    return make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
+                      pack_bf16x2(v[6], v[7]));
+}
+
+// N little-endian words from any byte address: N + 1 aligned 4-byte loads joined by funnel
+// shifts (the extra one only when p is unaligned, and then it holds bytes of the range).
+template <int N>
+__device__ __forceinline__ void mm_words(const u8* p, u32* out) {
+    const u8* base = (const u8*)((unsigned long long)p & ~3ull);
+    u32 sh = 8 * (u32)((unsigned long long)p & 3);
+    u32 a[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; i++) a[i] = __ldg((const unsigned int*)(base + 4 * i));
+    a[N] = sh ? __ldg((const unsigned int*)(base + 4 * N)) : 0u;
+#pragma unroll
+    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
+}
+
+__device__ __forceinline__ int byte_of(u32 w, int i) { return (w >> (8 * i)) & 0xff; }
+
+// One 8-element unit into the weight tile: dq8_<type> (byte loads), or for the types that
+// dominate prefill a version with word loads (the byte loads made the loader LSU-bound).
+template <void (*DQ8)(const u8*, int, float*)>
+struct MmUnit {
+    static __device__ __forceinline__ void dq(const u8* b, int u, float* y) { DQ8(b, u, y); }
+};
+
+// Q4_K (layout in quant.cuh): header words d | dmin, scales[0..12); 8 qs bytes.
+template <>
+struct MmUnit<dq8_q4_k> {
+    static __device__ __forceinline__ void dq(const u8* b, int u, float* y) {
+        int e0 = 8 * u, c = e0 >> 6, s = e0 >> 5, l0 = e0 & 31, shift = 4 * (s & 1);
+        u32 hd[4], qs[2];
+        mm_words<4>(b, hd);
+        mm_words<2>(b + 16 + 32 * c + l0, qs);
+        // kquant_scale_min on the words: scales[i] is byte i % 4 of hd[1 + i / 4].
+        int i = s & 3, sc, mn;
+        if (s < 4) {
+            sc = byte_of(hd[1], i) & 63;
+            mn = byte_of(hd[2], i) & 63;
+        } else {
+            sc = (byte_of(hd[3], i) & 15) | ((byte_of(hd[1], i) >> 6) << 4);
+            mn = (byte_of(hd[3], i) >> 4) | ((byte_of(hd[2], i) >> 6) << 4);
+        }
+        float dl = f16_to_f32((u16)(hd[0] & 0xffff)) * (float)sc;
+        float ml = f16_to_f32((u16)(hd[0] >> 16)) * (float)mn;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            y[k] = dl * (float)((byte_of(qs[k >> 2], k & 3) >> shift) & 15) - ml;
+    }
+};
+
+// Q6_K (layout in quant.cuh; blocks only 2-byte aligned): 8 ql bytes, 8 qh bytes, one scale.
+template <>
+struct MmUnit<dq8_q6_k> {
+    static __device__ __forceinline__ void dq(const u8* b, int u, float* y) {
+        int e0 = 8 * u, h = e0 >> 7, j = (e0 & 127) >> 5, l0 = e0 & 31;
+        u32 ql[2], qh[2];
+        mm_words<2>(b + 64 * h + 32 * (j & 1) + l0, ql);
+        mm_words<2>(b + 128 + 32 * h + l0, qh);
+        const signed char* scales = (const signed char*)(b + 192);
+        float dl = f16_to_f32(load_u16(b + 208)) * (float)scales[8 * h + 2 * j + (l0 >> 4)];
+        int lshift = 4 * (j >> 1);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int q = ((byte_of(ql[k >> 2], k & 3) >> lshift) & 15) |
+                    (((byte_of(qh[k >> 2], k & 3) >> (2 * j)) & 3) << 4);
+            y[k] = dl * (float)(q - 32);
+        }
+    }
+};
+
+template <int BM, int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*), bool TRANS>
+__device__ __forceinline__ void matmul_body(const u8* w, i64 row_bytes, const float* x,
+                                            i64 x_stride, const int* row_ids, float* y,
+                                            i64 y_stride, int M, int N, int K, const int* spans,
+                                            i64 mat_stride, i64 x_mat_stride, i64 y_mat_stride) {
+    // Per-thread shares of a tile: X has BM rows of 32 f32 (XV float4 per thread, TPR threads
+    // per row); W has 128 x 32 weights = 512 units of 8, two per thread.
+    constexpr int XV = BM * MM_BK / 4 / MM_THREADS;
+    constexpr int TPR = MM_THREADS / BM;
+    constexpr int MI = BM / 32;  // m16 subtiles per warp (BM / 2 rows)
+    constexpr int XS = MM_BK + MM_PAD;                                  // xs row, [m][k]
+    constexpr int WS = TRANS ? MM_BN + MM_PAD : MM_BK + MM_PAD;         // ws row
+    constexpr int WSTAGE = TRANS ? MM_BK * WS : MM_BN * WS;  // [k][n] if TRANS, else [n][k]
+
     if (spans) {
         const int* sp = spans + 3 * blockIdx.z;
         int ex = sp[0], r0 = sp[1];
         M = sp[2];
-        if ((int)blockIdx.y * MM_BM >= M) return;  // whole block: before any barrier
+        if ((int)blockIdx.y * BM >= M) return;  // whole block: before any barrier
         w += (i64)ex * mat_stride;
         if (row_ids)
             row_ids += r0;
         else
             x += (i64)r0 * x_stride;
         y += (i64)r0 * y_stride;
+    } else {
+        w += (i64)blockIdx.z * mat_stride;
+        x += (i64)blockIdx.z * x_mat_stride;
+        y += (i64)blockIdx.z * y_mat_stride;
     }
-    // Tiles as bf16 pairs (u32), [row][k]; 64 x (32 + 8) bf16 each.
-    __shared__ __align__(16) u16 xs[MM_BM][MM_BK + MM_PAD];
-    __shared__ __align__(16) u16 ws[MM_BN][MM_BK + MM_PAD];
+    __shared__ __align__(16) u16 xs[2][BM * XS];
+    __shared__ __align__(16) u16 ws[2][WSTAGE];
 
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
-    int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;  // this warp's corner in the tile
-    int g = lane >> 2, c = lane & 3;                    // mma fragment coordinates
+    int m0 = blockIdx.y * BM, n0 = blockIdx.x * MM_BN;
+    int wm = (warp >> 2) * (BM / 2), wn = (warp & 3) * 32;  // this warp's corner in the tile
 
-    float acc[2][4][4];  // [m16 subtile][n8 subtile][fragment]
+    float acc[MI][4][4];  // [m16 subtile][n8 subtile][fragment]
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < MI; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 
-    // X loader: thread -> (row tid / 2, 16 columns); W loader: two 8-element units.
-    int xr = tid >> 1, xc = (tid & 1) * 16;
+    // X loader: row xr, columns xc .. xc + 4 XV (the row is fixed, so gather it once).
+    int xr = tid / TPR, xc = (tid % TPR) * 4 * XV;
     const float* xrow = nullptr;
     if (m0 + xr < M) {
         i64 src = row_ids ? row_ids[m0 + xr] : m0 + xr;
-        xrow = x + src * x_stride;
+        xrow = x + src * x_stride + xc;
     }
-    for (int k0 = 0; k0 < K; k0 += MM_BK) {
-        // X tile -> bf16.
-        u32* xdst = (u32*)&xs[xr][xc];
-        if (xrow) {
-            const float4* p = (const float4*)(xrow + k0 + xc);
+    // W loader: unit s of this thread covers 8 weights at (wr[s], wc[s]) of the tile, [n][k]
+    // (wc along k) or, transposed, [k][n] (wc along n); wsrc is its block, 0 when out of range.
+    int wr[2], wc[2];
+    const u8* wsrc[2];
+    int wunit[2];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float4 v = p[i];
-                xdst[2 * i] = pack_bf16x2(v.x, v.y);
-                xdst[2 * i + 1] = pack_bf16x2(v.z, v.w);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) xdst[i] = 0;
+    for (int s = 0; s < 2; s++) {
+        int unit = tid + MM_THREADS * s;
+        if (TRANS) {  // 32 rows (k) x 16 units (n)
+            wr[s] = unit >> 4;
+            wc[s] = (unit & 15) * 8;
+            int e = n0 + wc[s];
+            wsrc[s] = e < N ? w + (i64)wr[s] * row_bytes + (i64)(e / ELEMS) * BYTES : nullptr;
+            wunit[s] = (e % ELEMS) / 8;
+        } else {  // 128 rows (n) x 4 units (k)
+            wr[s] = unit >> 2;
+            wc[s] = (unit & 3) * 8;
+            wsrc[s] = n0 + wr[s] < N ? w + (i64)(n0 + wr[s]) * row_bytes : nullptr;
+            wunit[s] = 0;
         }
-        // W tile: dequantize 8-element units straight into bf16.
-#pragma unroll
-        for (int s = 0; s < 2 && TRANS; s++) {
-            int unit = tid + 128 * s;  // 256 units: 32 rows (k) x 8 units (n)
-            int kk = unit >> 3, nn = (unit & 7) * 8;
-            float v[8];
-            if (k0 + kk < K && n0 + nn < N) {
-                int e = n0 + nn;
-                DQ8(w + (i64)(k0 + kk) * row_bytes + (i64)(e / ELEMS) * BYTES, (e % ELEMS) / 8, v);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; i++) v[i] = 0.0f;
-            }
-#pragma unroll
-            for (int i = 0; i < 8; i++) ws[nn + i][kk] = (u16)(pack_bf16x2(v[i], 0.0f) & 0xffff);
-        }
-#pragma unroll
-        for (int s = 0; s < 2 && !TRANS; s++) {
-            int unit = tid + 128 * s;  // 256 units: 64 rows x 4 units
-            int n = unit >> 2, kk = (unit & 3) * 8;
-            u32* wdst = (u32*)&ws[n][kk];
-            if (n0 + n < N) {
-                int e = k0 + kk;
-                float v[8];
-                DQ8(w + (i64)(n0 + n) * row_bytes + (i64)(e / ELEMS) * BYTES,
-                    (e % ELEMS) / 8, v);
-#pragma unroll
-                for (int i = 0; i < 4; i++) wdst[i] = pack_bf16x2(v[2 * i], v[2 * i + 1]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 4; i++) wdst[i] = 0;
-            }
-        }
-        __syncthreads();
+    }
 
+    float4 xv[XV];
+    uint4 wv[2];
+    // Tile k0 into registers.
+    auto fetch = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < XV; i++)
+            xv[i] = xrow ? ((const float4*)(xrow + k0))[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            float v[8];
+            if (!wsrc[s]) {
+                wv[s] = make_uint4(0, 0, 0, 0);
+                continue;
+            }
+            if (TRANS) {
+                MmUnit<DQ8>::dq(wsrc[s] + (i64)k0 * row_bytes, wunit[s], v);
+            } else {
+                int e = k0 + wc[s];
+                MmUnit<DQ8>::dq(wsrc[s] + (i64)(e / ELEMS) * BYTES, (e % ELEMS) / 8, v);
+            }
+            wv[s] = pack8(v);
+        }
+    };
+    // Registers -> stage st (bf16).
+    auto stash = [&](int st) {
+        uint4* xd = (uint4*)&xs[st][xr * XS + xc];
+#pragma unroll
+        for (int i = 0; i < XV / 2; i++)
+            xd[i] = make_uint4(pack_bf16x2(xv[2 * i].x, xv[2 * i].y),
+                               pack_bf16x2(xv[2 * i].z, xv[2 * i].w),
+                               pack_bf16x2(xv[2 * i + 1].x, xv[2 * i + 1].y),
+                               pack_bf16x2(xv[2 * i + 1].z, xv[2 * i + 1].w));
+#pragma unroll
+        for (int s = 0; s < 2; s++) *(uint4*)&ws[st][wr[s] * WS + wc[s]] = wv[s];
+    };
+
+    // ldmatrix lane addresses. A (xs [m][k]): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15) in
+    // the order of the mma's a0..a3. B from [n][k]: (n 0-7, k 0-7), (n 0-7, k 8-15),
+    // (n 8-15, k 0-7), (n 8-15, k 8-15) = b[j][0], b[j][1], b[j+1][0], b[j+1][1]; from [k][n]
+    // with .trans the same four, addressed by k rows.
+    int a_off = (wm + (lane & 15)) * XS + (lane >> 4) * 8;
+    int b_off = TRANS ? ((lane & 7) + ((lane >> 3) & 1) * 8) * WS + wn + (lane >> 4) * 8
+                      : (wn + (lane & 7) + (lane >> 4) * 8) * WS + ((lane >> 3) & 1) * 8;
+
+    fetch(0);
+    stash(0);
+    __syncthreads();
+    int nk = K / MM_BK;
+    for (int t = 0; t < nk; t++) {
+        int st = t & 1;
+        if (t + 1 < nk) fetch((t + 1) * MM_BK);  // in flight during the MMAs below
 #pragma unroll
         for (int kk = 0; kk < MM_BK; kk += 16) {
-            u32 a[2][4], b[4][2];
+            u32 a[MI][4], b[4][2];
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                int r = wm + 16 * i + g;
-                a[i][0] = *(const u32*)&xs[r][kk + 2 * c];
-                a[i][1] = *(const u32*)&xs[r + 8][kk + 2 * c];
-                a[i][2] = *(const u32*)&xs[r][kk + 2 * c + 8];
-                a[i][3] = *(const u32*)&xs[r + 8][kk + 2 * c + 8];
+            for (int i = 0; i < MI; i++) ldmatrix_x4(a[i], &xs[st][a_off + 16 * i * XS + kk]);
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                u32 r[4];
+                if (TRANS)
+                    ldmatrix_x4_trans(r, &ws[st][b_off + kk * WS + 8 * j]);
+                else
+                    ldmatrix_x4(r, &ws[st][b_off + 8 * j * WS + kk]);
+                b[j][0] = r[0];
+                b[j][1] = r[1];
+                b[j + 1][0] = r[2];
+                b[j + 1][1] = r[3];
             }
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                int n = wn + 8 * j + g;
-                b[j][0] = *(const u32*)&ws[n][kk + 2 * c];
-                b[j][1] = *(const u32*)&ws[n][kk + 2 * c + 8];
-            }
-#pragma unroll
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < MI; i++)
 #pragma unroll
                 for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j]);
         }
+        // Stage st ^ 1 was last read in step t - 1, which every thread finished before the
+        // barrier that ended it; one barrier per step then publishes the new stage.
+        if (t + 1 < nk) stash(st ^ 1);
         __syncthreads();
     }
 
     // C fragment: (row g, cols 2c, 2c+1) and (row g + 8, same cols).
+    int g = lane >> 2, c = lane & 3;
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < MI; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -165,18 +307,20 @@ __device__ void matmul_body(const u8* w, i64 row_bytes, const float* x, i64 x_st
             }
 }
 
-#define DEFINE_MATMUL(name, elems, bytes)                                                     \
-    extern "C" __global__ void __launch_bounds__(128) matmul_##name(                          \
+#define MATMUL_KERNEL(kname, bm, minblocks, name, elems, bytes, trans)                         \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS, minblocks) kname(                 \
         const u8* w, i64 row_bytes, const float* x, i64 x_stride, const int* row_ids, float* y, \
-        i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride) {                \
-        matmul_body<elems, bytes, dq8_##name, false>(w, row_bytes, x, x_stride, row_ids, y,   \
-                                                     y_stride, M, N, K, spans, mat_stride);   \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) matmul_t_##name(                        \
-        const u8* w, i64 row_bytes, const float* x, i64 x_stride, const int* row_ids, float* y, \
-        i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride) {                \
-        matmul_body<elems, bytes, dq8_##name, true>(w, row_bytes, x, x_stride, row_ids, y,    \
-                                                    y_stride, M, N, K, spans, mat_stride);    \
+        i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride, i64 x_mat_stride, \
+        i64 y_mat_stride) {                                                                   \
+        matmul_body<bm, elems, bytes, dq8_##name, trans>(w, row_bytes, x, x_stride, row_ids, y, \
+                                                         y_stride, M, N, K, spans, mat_stride,  \
+                                                         x_mat_stride, y_mat_stride);           \
     }
+
+#define DEFINE_MATMUL(name, elems, bytes)                                       \
+    MATMUL_KERNEL(matmul_##name, 128, 2, name, elems, bytes, false)            \
+    MATMUL_KERNEL(matmul_t_##name, 128, 2, name, elems, bytes, true)           \
+    MATMUL_KERNEL(matmul_m64_##name, 64, 2, name, elems, bytes, false)         \
+    MATMUL_KERNEL(matmul_t_m64_##name, 64, 2, name, elems, bytes, true)
 
 FOR_EACH_QTYPE(DEFINE_MATMUL)

@@ -20,7 +20,9 @@
 // Types without such a piece walk 8-element units through dq8_<type> (generic_piece).
 
 #define MATVEC_WARPS 4
-#define MATVEC_ROWS 2
+// Four rows share each x load: x comes from L1, and a warp's 16-byte x loads hit up to 32
+// different 128-byte lines (one L1 wavefront each), so x, not the weights, sets the L1 time.
+#define MATVEC_ROWS 4
 
 // A piece function: acc[r] += (piece p of block blk[r]) . (the x values of that piece), for
 // the MATVEC_ROWS rows; xb points at x for the block's first element.

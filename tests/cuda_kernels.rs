@@ -337,8 +337,10 @@ fn matmul_every_type_on_tensor_cores() {
                 n,
                 k,
                 spans: 0,
-                n_spans: 0,
+                n_spans: 1,
                 mat_stride: 0,
+                x_mat_stride: 0,
+                y_mat_stride: 0,
             })
             .unwrap();
             let y = g.download(&dy).unwrap();
@@ -404,6 +406,8 @@ fn matmul_grouped_experts_match_per_expert_products() {
                 spans: g.ptr(&ds, 0),
                 n_spans: spans.len(),
                 mat_stride,
+                x_mat_stride: 0,
+                y_mat_stride: 0,
             })
             .unwrap();
             let y = g.download(&dy).unwrap();
@@ -422,6 +426,76 @@ fn matmul_grouped_experts_match_per_expert_products() {
                 if gathered { " gathered" } else { "" }
             );
             assert_close(&what, &y, &want, BF16_MATMUL);
+        }
+    }
+}
+
+#[test]
+fn matmul_batched_heads_match_per_head_products() {
+    // head_matmul's batched mode: block z multiplies matrix z (w + z * mat_stride) with x
+    // columns from z * x_mat_stride (0: every head reads the same x) into y columns from
+    // z * y_mat_stride. 40 rows take the 64-row tiles, 150 rows the 128-row ones (partial).
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matmul batched");
+    let heads = 3;
+    for &t in KERNEL_TYPES {
+        for transposed in [false, true] {
+            // Transposed rows are dout long: whole blocks of every type; 72 = a partial tile.
+            let (din, dout) = if transposed { (64, 256) } else { (256, 72) };
+            let (wr, wc) = if transposed { (din, dout) } else { (dout, din) };
+            let w = random_rows(&mut rng, t, heads * wr, wc);
+            let wf = dequant_rows(t, &w, heads * wr, wc);
+            let mat_stride = wr * t.row_bytes(wc).unwrap();
+            let dw = g.upload(&w).unwrap();
+            for (m, shared) in [(40, false), (150, true)] {
+                let xcols = if shared { din } else { heads * din };
+                let x = rng.normals(m * xcols);
+                let dx = g.upload(&x).unwrap();
+                let ycols = heads * dout;
+                let dy = poisoned(&g, m * ycols);
+                g.matmul(&Matmul {
+                    ty: t,
+                    w: g.ptr(&dw, 0),
+                    transposed,
+                    x: g.ptr(&dx, 0),
+                    x_stride: xcols,
+                    row_ids: 0,
+                    y: g.ptr(&dy, 0),
+                    y_stride: ycols,
+                    m,
+                    n: dout,
+                    k: din,
+                    spans: 0,
+                    n_spans: heads,
+                    mat_stride,
+                    x_mat_stride: if shared { 0 } else { din },
+                    y_mat_stride: dout,
+                })
+                .unwrap();
+                let y = g.download(&dy).unwrap();
+                let mut want = vec![0f64; m * ycols];
+                for h in 0..heads {
+                    let wh = &wf[h * wr * wc..][..wr * wc];
+                    for i in 0..m {
+                        let xr = &x[i * xcols + if shared { 0 } else { h * din }..][..din];
+                        for j in 0..dout {
+                            want[i * ycols + h * dout + j] = if transposed {
+                                (0..din)
+                                    .map(|kk| xr[kk] as f64 * wh[kk * wc + j] as f64)
+                                    .sum()
+                            } else {
+                                dot64(&wh[j * wc..][..wc], xr)
+                            };
+                        }
+                    }
+                }
+                let what = format!(
+                    "matmul{} batched {t} m {m}{}",
+                    if transposed { "_t" } else { "" },
+                    if shared { " shared x" } else { "" }
+                );
+                assert_close(&what, &y, &want, BF16_MATMUL);
+            }
         }
     }
 }
@@ -1266,8 +1340,10 @@ fn decode_and_prefill_kernel_timings() {
         n,
         k,
         spans: 0,
-        n_spans: 0,
+        n_spans: 1,
         mat_stride: 0,
+        x_mat_stride: 0,
+        y_mat_stride: 0,
     };
     let ms = time_ms(&g, 10, || g.matmul(&a).unwrap());
     println!(

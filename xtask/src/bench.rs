@@ -651,8 +651,10 @@ impl Bench {
                                 n,
                                 k,
                                 spans: 0,
-                                n_spans: 0,
+                                n_spans: 1,
                                 mat_stride: 0,
+                                x_mat_stride: 0,
+                                y_mat_stride: 0,
                             })?)
                         });
                         let Some((secs, host)) = self.ok_or_report("prefill", &name, timed) else {

@@ -150,8 +150,10 @@ impl Cuda {
                 n: rows,
                 k,
                 spans: 0,
-                n_spans: 0,
+                n_spans: 1,
                 mat_stride: 0,
+                x_mat_stride: 0,
+                y_mat_stride: 0,
             };
             ok(self.gpu.matmul(&a), "matmul");
         } else {
@@ -485,25 +487,27 @@ impl Backend for Cuda {
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
         }
-        for h in 0..heads {
-            let mm = Matmul {
-                ty: w.ty,
-                w: self.w(w) + (h * head_bytes) as u64,
-                transposed: transpose,
-                x: self.p(x, if shared { 0 } else { h * din }),
-                x_stride: x.cols,
-                row_ids: 0,
-                y: self.p(&y, h * dout),
-                y_stride: heads * dout,
-                m: n,
-                n: dout,
-                k: din,
-                spans: 0,
-                n_spans: 0,
-                mat_stride: 0,
-            };
-            ok(self.gpu.matmul(&mm), "head_matmul");
-        }
+        // All heads in one batched launch: head h is matrix h, its x columns h * din (or the
+        // shared x), its y columns h * dout.
+        let mm = Matmul {
+            ty: w.ty,
+            w: self.w(w),
+            transposed: transpose,
+            x: self.p(x, 0),
+            x_stride: x.cols,
+            row_ids: 0,
+            y: self.p(&y, 0),
+            y_stride: heads * dout,
+            m: n,
+            n: dout,
+            k: din,
+            spans: 0,
+            n_spans: heads,
+            mat_stride: head_bytes,
+            x_mat_stride: if shared { 0 } else { din },
+            y_mat_stride: dout,
+        };
+        ok(self.gpu.matmul(&mm), "head_matmul");
         y
     }
 
@@ -782,6 +786,8 @@ impl Backend for Cuda {
                 spans: self.gpu.ptr(&dspans, 0),
                 n_spans: spans.len(),
                 mat_stride: bytes,
+                x_mat_stride: 0,
+                y_mat_stride: 0,
             };
             let tok = self.gpu.ptr(&dtok, 0);
             ok(

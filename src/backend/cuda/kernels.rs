@@ -72,9 +72,10 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
 /// every architecture so that what runs on the H200 also runs on an RTX PRO 6000.
 pub const SHARED_MEMORY_LIMIT: usize = 99 * 1024;
 
-// Tile sizes shared with attention.cu (ATT_BQ, ATT_BK).
-const ATT_BQ: usize = 16;
-const ATT_BK: usize = 32;
+// Tile sizes shared with attention.cu (ATT_BQ, ATT_BK, ATT_THREADS).
+pub const ATT_BQ: usize = 64;
+const ATT_BK: usize = 16;
+pub const ATT_THREADS: u32 = 128;
 /// Largest head dims of attention_prefill (GLM-5: 192 + 64 and 256).
 pub const ATT_DQK_MAX: usize = 256;
 pub const ATT_DV_MAX: usize = 256;
@@ -83,10 +84,11 @@ pub const MLA_DL_MAX: usize = 512;
 /// Largest rope width next to it.
 pub const MLA_DR_MAX: usize = 64;
 
-/// Dynamic shared memory of attention_prefill: q tile, k tile (one float of padding per row),
-/// v tile, all f32.
+/// Dynamic shared memory of attention_prefill: q tile and k tile (rows padded by 4 floats),
+/// v tile 128 wide for dv <= 128, else 256; all f32.
 pub fn attention_smem_bytes(dqk: usize, dv: usize) -> usize {
-    4 * (ATT_BQ * dqk + ATT_BK * (dqk + 1) + ATT_BK * dv)
+    let vw = if dv <= 128 { 128 } else { 256 };
+    4 * ((ATT_BQ + ATT_BK) * (dqk + 4) + ATT_BK * vw)
 }
 
 /// Largest key width of dsa_scores, and its largest query tile (heads x dim floats).

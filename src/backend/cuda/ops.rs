@@ -8,8 +8,8 @@ use crate::gguf::ggml_type::GgmlType;
 use super::device::{launch, DevicePtrRaw as Ptr, Gpu};
 use super::error::{check, CudaError};
 use super::kernels::{
-    attention_smem_bytes, dsa_scores_smem_bytes, ATT_DQK_MAX, ATT_DV_MAX, DSA_DIM_MAX, DSA_Q_MAX,
-    MLA_DL_MAX, MLA_DR_MAX,
+    attention_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX, ATT_DV_MAX, ATT_THREADS,
+    DSA_DIM_MAX, DSA_Q_MAX, MLA_DL_MAX, MLA_DR_MAX,
 };
 
 /// The ggml types the matvec, matmul and embedding kernels read: every type the CPU reference
@@ -53,7 +53,7 @@ pub struct Matvec {
 // The geometry of matvec (kernels/matvec.cu): blocks of MATVEC_WARPS warps, each row group of
 // MATVEC_ROWS rows shared by 1, 2 or 4 of them.
 const MATVEC_WARPS: usize = 4;
-const MATVEC_ROWS: usize = 2;
+const MATVEC_ROWS: usize = 4;
 /// About as many warps as an H200 holds at once (132 SMs x 64): a grid with fewer leaves
 /// memory bandwidth unused, so short matrices split each row group over more warps.
 const MATVEC_FILL_WARPS: usize = 8192;
@@ -132,11 +132,16 @@ fn norm_block(n: usize, kernel: &str) -> Result<u32, CudaError> {
 /// Y[m, :] = W X[row(m), :] for m < M on tensor cores (bf16 operands, f32 accumulation);
 /// row(m) = row_ids[m] when given (the tokens routed to one expert), else m.
 ///
+/// Batched mode (`spans` = 0, the per-head products in one launch): `n_spans` matrices (0
+/// counts as 1); matrix z is at `w + z * mat_stride` bytes and reads X from
+/// `x + z * x_mat_stride`, writes Y at `y + z * y_mat_stride` (elements, 4-byte f32 each),
+/// every one with the same m, n, k and strides.
+///
 /// Grouped mode (`spans` != 0, the MoE prefill in one launch): `spans` is `n_spans` i32
 /// triples (expert, first row r0, count); span s multiplies the matrix at
 /// `w + expert * mat_stride` bytes for global rows r = r0 .. r0 + count, reading X row
-/// row_ids[r] (or r) and writing Y row r; `m` is then the largest count (it sizes the grid).
-/// With `spans` = 0 there is one matrix and `n_spans`, `mat_stride` are unused.
+/// row_ids[r] (or r) and writing Y row r; `m` is then the largest count (it sizes the grid);
+/// `x_mat_stride`, `y_mat_stride` are unused.
 pub struct Matmul {
     pub ty: GgmlType,
     /// [n, k] quantized, or [k, n] when `transposed` (Y = X W).
@@ -156,13 +161,25 @@ pub struct Matmul {
     /// [n_spans, 3] i32 (expert, first row, count) or 0.
     pub spans: Ptr,
     pub n_spans: usize,
-    /// Bytes between consecutive experts' matrices (grouped mode).
+    /// Bytes between consecutive matrices (experts in grouped mode, heads in batched mode).
     pub mat_stride: usize,
+    /// Batched mode: f32 elements between consecutive matrices' X and Y.
+    pub x_mat_stride: usize,
+    pub y_mat_stride: usize,
 }
 
 impl Gpu {
     pub fn matmul(&self, a: &Matmul) -> Result<(), CudaError> {
-        let kernel = typed_kernel(if a.transposed { "matmul_t" } else { "matmul" }, a.ty)?;
+        // 128-row tiles, or 64-row ones where a matrix has few rows (grouped MoE spans of
+        // ~16 tokens per expert, short prompts): see kernels/matmul.cu.
+        let bm = if a.spans != 0 || a.m <= 64 { 64 } else { 128 };
+        let prefix = match (a.transposed, bm) {
+            (false, 128) => "matmul",
+            (true, 128) => "matmul_t",
+            (false, _) => "matmul_m64",
+            (true, _) => "matmul_t_m64",
+        };
+        let kernel = typed_kernel(prefix, a.ty)?;
         let row_bytes = a.ty.row_bytes(if a.transposed { a.n } else { a.k });
         check(
             row_bytes.is_some() && a.k % 32 == 0 && a.n % 8 == 0,
@@ -174,20 +191,26 @@ impl Gpu {
                 )
             },
         )?;
-        check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matmul", || {
-            "x rows must be 16-byte aligned".into()
-        })?;
-        let z = if a.spans == 0 { 1 } else { a.n_spans };
+        check(
+            a.x % 16 == 0 && a.x_stride % 4 == 0 && a.x_mat_stride % 4 == 0,
+            "matmul",
+            || "x rows must be 16-byte aligned".into(),
+        )?;
+        let z = if a.spans == 0 {
+            a.n_spans.max(1)
+        } else {
+            a.n_spans
+        };
         check(z <= 65535, "matmul", || {
-            format!("{z} spans (at most 65535)")
+            format!("{z} spans or matrices (at most 65535)")
         })?;
         if z == 0 || a.m == 0 || a.n == 0 {
             return Ok(());
         }
-        launch!(self, kernel, (grid1(a.n, 64), grid1(a.m, 64), z as u32), 128, 0;
+        launch!(self, kernel, (grid1(a.n, 128), grid1(a.m, bm), z as u32), 256, 0;
             a.w, row_bytes.unwrap() as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
             a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32, a.spans,
-            a.mat_stride as i64);
+            a.mat_stride as i64, a.x_mat_stride as i64, a.y_mat_stride as i64);
         Ok(())
     }
 
@@ -332,8 +355,15 @@ impl Gpu {
             "attention_prefill",
             || format!("head dims {dqk}/{} over {ATT_DQK_MAX}/{ATT_DV_MAX}", a.dv),
         )?;
+        // The kernel reads q and k rows from shared memory as float4.
+        check(dqk % 4 == 0, "attention_prefill", || {
+            format!("query/key head dim {dqk} not a multiple of 4")
+        })?;
         let smem = attention_smem_bytes(dqk, a.dv) as u32;
-        launch!(self, "attention_prefill", (grid1(a.tokens, 16), a.heads as u32, 1), 128, smem;
+        // Heads on x, query tiles on y: the kernel walks y backwards so the longest tiles
+        // start first.
+        let grid = (a.heads as u32, grid1(a.tokens, ATT_BQ), 1);
+        launch!(self, "attention_prefill", grid, ATT_THREADS, smem;
             a.q, a.q_tok as i64, a.q_head as i64,
             a.ka, a.ka_tok as i64, a.ka_head as i64, a.dka as i32,
             a.kb, a.kb_tok as i64, a.kb_head as i64, a.dkb as i32,
