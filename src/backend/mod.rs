@@ -216,6 +216,24 @@ pub trait Backend: Send + Sync {
 
     // ----- mixture of experts -------------------------------------------------------------
 
+    /// The routed experts of a batch straight from the router logits [n, n_expert], routed on
+    /// the device by the rules of `model::moe::route` (for every expert: this rank holds them
+    /// all), so that decode pays no host round trip per MoE layer. None (the default): the
+    /// caller routes on the host and calls `moe_experts`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_routed(
+        &self,
+        _x: &Self::Tensor,
+        _logits: &Self::Tensor,
+        _bias: Option<&[f32]>,
+        _m: &crate::config::MoeConfig,
+        _gate: &Self::Weight,
+        _up: &Self::Weight,
+        _down: &Self::Weight,
+    ) -> Option<Self::Tensor> {
+        None
+    }
+
     /// The routed experts of a batch: `x` [n, E]; `gate`, `up` {E, F, X}, `down` {F, E, X};
     /// `ids`, `weights` [n * k] (chosen experts and their final weights per token).
     /// Returns `sum_j weights[t,j] * down_e(silu(gate_e x) * up_e x)` with e = ids[t,j]: [n, E].

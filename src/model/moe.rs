@@ -1,9 +1,11 @@
 //! Mixture of experts: the router picks k experts per token, their outputs are summed with
 //! the router's weights, and the shared expert is added unweighted.
 //!
-//! Routing runs on the host (a few hundred scores per token): it is the step where subtle
-//! bugs hide (bias used for weights, groups masked with 0 instead of -inf, top-k over the
-//! group mask), so it is written once, plainly, here.
+//! Routing is the step where subtle bugs hide (bias used for weights, groups masked with 0
+//! instead of -inf, top-k over the group mask), so its reference is written plainly here and
+//! runs on the host for the CPU backend, for traces and for prefill. The CUDA backend routes
+//! decode batches on the GPU (kernels/moe.cu `moe_router`, held to `route` by its test and by
+//! prefill == decode), which spares a host round trip per MoE layer.
 
 use super::{dense_ffn, Model, Taps};
 use crate::backend::Backend;
@@ -128,22 +130,19 @@ pub fn forward<B: Backend>(
 ) -> B::Tensor {
     let b = &model.backend;
     let m = model.cfg.moe.as_ref().expect("MoE layer in a MoE model");
-    let (n, _) = b.shape(x);
 
     let logits = b.linear(x, &w.router); // [n, n_expert]
     taps.tensor(b, || format!("L{il}.router_logits"), &logits);
-    let r = route(&b.download(&logits), w.selection_bias.as_deref(), m);
-    if taps.on() {
-        let ids: Vec<i32> = r.ids.iter().map(|&e| e as i32).collect();
-        taps.ids(|| format!("L{il}.topk_ids"), n, &ids);
-        taps.host_f32(|| format!("L{il}.topk_weights"), n, &r.weights);
-    }
-
-    let (ids, weights, k) = held_choices(&r, &w.experts, m.n_used);
-    let mut out = if k == 0 {
-        b.zeros(n, model.cfg.n_embd)
+    let bias = w.selection_bias.as_deref();
+    let all_experts = w.experts == (0..m.n_expert);
+    let on_device = if taps.on() || !all_experts {
+        None // the trace records the host routing; TP ranks pick their held choices below
     } else {
-        b.moe_experts(x, &w.gate_exps, &w.up_exps, &w.down_exps, &ids, &weights, k)
+        b.moe_routed(x, &logits, bias, m, &w.gate_exps, &w.up_exps, &w.down_exps)
+    };
+    let mut out = match on_device {
+        Some(out) => out,
+        None => routed_on_host(model, il, w, x, &logits, taps),
     };
     taps.tensor(b, || format!("L{il}.moe_out"), &out);
     if let Some(shared) = &w.shared {
@@ -152,4 +151,31 @@ pub fn forward<B: Backend>(
         b.add_assign(&mut out, &s);
     }
     out
+}
+
+/// The routed experts with the routing computed here, on the host: [n, E].
+fn routed_on_host<B: Backend>(
+    model: &Model<B>,
+    il: usize,
+    w: &Moe<B::Weight>,
+    x: &B::Tensor,
+    logits: &B::Tensor,
+    taps: &mut Taps,
+) -> B::Tensor {
+    let b = &model.backend;
+    let m = model.cfg.moe.as_ref().expect("MoE layer in a MoE model");
+    let n = b.shape(x).0;
+    let r = route(&b.download(logits), w.selection_bias.as_deref(), m);
+    if taps.on() {
+        let ids: Vec<i32> = r.ids.iter().map(|&e| e as i32).collect();
+        taps.ids(|| format!("L{il}.topk_ids"), n, &ids);
+        taps.host_f32(|| format!("L{il}.topk_weights"), n, &r.weights);
+    }
+
+    let (ids, weights, k) = held_choices(&r, &w.experts, m.n_used);
+    if k == 0 {
+        b.zeros(n, model.cfg.n_embd)
+    } else {
+        b.moe_experts(x, &w.gate_exps, &w.up_exps, &w.down_exps, &ids, &weights, k)
+    }
 }

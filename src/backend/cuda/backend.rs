@@ -13,7 +13,8 @@ use cudarc::driver::CudaSlice;
 
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
-use super::ops::{AttentionPrefill, Matmul, Matvec, MlaDecode, KERNEL_TYPES};
+use super::ops::{AttentionPrefill, Matmul, Matvec, MlaDecode, MoeRouter, KERNEL_TYPES};
+use crate::config::{Gating, MoeConfig};
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::gguf::ggml_type::GgmlType;
 use crate::weights::TensorRef;
@@ -675,63 +676,8 @@ impl Backend for Cuda {
         // Row r of the expert outputs belongs to (token, choice) slots[t * k + j] == r.
         let slots: Vec<i32>;
         if n < MATMUL_MIN_ROWS {
-            // Row t * k + j: one matrix-vector item per choice, the expert picked by id.
             let eids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-            let dids = self.upload_i32(&eids);
-            let item = |w: &CudaWeight,
-                        mat_stride,
-                        rows_w,
-                        k_w,
-                        x: DevicePtrRaw,
-                        x_group,
-                        x_stride,
-                        y: &CudaTensor| Matvec {
-                ty: w.ty,
-                w: self.w(w),
-                mat_stride,
-                ids: self.gpu.ptr(&dids, 0),
-                rows: rows_w,
-                k: k_w,
-                x,
-                x_group,
-                x_stride,
-                y: self.p(y, 0),
-                y_stride: rows_w,
-                batch: rows,
-                transposed: false,
-            };
-            ok(
-                self.gpu
-                    .matvec(&item(gate, gate_bytes, f, e, self.p(x, 0), k, e, &g_out)),
-                "moe gate",
-            );
-            ok(
-                self.gpu
-                    .matvec(&item(up, gate_bytes, f, e, self.p(x, 0), k, e, &u_out)),
-                "moe up",
-            );
-            ok(
-                self.gpu.silu_mul(
-                    self.p(&g_out, 0),
-                    self.p(&u_out, 0),
-                    self.p(&g_out, 0),
-                    rows * f,
-                ),
-                "moe silu",
-            );
-            ok(
-                self.gpu.matvec(&item(
-                    down,
-                    down_bytes,
-                    e,
-                    f,
-                    self.p(&g_out, 0),
-                    1,
-                    f,
-                    &d_out,
-                )),
-                "moe down",
-            );
+            self.experts_per_choice(x, gate, up, down, &self.upload_i32(&eids), k, &d_out);
             slots = (0..rows as i32).collect();
         } else {
             // Group the (token, choice) pairs by expert: each expert's tokens are gathered by
@@ -835,12 +781,136 @@ impl Backend for Cuda {
             self.upload_i32(&slots),
             ok(self.gpu.upload(weights), "upload"),
         );
+        self.combine(&d_out, &dslots, &dw, n, k)
+    }
+
+    fn moe_routed(
+        &self,
+        x: &CudaTensor,
+        logits: &CudaTensor,
+        bias: Option<&[f32]>,
+        m: &MoeConfig,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+    ) -> Option<CudaTensor> {
+        let n = x.rows;
+        if n >= MATMUL_MIN_ROWS {
+            return None; // prefill: grouped by expert on the host (moe_experts)
+        }
+        let k = m.n_used;
+        let dbias = bias.map(|b| ok(self.gpu.upload(b), "upload"));
+        let dids = ok(self.gpu.empty_i32(n * k), "alloc");
+        let dw = self.empty(n, k);
+        let router = MoeRouter {
+            logits: self.p(logits, 0),
+            bias: dbias.as_ref().map_or(0, |b| self.gpu.ptr(b, 0)),
+            n_exp: m.n_expert,
+            k,
+            gating: match m.gating {
+                Gating::Softmax => 1,
+                Gating::Sigmoid => 2,
+            },
+            n_group: m.n_group,
+            group_used: m.n_group_used,
+            norm: m.weights_norm,
+            scale: m.weights_scale,
+            tokens: n,
+            ids: self.gpu.ptr(&dids, 0),
+            weights: self.p(&dw, 0),
+        };
+        ok(self.gpu.moe_router(&router), "moe router");
+        let d_out = self.empty(n * k, x.cols);
+        self.experts_per_choice(x, gate, up, down, &dids, k, &d_out);
+        let slots: Vec<i32> = (0..(n * k) as i32).collect();
+        Some(self.combine(&d_out, &self.upload_i32(&slots), &dw.buf, n, k))
+    }
+}
+
+impl Cuda {
+    /// Decode-sized MoE: row t * k + j of `d_out` [n * k, E] = expert ids[t * k + j] applied to
+    /// token t, as batched matrix-vector products (gate and up, silu, down).
+    #[allow(clippy::too_many_arguments)]
+    fn experts_per_choice(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        ids: &CudaSlice<i32>,
+        k: usize,
+        d_out: &CudaTensor,
+    ) {
+        let e = x.cols;
+        let f = gate.dim(1);
+        let rows = x.rows * k;
+        let (gate_bytes, down_bytes) = (f * gate.row_bytes(), e * down.row_bytes());
+        let g_out = self.empty(rows, f);
+        let u_out = self.empty(rows, f);
+        let item = |w: &CudaWeight,
+                    mat_stride,
+                    rows_w,
+                    k_w,
+                    x: DevicePtrRaw,
+                    x_group,
+                    x_stride,
+                    y: &CudaTensor| Matvec {
+            ty: w.ty,
+            w: self.w(w),
+            mat_stride,
+            ids: self.gpu.ptr(ids, 0),
+            rows: rows_w,
+            k: k_w,
+            x,
+            x_group,
+            x_stride,
+            y: self.p(y, 0),
+            y_stride: rows_w,
+            batch: rows,
+            transposed: false,
+        };
+        ok(
+            self.gpu
+                .matvec(&item(gate, gate_bytes, f, e, self.p(x, 0), k, e, &g_out)),
+            "moe gate",
+        );
+        ok(
+            self.gpu
+                .matvec(&item(up, gate_bytes, f, e, self.p(x, 0), k, e, &u_out)),
+            "moe up",
+        );
+        ok(
+            self.gpu.silu_mul(
+                self.p(&g_out, 0),
+                self.p(&u_out, 0),
+                self.p(&g_out, 0),
+                rows * f,
+            ),
+            "moe silu",
+        );
+        ok(
+            self.gpu
+                .matvec(&item(down, down_bytes, e, f, self.p(&g_out, 0), 1, f, d_out)),
+            "moe down",
+        );
+    }
+
+    /// out [n, E] = sum_j weights[t, j] * d_out[slots[t, j]] (moe_combine).
+    fn combine(
+        &self,
+        d_out: &CudaTensor,
+        slots: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        n: usize,
+        k: usize,
+    ) -> CudaTensor {
+        let e = d_out.cols;
         let out = self.zeros(n, e);
         ok(
             self.gpu.moe_combine(
-                self.p(&d_out, 0),
-                self.gpu.ptr(&dslots, 0),
-                self.gpu.ptr(&dw, 0),
+                self.p(d_out, 0),
+                self.gpu.ptr(slots, 0),
+                self.gpu.ptr(weights, 0),
                 n,
                 k,
                 e,

@@ -147,6 +147,12 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// A buffer of `n` i32 for a kernel to overwrite whole (uninitialized).
+    pub fn empty_i32(&self, n: usize) -> Result<CudaSlice<i32>, CudaError> {
+        // SAFETY: as `empty`: the caller's kernel writes every element before any read.
+        Ok(unsafe { self.stream.alloc::<i32>(n.max(1)) }?)
+    }
+
     /// Waits for all queued work, surfacing any error a kernel raised.
     pub fn sync(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)
