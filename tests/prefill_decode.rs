@@ -6,6 +6,7 @@
 mod common;
 
 use common::*;
+use mla_engine::backend::Backend;
 use mla_engine::trace::relative_error;
 
 const BOUND: f64 = 1e-5;
@@ -36,5 +37,20 @@ every_golden_file! {
         chunked.extend(forward_logits(&model, &mut cache, &tokens[k..]));
         let err = relative_error(&chunked, &one);
         assert!(err < BOUND, "{variant} k={k}: relative error {err:.2e}");
+    }
+}
+
+every_golden_file! {
+    /// `forward_last` (what generation runs on a prompt) is the last row of `forward`, bit for
+    /// bit on the CPU (the same per-row sums), and leaves the cache as `forward` does.
+    fn forward_last_is_the_last_row(variant: &str) {
+        let model = load(variant);
+        let tokens = ref_tokens(&load_ref(variant, 1));
+        let vocab = model.cfg.n_vocab;
+        let all = forward_logits(&model, &mut model.new_cache(model.cfg.n_ctx), &tokens);
+        let mut cache = model.new_cache(model.cfg.n_ctx);
+        let last = model.backend.download(&model.forward_last(&mut cache, &tokens).unwrap());
+        assert_eq!(last, all[all.len() - vocab..], "{variant}");
+        assert_eq!(cache.len, tokens.len());
     }
 }

@@ -213,6 +213,26 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         taps: &mut Taps,
     ) -> Result<B::Tensor, ForwardError> {
+        self.run(cache, tokens, taps, false)
+    }
+
+    /// Like `forward`, but only the last token's logits [1, V]: what generation needs after a
+    /// prompt, without the LM head product of every prompt token.
+    pub fn forward_last(
+        &self,
+        cache: &mut Cache<B>,
+        tokens: &[u32],
+    ) -> Result<B::Tensor, ForwardError> {
+        self.run(cache, tokens, &mut Taps::none(), true)
+    }
+
+    fn run(
+        &self,
+        cache: &mut Cache<B>,
+        tokens: &[u32],
+        taps: &mut Taps,
+        last_only: bool,
+    ) -> Result<B::Tensor, ForwardError> {
         let cfg = &self.cfg;
         let b = &self.backend;
         let w = &self.weights;
@@ -270,6 +290,10 @@ impl<B: Backend> Model<B> {
         }
         cache.len += tokens.len();
 
+        let n = tokens.len();
+        if last_only && n > 1 {
+            x = b.slice(&x, n - 1..n, 0..cfg.n_embd);
+        }
         let h = b.rms_norm(&x, &w.output_norm, cfg.rms_eps);
         taps.tensor(b, || "final_norm".into(), &h);
         let logits = b.linear(&h, w.lm_head());

@@ -273,11 +273,37 @@ impl<B: Backend> ShardedModel<B> {
         tokens: &[u32],
         trace: Option<&mut Trace>,
     ) -> Result<(B::Tensor, Vec<String>), ForwardError> {
+        self.run(cache, tokens, trace, false)
+    }
+
+    /// Only the last token's logits [1, V] (`Model::forward_last`), no trace.
+    pub fn forward_last(
+        &self,
+        cache: &mut ShardedCache<B>,
+        tokens: &[u32],
+    ) -> Result<B::Tensor, ForwardError> {
+        Ok(self.run(cache, tokens, None, true)?.0)
+    }
+
+    fn run(
+        &self,
+        cache: &mut ShardedCache<B>,
+        tokens: &[u32],
+        trace: Option<&mut Trace>,
+        last_only: bool,
+    ) -> Result<(B::Tensor, Vec<String>), ForwardError> {
         let tracing = trace.is_some();
+        let step = |model: &Model<B>, cache: &mut Cache<B>, taps: &mut Taps| {
+            if last_only {
+                model.forward_last(cache, tokens)
+            } else {
+                model.forward(cache, tokens, taps)
+            }
+        };
         if let ([model], [cache]) = (&self.ranks[..], &mut cache.ranks[..]) {
             // One rank: run here, without a thread.
             let mut taps = Taps::new(trace);
-            return Ok((model.forward(cache, tokens, &mut taps)?, Vec::new()));
+            return Ok((step(model, cache, &mut taps)?, Vec::new()));
         }
         let results: Vec<Result<(B::Tensor, Trace), ForwardError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
@@ -288,7 +314,7 @@ impl<B: Backend> ShardedModel<B> {
                     s.spawn(move || {
                         let mut t = Trace::new();
                         let mut taps = Taps::new(tracing.then_some(&mut t));
-                        let logits = model.forward(cache, tokens, &mut taps)?;
+                        let logits = step(model, cache, &mut taps)?;
                         Ok((logits, t))
                     })
                 })

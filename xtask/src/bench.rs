@@ -8,7 +8,8 @@
 //! GB/s = the bytes the kernel must read and write (weights once, activations once) over its
 //! median time, beside the ratio to the copy bandwidth; prefill products as TFLOP/s beside the
 //! ratio to the mma rate. Last, whole models from synthetic GGUF files: decode tokens/s beside
-//! the bandwidth bound of the bytes a token must read, and prefill tokens/s.
+//! the bandwidth bound of the bytes a token must read, and prefill tokens/s (a prompt as
+//! `generate` runs it: logits of the last token only).
 //!
 //! Timing: CUDA events around `reps` back-to-back launches (so a sample includes the gaps
 //! between launches, as decode does), the median of several samples, after a warm-up. Weights
@@ -752,7 +753,7 @@ impl Bench {
             let run = || -> Result<f64> {
                 let mut cache = model.new_cache(n);
                 let t = Instant::now();
-                let logits = model.forward(&mut cache, &ids, &mut Taps::none())?;
+                let logits = model.forward_last(&mut cache, &ids)?;
                 model.backend.gpu.sync()?;
                 let secs = t.elapsed().as_secs_f64();
                 drop(logits);
@@ -826,9 +827,7 @@ fn profile_one_step(path: &Path, prefill: Option<usize>) -> Result<()> {
     let cfg = ModelConfig::from_gguf(&file)?;
     let model = Model::load(cfg.clone(), Cuda::new(0)?, &GgufTensors(file))?;
     let run = |cache: &mut _, tokens: &[u32]| -> Result<()> {
-        model
-            .backend
-            .download(&model.forward(cache, tokens, &mut Taps::none())?);
+        model.backend.download(&model.forward_last(cache, tokens)?);
         Ok(())
     };
     let profiled: Vec<u32> = match prefill {

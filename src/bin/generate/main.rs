@@ -442,8 +442,10 @@ fn generate<B: Backend + DeviceMemory>(
 
     let start = Instant::now();
     let logits = {
-        let (logits, _) =
-            model.forward(&mut cache, &tokens, cli.trace.as_ref().map(|_| &mut trace))?;
+        let logits = match &cli.trace {
+            Some(_) => model.forward(&mut cache, &tokens, Some(&mut trace))?.0,
+            None => model.forward_last(&mut cache, &tokens)?,
+        };
         model.backend().download(&logits)
     };
     let prompt_secs = start.elapsed().as_secs_f64();
