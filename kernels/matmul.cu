@@ -324,3 +324,247 @@ __device__ __forceinline__ void matmul_body(const u8* w, i64 row_bytes, const fl
     MATMUL_KERNEL(matmul_t_m64_##name, 64, 2, name, elems, bytes, true)
 
 FOR_EACH_QTYPE(DEFINE_MATMUL)
+
+// ---------------------------------------------------------------------------------------------
+// matmul_s16_<type> / matmul_s32_<type>: the same product (plain, batched or grouped mode, not
+// transposed) for few rows per matrix: the grouped MoE spans of ~16 tokens per expert, where
+// the 64-row tile above multiplied 3/4 padding and dequantized every weight tile for 16 rows.
+// Here the weights dominate: each block dequantizes a BN = 256 (N) x 64 (K) weight tile per
+// k step once, for BM = 16 or 32 rows (one or two m16 tiles). 8 warps side by side along N,
+// each owning BM x 32 outputs. Thread t owns weight row n0 + t: per k step it loads that row's
+// 64 weights (Q4_K: the 16-byte header and 32 qs bytes, both nibbles used, as 16-byte loads)
+// into registers before the MMAs and dequantizes them to shared memory after them. One shared
+// stage (41.5 KiB at BM = 32), two barriers per step. K must be a multiple of 64. Spans with
+// more than BM rows take several y blocks, as in the 64-row kernel.
+
+#define MS_BN 256
+#define MS_BK 64
+#define MS_WS (MS_BK + MM_PAD)  // bf16 per shared row (144 bytes: ldmatrix conflict-free)
+
+// One thread's 64 weights (k0 .. k0 + 64 of one row) per k step: load() issues the global
+// loads, get() gives 32 bf16 pairs. Generic: unit by unit through MmUnit at load time.
+template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
+struct MmRow64 {
+    uint4 v[8];
+    __device__ __forceinline__ void load(const u8* row, int k0) {
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int e = k0 + 8 * u;
+            float f[8];
+            MmUnit<DQ8>::dq(row + (i64)(e / ELEMS) * BYTES, (e % ELEMS) / 8, f);
+            v[u] = pack8(f);
+        }
+    }
+    __device__ __forceinline__ void get(uint4* out) {
+#pragma unroll
+        for (int u = 0; u < 8; u++) out[u] = v[u];
+    }
+};
+
+// nibble byte j of w (each byte < 16) as a float: 2^23 + q built by a byte permute, minus 2^23.
+__device__ __forceinline__ float nib_f(u32 w, int j) {
+    return __int_as_float((int)__byte_perm(w, 0x4B000000u, 0x7650u | (u32)j)) - 8388608.0f;
+}
+
+// Q4_K: 64 weights at k0 (a multiple of 64) are chunk c = (k0 % 256) / 64 of a block: the 32
+// qs bytes at 16 + 32 c, low nibbles sub-block 2c, high nibbles sub-block 2c + 1.
+template <int ELEMS, int BYTES>
+struct MmRow64<ELEMS, BYTES, dq8_q4_k> {
+    u32 hd[4], qs[8];
+    int c;
+    __device__ __forceinline__ void load(const u8* row, int k0) {
+        const u8* b = row + (i64)(k0 >> 8) * 144;
+        c = (k0 >> 6) & 3;
+        const u8* q = b + 16 + 32 * c;
+        if ((((unsigned long long)b) & 15) == 0) {
+            uint4 h = __ldg((const uint4*)b), q0 = __ldg((const uint4*)q),
+                  q1 = __ldg((const uint4*)(q + 16));
+            hd[0] = h.x, hd[1] = h.y, hd[2] = h.z, hd[3] = h.w;
+            qs[0] = q0.x, qs[1] = q0.y, qs[2] = q0.z, qs[3] = q0.w;
+            qs[4] = q1.x, qs[5] = q1.y, qs[6] = q1.z, qs[7] = q1.w;
+        } else {
+            mm_words<4>(b, hd);
+            mm_words<8>(q, qs);
+        }
+    }
+    __device__ __forceinline__ void get(uint4* out) {
+        // kquant_scale_min for sub-blocks 2c and 2c + 1 (both < 4 or both >= 4).
+        int sc0, mn0, sc1, mn1;
+        if (c < 2) {
+            int i = 2 * c;
+            sc0 = byte_of(hd[1], i) & 63, mn0 = byte_of(hd[2], i) & 63;
+            sc1 = byte_of(hd[1], i + 1) & 63, mn1 = byte_of(hd[2], i + 1) & 63;
+        } else {
+            int i = 2 * c - 4;
+            sc0 = (byte_of(hd[3], i) & 15) | ((byte_of(hd[1], i) >> 6) << 4);
+            mn0 = (byte_of(hd[3], i) >> 4) | ((byte_of(hd[2], i) >> 6) << 4);
+            sc1 = (byte_of(hd[3], i + 1) & 15) | ((byte_of(hd[1], i + 1) >> 6) << 4);
+            mn1 = (byte_of(hd[3], i + 1) >> 4) | ((byte_of(hd[2], i + 1) >> 6) << 4);
+        }
+        float d = f16_to_f32((u16)(hd[0] & 0xffff)), dm = f16_to_f32((u16)(hd[0] >> 16));
+        float dl0 = d * (float)sc0, ml0 = dm * (float)mn0;
+        float dl1 = d * (float)sc1, ml1 = dm * (float)mn1;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            float lo[8], hi[8];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                u32 wl = qs[2 * u + h] & 0x0F0F0F0Fu, wh = (qs[2 * u + h] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    lo[4 * h + j] = dl0 * nib_f(wl, j) - ml0;
+                    hi[4 * h + j] = dl1 * nib_f(wh, j) - ml1;
+                }
+            }
+            out[u] = pack8(lo);
+            out[4 + u] = pack8(hi);
+        }
+    }
+};
+
+template <int BM, int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
+__device__ __forceinline__ void matmul_small_body(const u8* w, i64 row_bytes, const float* x,
+                                                  i64 x_stride, const int* row_ids, float* y,
+                                                  i64 y_stride, int M, int N, int K,
+                                                  const int* spans, i64 mat_stride,
+                                                  i64 x_mat_stride, i64 y_mat_stride) {
+    constexpr int MI = BM / 16;                                 // m16 tiles per warp
+    constexpr int XF = BM * MS_BK / 4;                          // float4 per X tile
+    constexpr int XV = (XF + MM_THREADS - 1) / MM_THREADS;      // per thread
+
+    if (spans) {
+        const int* sp = spans + 3 * blockIdx.z;
+        int ex = sp[0], r0 = sp[1];
+        M = sp[2];
+        if ((int)blockIdx.y * BM >= M) return;  // whole block: before any barrier
+        w += (i64)ex * mat_stride;
+        if (row_ids)
+            row_ids += r0;
+        else
+            x += (i64)r0 * x_stride;
+        y += (i64)r0 * y_stride;
+    } else {
+        w += (i64)blockIdx.z * mat_stride;
+        x += (i64)blockIdx.z * x_mat_stride;
+        y += (i64)blockIdx.z * y_mat_stride;
+    }
+    __shared__ __align__(16) u16 xs[BM * MS_WS];     // [m][k]
+    __shared__ __align__(16) u16 ws[MS_BN * MS_WS];  // [n][k]
+
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int m0 = blockIdx.y * BM, n0 = blockIdx.x * MS_BN;
+    int wn = warp * 32;  // this warp's columns in the tile
+
+    float acc[MI][4][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+
+    // X loader: float4 f = tid + 256 i of the tile is row f / 16, columns 4 (f % 16) ...
+    const float* xp[XV];
+    int xoff[XV];
+#pragma unroll
+    for (int i = 0; i < XV; i++) {
+        int f = tid + MM_THREADS * i, r = f >> 4, col = (f & 15) * 4;
+        xoff[i] = f < XF ? r * MS_WS + col : -1;
+        xp[i] = nullptr;
+        if (f < XF && m0 + r < M) {
+            i64 src = row_ids ? row_ids[m0 + r] : m0 + r;
+            xp[i] = x + src * x_stride + col;
+        }
+    }
+    // W loader: row n0 + tid of the matrix, 0 past N.
+    const u8* wrow = n0 + tid < N ? w + (i64)(n0 + tid) * row_bytes : nullptr;
+    MmRow64<ELEMS, BYTES, DQ8> wl;
+    float4 xv[XV];
+
+    auto load = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < XV; i++)
+            xv[i] = xp[i] ? __ldg((const float4*)(xp[i] + k0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (wrow) wl.load(wrow, k0);
+    };
+    auto stash = [&]() {
+#pragma unroll
+        for (int i = 0; i < XV; i++)
+            if (xoff[i] >= 0)
+                *(uint2*)&xs[xoff[i]] = make_uint2(pack_bf16x2(xv[i].x, xv[i].y),
+                                                   pack_bf16x2(xv[i].z, xv[i].w));
+        uint4 v[8];
+        if (wrow) {
+            wl.get(v);
+        } else {
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = make_uint4(0, 0, 0, 0);
+        }
+        uint4* wd = (uint4*)&ws[tid * MS_WS];
+#pragma unroll
+        for (int u = 0; u < 8; u++) wd[u] = v[u];
+    };
+
+    // ldmatrix lane addresses, as in matmul_body ([m][k] A, [n][k] B).
+    int a_off = (lane & 15) * MS_WS + (lane >> 4) * 8;
+    int b_off = (wn + (lane & 7) + (lane >> 4) * 8) * MS_WS + ((lane >> 3) & 1) * 8;
+
+    load(0);
+    int nk = K / MS_BK;
+    for (int t = 0; t < nk; t++) {
+        stash();
+        __syncthreads();
+        if (t + 1 < nk) load((t + 1) * MS_BK);  // in flight during the MMAs below
+#pragma unroll
+        for (int kk = 0; kk < MS_BK; kk += 16) {
+            u32 a[MI][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < MI; i++) ldmatrix_x4(a[i], &xs[a_off + 16 * i * MS_WS + kk]);
+#pragma unroll
+            for (int j = 0; j < 4; j += 2) {
+                u32 r[4];
+                ldmatrix_x4(r, &ws[b_off + 8 * j * MS_WS + kk]);
+                b[j][0] = r[0];
+                b[j][1] = r[1];
+                b[j + 1][0] = r[2];
+                b[j + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j]);
+        }
+        __syncthreads();  // the stage is rewritten at the top of the next step
+    }
+
+    int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int m = m0 + 16 * i + g + 8 * h;
+                int n = n0 + wn + 8 * j + 2 * c;
+                if (m < M) {
+                    if (n < N) y[(i64)m * y_stride + n] = acc[i][j][2 * h];
+                    if (n + 1 < N) y[(i64)m * y_stride + n + 1] = acc[i][j][2 * h + 1];
+                }
+            }
+}
+
+#define MATMUL_SMALL_KERNEL(kname, bm, minblocks, name, elems, bytes)                          \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS, minblocks) kname(                 \
+        const u8* w, i64 row_bytes, const float* x, i64 x_stride, const int* row_ids, float* y, \
+        i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride, i64 x_mat_stride, \
+        i64 y_mat_stride) {                                                                   \
+        matmul_small_body<bm, elems, bytes, dq8_##name>(w, row_bytes, x, x_stride, row_ids, y, \
+                                                        y_stride, M, N, K, spans, mat_stride,  \
+                                                        x_mat_stride, y_mat_stride);           \
+    }
+
+#define DEFINE_MATMUL_SMALL(name, elems, bytes)                    \
+    MATMUL_SMALL_KERNEL(matmul_s16_##name, 16, 3, name, elems, bytes) \
+    MATMUL_SMALL_KERNEL(matmul_s32_##name, 32, 2, name, elems, bytes)
+
+FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)

@@ -1,7 +1,8 @@
 // Quantized matrix-vector products (decode) and embedding rows. Needs quant.cuh.
 //
 // matvec_<type>: for each batch item b (grid.y), y_b[r] = sum_k W_b[r, k] * x_b[k], where
-//   W_b = w + m * mat_stride bytes, m = ids ? ids[b] : b   (the expert, head or 0)
+//   W_b = w + m * mat_stride bytes, m = ids ? ids[b] : b   (the expert, head or 0; an id of
+//   -1 skips the item and leaves y_b unwritten)
 //   x_b = x + (b / x_group) * x_stride                    (shared or per-item input)
 //   y_b = y + b * y_stride
 // W rows are `row_bytes` apart and `k` elements long (a whole number of blocks).
@@ -332,6 +333,7 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
     int b = blockIdx.y;
     int r0 = (blockIdx.x * per_block + group) * MATVEC_ROWS;
     i64 m = ids ? ids[b] : b;
+    if (m < 0) return;  // a MoE choice held by another rank: no output (uniform per block)
     const float* xb = x + (i64)(b / x_group) * x_stride;
     const u8* row[MATVEC_ROWS];
 #pragma unroll

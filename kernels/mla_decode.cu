@@ -13,123 +13,321 @@
 // `keys_per_split` keys for a group of MLA_HB heads and writes an unnormalized partial result
 // (running max m, sum l, acc = sum p c_kv); mla_decode_combine merges the splits.
 //
-// mla_decode_split: grid (ceil(H / MLA_HB), n_splits, T), block 256, no shared memory. Each
-// warp owns two heads and walks the split's keys on its own (no block barriers): lane l holds
-// dims l + 32 i of both heads' query and of both heads' accumulator in registers, reads dims
-// l + 32 i of each key row (coalesced; the other warps of the block hit the same rows in L1),
-// so one loaded cache value feeds 2 score FMAs and 2 accumulator FMAs. Keys are taken 32 at
-// a time: one lane per key index checks it, a ballot lists the valid ones, so skipped DSA
-// entries cost nothing. Online softmax per key; the rescale runs only when the max grows.
+// mla_decode_split runs on tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation)
+// with split precision: every f32 operand x is carried as x_hi = bf16(x) and
+// x_lo = bf16(x - x_hi), and a product as a_hi b_hi + a_hi b_lo + a_lo b_hi (3 mma). The
+// dropped a_lo b_lo and the rounding of the lo parts leave ~2^-18 (rms) relative error per
+// product, near f32 (plain bf16: ~2^-9): scores are off by ~1e-6 relative, the output's nmse
+// against an f64 twin is ~1e-11 (3xTF32 would be closer to f32 at twice the tensor work).
+//
+// Grid (ceil(H / MLA_HB), n_splits, T), block MLA_THREADS = 8 warps, dynamic shared memory
+// mla_decode_smem_bytes() (kernels.rs). A block holds MLA_HB = 32 heads as two m16 tiles; warp
+// w works on head tile w / 4 and on quarter c = w % 4 of the dims:
+//   scores S [16 heads, 16 keys] = Q K^T: warp c sums latent dims 128c .. 128c + 128 and rope
+//     dims 16c .. 16c + 16 (9 k16 steps; its Q fragments, hi and lo, stay in registers); the
+//     four partial S of a head tile meet in shared memory and every warp adds them in the
+//     same order, so all four hold bit-identical scores and softmax state.
+//   out [16 heads, 128 dims of quarter c] += P [16, 16 keys] V [16 keys, 128 dims]: P comes
+//     straight from the score accumulators (the m16n8 C layout of two key tiles is the m16k16
+//     A layout), V is the same shared tile as K, read through ldmatrix.trans.
+// Key tiles of MLA_BK = 16 rows [c_kv | k_pe] (576 dims; missing dims zero) are split into
+// hi and lo bf16 tiles in shared memory, double-buffered: while the warps work on tile i,
+// every thread holds its share of tile i + 1 in registers (one key, 9 float4), and stores it
+// split after the tile. Two barriers per tile; the second (__syncthreads_or) also tells
+// whether the next tile has any visible key, so DSA padding tiles cost no math. Invalid keys
+// (past the split, -1 ids, positions after the query) are zero rows scored -inf.
 // dl % 32 == 0, dl <= 512, dr <= 64.
 
-#define MLA_HB 16
+#define MLA_HB 32
+#define MLA_BK 16
+#define MLA_THREADS 256
 #define MLA_DL_MAX 512
-#define MLA_NL (MLA_DL_MAX / 32)  // latent dims per lane
-#define MLA_NR 2                  // rope dims per lane (dr <= 64)
+#define MLA_DR_MAX 64
+#define MLA_ROWB ((MLA_DL_MAX + MLA_DR_MAX + 8) * 2)  // bytes of one bf16 row (+16: no bank conflicts)
+#define MLA_TILEB (MLA_BK * MLA_ROWB)                   // one hi or lo tile
+#define MLA_STAGEB (2 * MLA_TILEB)                      // hi tile, then lo tile
+#define MLA_XS_FLOATS (MLA_HB / 16 * 4 * 16 * MLA_BK)   // partial scores of the 8 warps
 
-extern "C" __global__ void __launch_bounds__(256, 2) mla_decode_split(
+__device__ __forceinline__ void mla_split2(float x0, float x1, u32& hi, u32& lo) {
+    hi = pack_bf16x2(x0, x1);
+    lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
+__device__ __forceinline__ void mla_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mla_ldsm(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mla_ldsm_t(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// The cache position of split key j (-1: not visible).
+__device__ __forceinline__ int mla_key(const int* ids, int j, int j_end, int last) {
+    if (j >= j_end) return -1;
+    int s = ids ? __ldg(ids + j) : j;
+    return s <= last ? s : -1;
+}
+
+// The first n (<= 4; none when n <= 0) floats at p, zeros after.
+__device__ __forceinline__ float4 mla_ld4(const float* p, int n, bool vec) {
+    if (vec && n >= 4) return __ldg((const float4*)p);
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (n > 0) v.x = __ldg(p);
+    if (n > 1) v.y = __ldg(p + 1);
+    if (n > 2) v.z = __ldg(p + 2);
+    if (n > 3) v.w = __ldg(p + 3);
+    return v;
+}
+
+// This thread's share of one key row (position s, -1: zeros): tile dims 4f .. 4f + 4 for
+// f = sub + 16k; k < 8 the latent dims, k = 8 the rope dims (tile dims 512 ..).
+__device__ __forceinline__ void mla_fetch(float4 (&pf)[9], const float* cache, int s, int dk,
+                                          int dl, int dr, int sub, bool vec) {
+    const float* row = cache + (i64)max(s, 0) * dk;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        int d = 4 * (sub + 16 * k);
+        pf[k] = mla_ld4(row + d, s >= 0 && d < dl ? 4 : 0, vec);
+    }
+    pf[8] = mla_ld4(row + dl + 4 * sub, s >= 0 ? dr - 4 * sub : 0, vec);
+}
+
+__device__ __forceinline__ void mla_stash(const float4 (&pf)[9], unsigned char* stage, int kr,
+                                          int sub) {
+    unsigned char* hi = stage + kr * MLA_ROWB;
+    unsigned char* lo = hi + MLA_TILEB;
+#pragma unroll
+    for (int k = 0; k < 9; k++) {
+        int f = sub + 16 * k;
+        uint2 h, l;
+        mla_split2(pf[k].x, pf[k].y, h.x, l.x);
+        mla_split2(pf[k].z, pf[k].w, h.y, l.y);
+        *(uint2*)(hi + 8 * f) = h;
+        *(uint2*)(lo + 8 * f) = l;
+    }
+}
+
+// Query value of head h at tile dim d (latent below 512, rope from 512), zero outside.
+__device__ __forceinline__ float mla_q(const float* ql, const float* qp, int h, int n_heads,
+                                       int d, int dl, int dr) {
+    if (h >= n_heads) return 0.0f;
+    if (d < MLA_DL_MAX) return d < dl ? ql[(i64)h * dl + d] : 0.0f;
+    d -= MLA_DL_MAX;
+    return d < dr ? qp[(i64)h * dr + d] : 0.0f;
+}
+
+extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache, int dl,
     int dr, int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,
     float scale, float* part_acc, float* part_ml) {
-    const int dk = dl + dr, nl = dl / 32;
-    int split = blockIdx.y, t = blockIdx.z;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int h0 = blockIdx.x * MLA_HB + 2 * warp;  // this warp's heads: h0, h0 + 1
-    if (h0 >= n_heads) return;
-    bool two = h0 + 1 < n_heads;
-    int last = pos0 + t;  // the newest visible key position
+    extern __shared__ __align__(16) unsigned char mla_smem[];
+    float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);     // [head tile][c][n][lane]
+    int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
+    const u32 sbase = (u32)__cvta_generic_to_shared(mla_smem);
+
+    const int dk = dl + dr, split = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, grp = lane >> 2, tig = lane & 3;
+    const int ht = warp >> 2, c = warp & 3;
+    const int h_tile = blockIdx.x * MLA_HB + 16 * ht;  // first head of this warp's tile
+    const bool active = h_tile < n_heads;
+    const int last = pos0 + t;
     const int* ids = key_ids ? key_ids + (i64)t * n_ids : nullptr;
-    int n_keys = ids ? n_ids : last + 1;
+    const int n_keys = ids ? n_ids : last + 1;
+    const int j_begin = split * keys_per_split;
+    const int j_end = min(n_keys, j_begin + keys_per_split);
+    const int n_tiles = j_end > j_begin ? (j_end - j_begin + MLA_BK - 1) / MLA_BK : 0;
 
-    // Query dims of this lane, both heads (zero for a missing second head).
-    float ql[2][MLA_NL], qr[2][MLA_NR];
+    // Q fragments (A, m16k16) of the 9 k steps, hi and lo: k step ks < 8 covers latent dims
+    // 128c + 16ks, ks = 8 rope dims 16c.
+    u32 qh[9][4], qlo[9][4];
+    {
+        const float* ql = q_lat + t * ql_tok;
+        const float* qp = q_pe + t * qp_tok;
 #pragma unroll
-    for (int e = 0; e < 2; e++) {
-        bool he = e == 0 || two;
-        const float* qle = q_lat + t * ql_tok + (i64)(h0 + e) * dl;
-        const float* qpe = q_pe + t * qp_tok + (i64)(h0 + e) * dr;
+        for (int ks = 0; ks < 9; ks++) {
+            int d0 = ks < 8 ? 128 * c + 16 * ks : MLA_DL_MAX + 16 * c;
 #pragma unroll
-        for (int i = 0; i < MLA_NL; i++) ql[e][i] = (he && i < nl) ? qle[lane + 32 * i] : 0.0f;
-#pragma unroll
-        for (int i = 0; i < MLA_NR; i++) {
-            int d = lane + 32 * i;
-            qr[e][i] = (he && d < dr) ? qpe[d] : 0.0f;
+            for (int e = 0; e < 4; e++) {
+                int h = h_tile + grp + 8 * (e & 1), d = d0 + 2 * tig + 8 * (e >> 1);
+                float x0 = mla_q(ql, qp, h, n_heads, d, dl, dr);
+                float x1 = mla_q(ql, qp, h, n_heads, d + 1, dl, dr);
+                mla_split2(x0, x1, qh[ks][e], qlo[ks][e]);
+            }
         }
     }
 
+    // Rows grp and grp + 8 of the tile: running max, this thread's part of the sum, and
+    // out[row][128c + 8n + 2tig + {0, 1}] in o[n][2r], o[n][2r + 1].
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    float acc[2][MLA_NL];
+    float o[16][4];
 #pragma unroll
-    for (int i = 0; i < MLA_NL; i++) acc[0][i] = acc[1][i] = 0.0f;
+    for (int n = 0; n < 16; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-    int j_begin = split * keys_per_split, j_end = min(n_keys, j_begin + keys_per_split);
-    for (int j0 = j_begin; j0 < j_end; j0 += 32) {
-        int j = j0 + lane;
-        int s = j < j_end ? (ids ? ids[j] : j) : -1;
-        u32 valid = __ballot_sync(0xffffffffu, s >= 0 && s <= last);
-        while (valid) {
-            int b = __ffs(valid) - 1;
-            valid &= valid - 1;
-            int sb = __shfl_sync(0xffffffffu, s, b);
-            const float* row = cache + (i64)sb * dk;
+    // ldmatrix row addresses (bytes from a tile's start) of this lane: 8-lane group li gives
+    // the rows of matrix li. K^T (QK): keys lr + 8 (li >> 1), dims + 8 (li & 1) -> b0, b1 of
+    // key tiles 0, 1. V (PV, .trans): keys lr + 8 (li & 1), dims + 8 (li >> 1) -> b0, b1 of
+    // dim tiles n0, n0 + 8.
+    const int li = lane >> 3, lr = lane & 7;
+    const u32 qk_off = (lr + 8 * (li >> 1)) * MLA_ROWB + 16 * (li & 1);
+    const u32 pv_off = (lr + 8 * (li & 1)) * MLA_ROWB + 16 * (li >> 1);
 
-            float c[MLA_NL], r[MLA_NR];
-#pragma unroll
-            for (int i = 0; i < MLA_NL; i++) c[i] = i < nl ? __ldg(row + lane + 32 * i) : 0.0f;
-#pragma unroll
-            for (int i = 0; i < MLA_NR; i++) {
-                int d = lane + 32 * i;
-                r[i] = d < dr ? __ldg(row + dl + d) : 0.0f;
-            }
-            float dot0 = 0.0f, dot1 = 0.0f;
-#pragma unroll
-            for (int i = 0; i < MLA_NL; i++) {
-                dot0 += ql[0][i] * c[i];
-                dot1 += ql[1][i] * c[i];
-            }
-#pragma unroll
-            for (int i = 0; i < MLA_NR; i++) {
-                dot0 += qr[0][i] * r[i];
-                dot1 += qr[1][i] * r[i];
-            }
-            // Reduce both dots at once: lanes 0-15 end with head 0's, lanes 16-31 head 1's.
-            bool upper = lane >= 16;
-            float a = upper ? dot1 : dot0, o = upper ? dot0 : dot1;
-            a += __shfl_xor_sync(0xffffffffu, o, 16);
-            for (int off = 8; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-            float other = __shfl_xor_sync(0xffffffffu, a, 16);
-            float sc[2];
-            sc[0] = (upper ? other : a) * scale;
-            sc[1] = (upper ? a : other) * scale;
+    // Loader: thread tid fetches key kr of a tile, 16 threads a key.
+    const int kr = tid >> 4, sub = tid & 15;
+    const bool vec = (dk & 3) == 0;
+    float4 pf[9];
+    int s_next = -1;
+    if (n_tiles > 0) {
+        s_next = mla_key(ids, j_begin + kr, j_end, last);
+        mla_fetch(pf, cache, s_next, dk, dl, dr, sub, vec);
+        mla_stash(pf, mla_smem, kr, sub);
+        if (sub == 0) vflag[kr] = s_next >= 0;
+    }
+    int any = __syncthreads_or(s_next >= 0);
 
+    for (int it = 0; it < n_tiles; it++) {
+        const int cur = it & 1;
+        const bool more = it + 1 < n_tiles;
+        if (more) {
+            s_next = mla_key(ids, j_begin + (it + 1) * MLA_BK + kr, j_end, last);
+            mla_fetch(pf, cache, s_next, dk, dl, dr, sub, vec);
+        }
+        if (any) {  // block-uniform
+            const u32 khi = sbase + cur * MLA_STAGEB, klo = khi + MLA_TILEB;
+            float4* xw = xs + (ht * 4) * 2 * 32 + lane;  // this tile's partials, this lane
+            if (active) {
+                // Partial scores over this warp's dims; hi*hi apart from the cross terms
+                // (more independent mma chains).
+                float shh[2][4], sx[2][4];
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                if (sc[e] > m[e]) {  // the same in every lane: no divergence
-                    float alpha = m[e] == NEG_INF ? 0.0f : expf(m[e] - sc[e]);
-                    l[e] *= alpha;
+                for (int n = 0; n < 2; n++)
 #pragma unroll
-                    for (int i = 0; i < MLA_NL; i++) acc[e][i] *= alpha;
-                    m[e] = sc[e];
+                    for (int e = 0; e < 4; e++) shh[n][e] = sx[n][e] = 0.0f;
+#pragma unroll
+                for (int ks = 0; ks < 9; ks++) {
+                    int d0 = ks < 8 ? 128 * c + 16 * ks : MLA_DL_MAX + 16 * c;
+                    u32 bh[4], bl[4];
+                    mla_ldsm(bh, khi + qk_off + 2 * d0);
+                    mla_ldsm(bl, klo + qk_off + 2 * d0);
+#pragma unroll
+                    for (int n = 0; n < 2; n++) {
+                        mla_mma(sx[n], qh[ks], bl[2 * n], bl[2 * n + 1]);
+                        mla_mma(sx[n], qlo[ks], bh[2 * n], bh[2 * n + 1]);
+                        mla_mma(shh[n], qh[ks], bh[2 * n], bh[2 * n + 1]);
+                    }
                 }
-                float p = expf(sc[e] - m[e]);
-                l[e] += p;
 #pragma unroll
-                for (int i = 0; i < MLA_NL; i++) acc[e][i] += p * c[i];
+                for (int n = 0; n < 2; n++)
+                    xw[(c * 2 + n) * 32] =
+                        make_float4(shh[n][0] + sx[n][0], shh[n][1] + sx[n][1],
+                                    shh[n][2] + sx[n][2], shh[n][3] + sx[n][3]);
+            }
+            __syncthreads();
+            if (active) {
+                // Full scores: the four quarters added in the order c = 0, 1, 2, 3 by every
+                // warp. sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
+                float sc[2][4];
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    float4 a = xw[n * 32];
+#pragma unroll
+                    for (int cc = 1; cc < 4; cc++) {
+                        float4 b = xw[(cc * 2 + n) * 32];
+                        a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+                    }
+                    const int* vf = vflag + cur * MLA_BK + 8 * n + 2 * tig;
+                    bool v0 = vf[0], v1 = vf[1];
+                    sc[n][0] = v0 ? a.x * scale : NEG_INF;
+                    sc[n][1] = v1 ? a.y * scale : NEG_INF;
+                    sc[n][2] = v0 ? a.z * scale : NEG_INF;
+                    sc[n][3] = v1 ? a.w * scale : NEG_INF;
+                }
+                // Online softmax per row (a row lives in the 4 lanes of a quad).
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]),
+                                     fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    float mn = fmaxf(m[r], mx);
+                    float alpha = (mn == NEG_INF || m[r] == mn) ? 1.0f : expf(m[r] - mn);
+                    float base = mn == NEG_INF ? 0.0f : mn;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < 2; n++)
+#pragma unroll
+                        for (int e = 2 * r; e < 2 * r + 2; e++) {
+                            sc[n][e] = expf(sc[n][e] - base);  // -inf -> 0
+                            sum += sc[n][e];
+                        }
+                    m[r] = mn;
+                    l[r] = l[r] * alpha + sum;
+                    if (alpha != 1.0f) {
+#pragma unroll
+                        for (int n = 0; n < 16; n++) {
+                            o[n][2 * r] *= alpha;
+                            o[n][2 * r + 1] *= alpha;
+                        }
+                    }
+                }
+                // P as the A fragment of one m16k16 step, hi and lo.
+                u32 ph[4], plo[4];
+                mla_split2(sc[0][0], sc[0][1], ph[0], plo[0]);
+                mla_split2(sc[0][2], sc[0][3], ph[1], plo[1]);
+                mla_split2(sc[1][0], sc[1][1], ph[2], plo[2]);
+                mla_split2(sc[1][2], sc[1][3], ph[3], plo[3]);
+#pragma unroll
+                for (int nb = 0; nb < 8; nb++) {
+                    u32 a = pv_off + 2 * (128 * c + 16 * nb);
+                    u32 vh[4], vl[4];
+                    mla_ldsm_t(vh, khi + a);
+                    mla_ldsm_t(vl, klo + a);
+#pragma unroll
+                    for (int hf = 0; hf < 2; hf++) {
+                        float* on = o[2 * nb + hf];
+                        mla_mma(on, ph, vl[2 * hf], vl[2 * hf + 1]);
+                        mla_mma(on, plo, vh[2 * hf], vh[2 * hf + 1]);
+                        mla_mma(on, ph, vh[2 * hf], vh[2 * hf + 1]);
+                    }
+                }
             }
         }
+        if (more) {
+            mla_stash(pf, mla_smem + (cur ^ 1) * MLA_STAGEB, kr, sub);
+            if (sub == 0) vflag[(cur ^ 1) * MLA_BK + kr] = s_next >= 0;
+        }
+        any = __syncthreads_or(more && s_next >= 0);
     }
 
+    if (!active) return;
 #pragma unroll
-    for (int e = 0; e < 2; e++) {
-        int he = h0 + e;
-        if (he >= n_heads) continue;
-        i64 base = ((i64)t * gridDim.y + split) * n_heads + he;
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        int h = h_tile + grp + 8 * r;
+        if (h >= n_heads) continue;
+        i64 base = ((i64)t * gridDim.y + split) * n_heads + h;
 #pragma unroll
-        for (int i = 0; i < MLA_NL; i++)
-            if (i < nl) part_acc[base * dl + lane + 32 * i] = acc[e][i];
-        if (lane == 0) {
-            part_ml[base * 2] = m[e];
-            part_ml[base * 2 + 1] = l[e];
+        for (int n = 0; n < 16; n++) {
+            int d = 128 * c + 8 * n + 2 * tig;
+            if (d < dl) *(float2*)(part_acc + base * dl + d) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        }
+        if (c == 0 && tig == 0) {
+            part_ml[base * 2] = m[r];
+            part_ml[base * 2 + 1] = l[r];
         }
     }
 }

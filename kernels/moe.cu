@@ -8,16 +8,20 @@
 //   largest choice are taken in descending order (ties: lowest id); their weights are the
 //   unbiased s, divided by their sum when `norm`, times `scale`.
 //   ids [T, k] (i32), weights [T, k]. n_exp <= 1024, n_group <= 32.
+//   Tensor parallelism: a rank holds experts held_lo .. held_hi - 1 (all at TP = 1); its ids
+//   count from held_lo, and a choice held elsewhere gets id -1 and weight 0 (its output arrives
+//   through the all-reduce; the normalization above still counts it).
 //
 // moe_combine: out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] (slots < 0 skipped);
-//   rows are the expert outputs, one per (token, choice), in any order.
+//   rows are the expert outputs, one per (token, choice), in any order. A weight of 0 adds
+//   nothing, so its row is not read (a choice held by another rank has no row here).
 //   grid (ceil(dim / 256), T), block 256: one output value per thread.
 
 #define ROUTER_MAX_EXP 1024
 
 extern "C" __global__ void __launch_bounds__(32) moe_router(
     const float* logits, const float* bias, int n_exp, int k, int gating, int n_group,
-    int group_used, int norm, float scale, int* ids, float* weights) {
+    int group_used, int norm, float scale, int held_lo, int held_hi, int* ids, float* weights) {
     __shared__ float s[ROUTER_MAX_EXP], choice[ROUTER_MAX_EXP];
     __shared__ int group_keep[32];
     int t = blockIdx.x, lane = threadIdx.x;
@@ -79,10 +83,11 @@ extern "C" __global__ void __launch_bounds__(32) moe_router(
             if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
         }
         float wj = s[arg];
+        bool held = arg >= held_lo && arg < held_hi;
         wsum += wj;
-        if (lane == j) wmine = wj;
+        if (lane == j) wmine = held ? wj : 0.0f;
         if (lane == 0) {
-            ids[(i64)t * k + j] = arg;
+            ids[(i64)t * k + j] = held ? arg - held_lo : -1;
             choice[arg] = NEG_INF;
         }
         __syncwarp();
@@ -100,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
         int r = st[j];
-        if (r >= 0) sum += wt[j] * rows[(i64)r * dim + d];
+        if (r >= 0 && wt[j] != 0.0f) sum += wt[j] * rows[(i64)r * dim + d];
     }
     out[(i64)t * dim + d] = sum;
 }

@@ -365,67 +365,83 @@ fn matmul_every_type_on_tensor_cores() {
 #[test]
 fn matmul_grouped_experts_match_per_expert_products() {
     // The MoE prefill's grouped mode: one launch, block z takes span z = (expert, first row,
-    // count) of matrix w + expert * mat_stride. Spans of 70 (two row tiles), 1 and 5 rows;
-    // expert 1 has no rows (not in the table), expert 3 comes before expert 0.
+    // count) of matrix w + expert * mat_stride; `m` = the largest count picks the row tile.
+    // Largest 140: the 64-row kernel (three row tiles), with spans of 1 and 5 rows. Largest
+    // 16: matmul_s16 (one tile of 16, partial ones). Largest 45 and 70: matmul_s32 (45 and 70
+    // = two and three tiles of 32, a full 32 and partial ones). Experts without rows are not
+    // in the table and come in any order. n = 264: a full and a partial tile of 256 (and of 128) columns.
+    // The 16-row set reads its weights from an address 4 bytes past a 16-byte boundary.
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matmul grouped");
-    let (n_exp, n, k) = (4, 136, 512);
-    let spans: [(usize, usize, usize); 3] = [(3, 0, 70), (0, 70, 1), (2, 71, 5)];
-    let rows = 76;
+    let (n_exp, n, k) = (4, 264, 512);
+    let span_sets: [&[(usize, usize, usize)]; 4] = [
+        &[(3, 0, 140), (0, 140, 1), (2, 141, 5)],
+        &[(3, 0, 70), (0, 70, 1), (2, 71, 5)],
+        &[(1, 0, 16), (3, 16, 1), (0, 17, 9)],
+        &[(2, 0, 17), (0, 17, 32), (3, 49, 3), (1, 52, 45)],
+    ];
     for &t in KERNEL_TYPES {
         let mat_stride = n * t.row_bytes(k).unwrap();
         let w = random_rows(&mut rng, t, n_exp * n, k);
         let wf = dequant_rows(t, &w, n_exp * n, k);
-        let x = rng.normals(100 * k);
-        let row_ids: Vec<i32> = (0..rows).map(|_| rng.below(100) as i32).collect();
-        let table: Vec<i32> = spans
-            .iter()
-            .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
-            .collect();
-        let (dw, dx, dr, ds) = (
-            g.upload(&w).unwrap(),
-            g.upload(&x).unwrap(),
-            g.upload(&row_ids).unwrap(),
-            g.upload(&table).unwrap(),
-        );
-        // Gathered (gate / up: row_ids) and consecutive (down: row r of x) rows.
-        for gathered in [true, false] {
-            let dy = poisoned(&g, rows * n);
-            g.matmul(&Matmul {
-                ty: t,
-                w: g.ptr(&dw, 0),
-                transposed: false,
-                x: g.ptr(&dx, 0),
-                x_stride: k,
-                row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
-                y: g.ptr(&dy, 0),
-                y_stride: n,
-                m: 70,
-                n,
-                k,
-                spans: g.ptr(&ds, 0),
-                n_spans: spans.len(),
-                mat_stride,
-                x_mat_stride: 0,
-                y_mat_stride: 0,
-            })
-            .unwrap();
-            let y = g.download(&dy).unwrap();
-            let mut want = vec![0f64; rows * n];
-            for &(ex, r0, count) in &spans {
-                for r in r0..r0 + count {
-                    let src = if gathered { row_ids[r] as usize } else { r };
-                    let xr = &x[src * k..][..k];
-                    for j in 0..n {
-                        want[r * n + j] = dot64(&wf[(ex * n + j) * k..][..k], xr);
+        let x = rng.normals(146 * k); // consecutive rows: up to 146
+                                      // The weights also at a 4-byte (not 16-byte) aligned address: the word-load path.
+        let w_off: Vec<u8> = [0u8; 4].iter().chain(&w).copied().collect();
+        let (dw, dw_off) = (g.upload(&w).unwrap(), g.upload(&w_off).unwrap());
+        let dx = g.upload(&x).unwrap();
+        for (set, spans) in span_sets.into_iter().enumerate() {
+            let wp = if set == 2 {
+                g.ptr(&dw_off, 4)
+            } else {
+                g.ptr(&dw, 0)
+            };
+            let rows: usize = spans.iter().map(|s| s.2).sum();
+            let max_count = spans.iter().map(|s| s.2).max().unwrap();
+            let row_ids: Vec<i32> = (0..rows).map(|_| rng.below(100) as i32).collect();
+            let table: Vec<i32> = spans
+                .iter()
+                .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
+                .collect();
+            let (dr, ds) = (g.upload(&row_ids).unwrap(), g.upload(&table).unwrap());
+            // Gathered (gate / up: row_ids) and consecutive (down: row r of x) rows.
+            for gathered in [true, false] {
+                let dy = poisoned(&g, rows * n);
+                g.matmul(&Matmul {
+                    ty: t,
+                    w: wp,
+                    transposed: false,
+                    x: g.ptr(&dx, 0),
+                    x_stride: k,
+                    row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
+                    y: g.ptr(&dy, 0),
+                    y_stride: n,
+                    m: max_count,
+                    n,
+                    k,
+                    spans: g.ptr(&ds, 0),
+                    n_spans: spans.len(),
+                    mat_stride,
+                    x_mat_stride: 0,
+                    y_mat_stride: 0,
+                })
+                .unwrap();
+                let y = g.download(&dy).unwrap();
+                let mut want = vec![0f64; rows * n];
+                for &(ex, r0, count) in spans {
+                    for r in r0..r0 + count {
+                        let src = if gathered { row_ids[r] as usize } else { r };
+                        let xr = &x[src * k..][..k];
+                        for j in 0..n {
+                            want[r * n + j] = dot64(&wf[(ex * n + j) * k..][..k], xr);
+                        }
                     }
                 }
+                let what = format!(
+                    "matmul grouped{} max count {max_count} {t}",
+                    if gathered { " gathered" } else { "" }
+                );
+                assert_close(&what, &y, &want, BF16_MATMUL);
             }
-            let what = format!(
-                "matmul grouped{} {t}",
-                if gathered { " gathered" } else { "" }
-            );
-            assert_close(&what, &y, &want, BF16_MATMUL);
         }
     }
 }
@@ -434,7 +450,8 @@ fn matmul_grouped_experts_match_per_expert_products() {
 fn matmul_batched_heads_match_per_head_products() {
     // head_matmul's batched mode: block z multiplies matrix z (w + z * mat_stride) with x
     // columns from z * x_mat_stride (0: every head reads the same x) into y columns from
-    // z * y_mat_stride. 40 rows take the 64-row tiles, 150 rows the 128-row ones (partial).
+    // z * y_mat_stride. 12 and 28 rows take matmul_s16 / matmul_s32 (not transposed), 40 rows
+    // the 64-row tiles, 150 rows the 128-row ones (partial).
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matmul batched");
     let heads = 3;
@@ -447,7 +464,7 @@ fn matmul_batched_heads_match_per_head_products() {
             let wf = dequant_rows(t, &w, heads * wr, wc);
             let mat_stride = wr * t.row_bytes(wc).unwrap();
             let dw = g.upload(&w).unwrap();
-            for (m, shared) in [(40, false), (150, true)] {
+            for (m, shared) in [(12, false), (28, true), (40, false), (150, true)] {
                 let xcols = if shared { din } else { heads * din };
                 let x = rng.normals(m * xcols);
                 let dx = g.upload(&x).unwrap();
@@ -1018,12 +1035,14 @@ fn moe_router_and_combine_match() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("moe");
     let tokens = 7;
-    // (experts, k, gating, groups, groups used, norm, scale): V3-like sigmoid with groups and
-    // bias, GLM-5-like sigmoid without groups, V2-like softmax.
-    for (n_exp, k, gating, n_group, group_used, norm, scale) in [
-        (64, 6, 2u32, 8, 3, true, 2.5f32),
-        (256, 8, 2, 1, 1, true, 2.5),
-        (64, 6, 1, 1, 1, false, 1.0),
+    // (experts, k, gating, groups, groups used, norm, scale, held): V3-like sigmoid with groups
+    // and bias, GLM-5-like sigmoid without groups (all experts, and a TP rank's middle half),
+    // V2-like softmax.
+    for (n_exp, k, gating, n_group, group_used, norm, scale, held) in [
+        (64, 6, 2u32, 8, 3, true, 2.5f32, 0..64),
+        (256, 8, 2, 1, 1, true, 2.5, 0..256),
+        (256, 8, 2, 1, 1, true, 2.5, 64..192),
+        (64, 6, 1, 1, 1, false, 1.0, 0..64),
     ] {
         let logits: Vec<f32> = rng
             .normals(tokens * n_exp)
@@ -1045,6 +1064,7 @@ fn moe_router_and_combine_match() {
             norm,
             scale,
             tokens,
+            held: held.clone(),
             ids: g.ptr(&dids, 0),
             weights: g.ptr(&dw, 0),
         })
@@ -1062,23 +1082,43 @@ fn moe_router_and_combine_match() {
                 norm,
                 scale as f64,
             );
+            // Choices held elsewhere: id -1, weight 0; held ones count from held.start.
+            let on_rank = |e: i32| held.contains(&(e as usize));
+            let wi: Vec<i32> = wi
+                .iter()
+                .map(|&e| {
+                    if on_rank(e) {
+                        e - held.start as i32
+                    } else {
+                        -1
+                    }
+                })
+                .collect();
+            let ww = ww
+                .iter()
+                .zip(&wi)
+                .map(|(&w, &e)| if e < 0 { 0.0 } else { w });
             assert_eq!(&ids[t * k..][..k], &wi[..], "router ids, token {t}");
             want_w.extend(ww);
         }
         assert_close(
-            &format!("moe_router {n_exp}x{k} gating {gating} groups {n_group}"),
+            &format!("moe_router {n_exp}x{k} gating {gating} groups {n_group} held {held:?}"),
             &w,
             &want_w,
             F32_OP,
         );
     }
 
-    // combine: 5 tokens x 3 choices over 12 expert-output rows, one slot skipped.
+    // combine: 5 tokens x 3 choices over 12 expert-output rows, one slot skipped, and one of
+    // weight 0 pointing at a NaN row (a choice held by another rank: its row is never read).
     let (t, k, dim) = (5, 3, 300);
-    let rows = rng.normals(12 * dim);
-    let mut slots: Vec<i32> = (0..t * k).map(|_| rng.below(12) as i32).collect();
+    let mut rows = rng.normals(12 * dim);
+    let mut slots: Vec<i32> = (0..t * k).map(|_| rng.below(11) as i32).collect();
     slots[4] = -1;
-    let weights = rng.normals(t * k);
+    slots[7] = 11;
+    rows[11 * dim..].fill(f32::NAN);
+    let mut weights = rng.normals(t * k);
+    weights[7] = 0.0;
     let (dr, ds, dw) = (
         g.upload(&rows).unwrap(),
         g.upload(&slots).unwrap(),
@@ -1099,7 +1139,7 @@ fn moe_router_and_combine_match() {
     for ti in 0..t {
         for j in 0..k {
             let r = slots[ti * k + j];
-            if r >= 0 {
+            if r >= 0 && weights[ti * k + j] != 0.0 {
                 for d in 0..dim {
                     want[ti * dim + d] +=
                         weights[ti * k + j] as f64 * rows[r as usize * dim + d] as f64;

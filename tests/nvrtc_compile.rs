@@ -32,44 +32,64 @@ fn every_kernel_compiles_for_every_arch_within_shared_memory() {
     }
     let (major, minor) = nvrtc_version().unwrap();
     println!("NVRTC {major}.{minor}");
-    for arch in ARCHS {
-        let mut seen = Vec::new();
-        for family in FAMILIES {
-            let cubin = compile_cubin(family, arch).unwrap_or_else(|e| panic!("{e}"));
-            let kernels = static_shared_bytes(&cubin)
-                .unwrap_or_else(|e| panic!("{} for {arch}: {e}", family.name));
-            assert!(
-                !kernels.is_empty(),
-                "{} for {arch}: no kernels in the cubin",
+    // One thread per architecture (NVRTC compiles independent programs concurrently); each
+    // returns its report, printed in order.
+    let reports: Vec<String> = std::thread::scope(|s| {
+        let threads: Vec<_> = ARCHS
+            .iter()
+            .map(|&arch| s.spawn(move || check_arch(arch)))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("a compile thread panicked"))
+            .collect()
+    });
+    for report in reports {
+        print!("{report}");
+    }
+}
+
+/// Compiles every family for `arch` and checks each kernel's shared memory and family; the
+/// report lists every kernel.
+fn check_arch(arch: &str) -> String {
+    let mut report = String::new();
+    let mut seen = Vec::new();
+    for family in FAMILIES {
+        let cubin = compile_cubin(family, arch).unwrap_or_else(|e| panic!("{e}"));
+        let kernels = static_shared_bytes(&cubin)
+            .unwrap_or_else(|e| panic!("{} for {arch}: {e}", family.name));
+        assert!(
+            !kernels.is_empty(),
+            "{} for {arch}: no kernels in the cubin",
+            family.name
+        );
+        for (kernel, static_bytes) in kernels {
+            let total = static_bytes + max_dynamic_smem(&kernel);
+            report += &format!(
+                "{arch} {:12} {kernel:24} shared {total:6} bytes\n",
                 family.name
             );
-            for (kernel, static_bytes) in kernels {
-                let total = static_bytes + max_dynamic_smem(&kernel);
-                println!(
-                    "{arch} {:12} {kernel:24} shared {total:6} bytes",
-                    family.name
-                );
-                assert!(
-                    total <= SHARED_MEMORY_LIMIT,
-                    "{arch}: {kernel} needs {total} bytes of shared memory per block \
-                     ({static_bytes} static), over {SHARED_MEMORY_LIMIT}"
-                );
-                let owner = family_of(&kernel).map(|f| f.name);
-                assert_eq!(
-                    owner,
-                    Some(family.name),
-                    "{kernel}: kernels.rs maps it elsewhere"
-                );
-                seen.push(kernel);
-            }
-        }
-        for ty in KERNEL_TYPES {
-            for prefix in ["matvec", "matvec_t", "matmul", "matmul_t", "embed"] {
-                let name = format!("{prefix}_{}", ty.name().to_lowercase());
-                assert!(seen.contains(&name), "{arch}: {name} missing");
-            }
+            assert!(
+                total <= SHARED_MEMORY_LIMIT,
+                "{arch}: {kernel} needs {total} bytes of shared memory per block \
+                 ({static_bytes} static), over {SHARED_MEMORY_LIMIT}"
+            );
+            let owner = family_of(&kernel).map(|f| f.name);
+            assert_eq!(
+                owner,
+                Some(family.name),
+                "{kernel}: kernels.rs maps it elsewhere"
+            );
+            seen.push(kernel);
         }
     }
+    for ty in KERNEL_TYPES {
+        for prefix in ["matvec", "matvec_t", "matmul", "matmul_t", "embed"] {
+            let name = format!("{prefix}_{}", ty.name().to_lowercase());
+            assert!(seen.contains(&name), "{arch}: {name} missing");
+        }
+    }
+    report
 }
 
 #[test]

@@ -217,9 +217,10 @@ pub trait Backend: Send + Sync {
     // ----- mixture of experts -------------------------------------------------------------
 
     /// The routed experts of a batch straight from the router logits [n, n_expert], routed on
-    /// the device by the rules of `model::moe::route` (for every expert: this rank holds them
-    /// all), so that decode pays no host round trip per MoE layer. None (the default): the
-    /// caller routes on the host and calls `moe_experts`.
+    /// the device by the rules of `model::moe::route`, so that decode pays no host round trip
+    /// per MoE layer. `held`: the experts this rank's stacks hold (all at TP = 1); choices
+    /// held elsewhere add nothing here. None (the default): the caller routes on the host and
+    /// calls `moe_experts`.
     #[allow(clippy::too_many_arguments)]
     fn moe_routed(
         &self,
@@ -227,6 +228,7 @@ pub trait Backend: Send + Sync {
         _logits: &Self::Tensor,
         _bias: Option<&[f32]>,
         _m: &crate::config::MoeConfig,
+        _held: &Range<usize>,
         _gate: &Self::Weight,
         _up: &Self::Weight,
         _down: &Self::Weight,

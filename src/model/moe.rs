@@ -134,11 +134,11 @@ pub fn forward<B: Backend>(
     let logits = b.linear(x, &w.router); // [n, n_expert]
     taps.tensor(b, || format!("L{il}.router_logits"), &logits);
     let bias = w.selection_bias.as_deref();
-    let all_experts = w.experts == (0..m.n_expert);
-    let on_device = if taps.on() || !all_experts {
-        None // the trace records the host routing; TP ranks pick their held choices below
+    let on_device = if taps.on() {
+        None // the trace records the reference routing, below
     } else {
-        b.moe_routed(x, &logits, bias, m, &w.gate_exps, &w.up_exps, &w.down_exps)
+        let (gate, up, down) = (&w.gate_exps, &w.up_exps, &w.down_exps);
+        b.moe_routed(x, &logits, bias, m, &w.experts, gate, up, down)
     };
     let mut out = match on_device {
         Some(out) => out,

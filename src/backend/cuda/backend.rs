@@ -14,8 +14,8 @@ use cudarc::driver::CudaSlice;
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::ops::{AttentionPrefill, Matmul, Matvec, MlaDecode, MoeRouter, KERNEL_TYPES};
-use crate::config::{Gating, MoeConfig};
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
+use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
 use crate::weights::TensorRef;
 
@@ -790,6 +790,7 @@ impl Backend for Cuda {
         logits: &CudaTensor,
         bias: Option<&[f32]>,
         m: &MoeConfig,
+        held: &Range<usize>,
         gate: &CudaWeight,
         up: &CudaWeight,
         down: &CudaWeight,
@@ -816,6 +817,7 @@ impl Backend for Cuda {
             norm: m.weights_norm,
             scale: m.weights_scale,
             tokens: n,
+            held: held.clone(),
             ids: self.gpu.ptr(&dids, 0),
             weights: self.p(&dw, 0),
         };
@@ -829,7 +831,8 @@ impl Backend for Cuda {
 
 impl Cuda {
     /// Decode-sized MoE: row t * k + j of `d_out` [n * k, E] = expert ids[t * k + j] applied to
-    /// token t, as batched matrix-vector products (gate and up, silu, down).
+    /// token t, as batched matrix-vector products (gate and up, silu, down). An id of -1 (a
+    /// choice another rank holds) leaves its rows unwritten: the matvec skips such items.
     #[allow(clippy::too_many_arguments)]
     fn experts_per_choice(
         &self,
@@ -889,8 +892,16 @@ impl Cuda {
             "moe silu",
         );
         ok(
-            self.gpu
-                .matvec(&item(down, down_bytes, e, f, self.p(&g_out, 0), 1, f, d_out)),
+            self.gpu.matvec(&item(
+                down,
+                down_bytes,
+                e,
+                f,
+                self.p(&g_out, 0),
+                1,
+                f,
+                d_out,
+            )),
             "moe down",
         );
     }

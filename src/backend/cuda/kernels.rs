@@ -83,6 +83,18 @@ pub const ATT_DV_MAX: usize = 256;
 pub const MLA_DL_MAX: usize = 512;
 /// Largest rope width next to it.
 pub const MLA_DR_MAX: usize = 64;
+/// Heads per block of mla_decode_split (two m16 tiles), keys per shared tile, threads.
+pub const MLA_HB: usize = 32;
+pub const MLA_BK: usize = 16;
+pub const MLA_THREADS: u32 = 256;
+
+/// Dynamic shared memory of mla_decode_split: two stages of a hi and a lo bf16 key tile
+/// (MLA_BK rows of MLA_DL_MAX + MLA_DR_MAX dims, padded by 8), the partial scores of the 8
+/// warps (f32 [16 heads, MLA_BK keys] each), and the key flags of both stages.
+pub fn mla_decode_smem_bytes() -> usize {
+    let row = 2 * (MLA_DL_MAX + MLA_DR_MAX + 8);
+    2 * 2 * MLA_BK * row + 4 * (MLA_HB / 16 * 4 * 16 * MLA_BK) + 4 * 2 * MLA_BK
+}
 
 /// Dynamic shared memory of attention_prefill: q tile and k tile (rows padded by 4 floats),
 /// v tile 128 wide for dv <= 128, else 256; all f32.
@@ -107,6 +119,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
         // heads * dim <= DSA_Q_MAX and dim <= DSA_DIM_MAX.
         "dsa_scores" => 4 * (DSA_Q_MAX + 32 * (DSA_DIM_MAX + 4)),
+        "mla_decode_split" => mla_decode_smem_bytes(),
         _ => 0,
     }
 }

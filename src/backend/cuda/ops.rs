@@ -170,14 +170,27 @@ pub struct Matmul {
 
 impl Gpu {
     pub fn matmul(&self, a: &Matmul) -> Result<(), CudaError> {
-        // 128-row tiles, or 64-row ones where a matrix has few rows (grouped MoE spans of
-        // ~16 tokens per expert, short prompts): see kernels/matmul.cu.
-        let bm = if a.spans != 0 || a.m <= 64 { 64 } else { 128 };
-        let prefix = match (a.transposed, bm) {
-            (false, 128) => "matmul",
-            (true, 128) => "matmul_t",
-            (false, _) => "matmul_m64",
-            (true, _) => "matmul_t_m64",
+        // Row tiles (kernels/matmul.cu): 128 rows for large products; 64 where a matrix has
+        // few rows; the small kernels (16 or 32 rows x 256 columns, k a multiple of 64) for
+        // tiny plain or batched products and the grouped MoE spans. There m is the largest
+        // count, while the typical span is far smaller (~16 tokens per expert in a 512-token
+        // prefill, a few experts with 2-6x that): the few large spans take several 32-row
+        // tiles (re-reading their expert's weights) rather than every span a 64-row one.
+        let small = !a.transposed && a.k % 64 == 0;
+        let bm = match (small, a.spans != 0) {
+            (true, _) if a.m <= 16 => 16,
+            (true, true) if a.m <= 128 => 32,
+            (true, false) if a.m <= 32 => 32,
+            _ if a.spans != 0 || a.m <= 64 => 64,
+            _ => 128,
+        };
+        let (prefix, bn) = match (a.transposed, bm) {
+            (false, 16) => ("matmul_s16", 256),
+            (false, 32) => ("matmul_s32", 256),
+            (false, 128) => ("matmul", 128),
+            (true, 128) => ("matmul_t", 128),
+            (false, _) => ("matmul_m64", 128),
+            (true, _) => ("matmul_t_m64", 128),
         };
         let kernel = typed_kernel(prefix, a.ty)?;
         let row_bytes = a.ty.row_bytes(if a.transposed { a.n } else { a.k });
@@ -207,7 +220,7 @@ impl Gpu {
         if z == 0 || a.m == 0 || a.n == 0 {
             return Ok(());
         }
-        launch!(self, kernel, (grid1(a.n, 128), grid1(a.m, bm), z as u32), 256, 0;
+        launch!(self, kernel, (grid1(a.n, bn), grid1(a.m, bm), z as u32), 256, 0;
             a.w, row_bytes.unwrap() as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
             a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32, a.spans,
             a.mat_stride as i64, a.x_mat_stride as i64, a.y_mat_stride as i64);
@@ -399,18 +412,18 @@ pub struct MlaDecode {
     pub out_tok: usize,
 }
 
-/// Heads per block of mla_decode_split (MLA_HB in kernels/mla_decode.cu: 8 warps, 2 heads each).
-const MLA_HB: usize = 16;
+use super::kernels::{mla_decode_smem_bytes, MLA_BK, MLA_HB, MLA_THREADS};
 
 impl Gpu {
     /// The number of sequence splits and keys per split for up to `n_keys` keys and `heads`
-    /// heads: enough blocks to fill the GPU twice, at least 32 keys (one ballot of a warp) a
-    /// split.
+    /// heads: one block of mla_decode_split per multiprocessor (it holds 32 heads and ~200
+    /// registers a thread, so one block fits an SM), keys per split a multiple of the key
+    /// tile (MLA_BK).
     pub fn mla_decode_splits(&self, n_keys: usize, heads: usize) -> (usize, usize) {
         let groups = heads.div_ceil(MLA_HB);
-        let want = (2 * self.multiprocessors).div_ceil(groups).max(1);
-        let splits = want.min(n_keys.div_ceil(32)).max(1);
-        let per = (n_keys.div_ceil(splits).div_ceil(32) * 32).max(32);
+        let want = self.multiprocessors.div_ceil(groups).max(1);
+        let splits = want.min(n_keys.div_ceil(MLA_BK)).max(1);
+        let per = (n_keys.div_ceil(splits).div_ceil(MLA_BK) * MLA_BK).max(MLA_BK);
         (n_keys.div_ceil(per).max(1), per)
     }
 
@@ -439,7 +452,8 @@ impl Gpu {
         let part_acc = self.empty(a.tokens * splits * a.heads * a.dl)?;
         let part_ml = self.empty(a.tokens * splits * a.heads * 2)?;
         let (pa, pm) = (self.ptr(&part_acc, 0), self.ptr(&part_ml, 0));
-        launch!(self, "mla_decode_split", (grid1(a.heads, MLA_HB), splits as u32, a.tokens as u32), 256, 0;
+        let grid = (grid1(a.heads, MLA_HB), splits as u32, a.tokens as u32);
+        launch!(self, "mla_decode_split", grid, MLA_THREADS, mla_decode_smem_bytes() as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
             a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
         launch!(self, "mla_decode_combine", (a.heads as u32, a.tokens as u32, 1), 128, 0;
@@ -511,6 +525,8 @@ pub struct MoeRouter {
     pub norm: bool,
     pub scale: f32,
     pub tokens: usize,
+    /// The experts this rank holds (ids count from its start; others get id -1, weight 0).
+    pub held: std::ops::Range<usize>,
     /// [T, k] i32 and f32 outputs.
     pub ids: Ptr,
     pub weights: Ptr,
@@ -532,7 +548,8 @@ impl Gpu {
         })?;
         launch!(self, "moe_router", (a.tokens as u32, 1, 1), 32, 0;
             a.logits, a.bias, a.n_exp as i32, a.k as i32, a.gating as i32, a.n_group as i32,
-            a.group_used as i32, a.norm as i32, a.scale, a.ids, a.weights);
+            a.group_used as i32, a.norm as i32, a.scale, a.held.start as i32, a.held.end as i32,
+            a.ids, a.weights);
         Ok(())
     }
 
