@@ -188,3 +188,31 @@ fn routed_on_host<B: Backend>(
         b.moe_experts(x, &w.gate_exps, &w.up_exps, &w.down_exps, &ids, &weights, k)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::best;
+
+    #[test]
+    fn best_is_the_head_of_a_full_sort_ties_by_index() {
+        let mut seed = 12345u32;
+        for n in [1, 2, 7, 32, 256] {
+            // Few distinct values (ties everywhere), an infinity and a -inf among them.
+            let values: Vec<f32> = (0..n)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+                    match seed >> 29 {
+                        0 => f32::NEG_INFINITY,
+                        1 => f32::INFINITY,
+                        r => r as f32 * 0.5,
+                    }
+                })
+                .collect();
+            let mut full: Vec<usize> = (0..n).collect();
+            full.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+            for k in 0..=n {
+                assert_eq!(best(&values, k), full[..k], "n {n} k {k}");
+            }
+        }
+    }
+}
