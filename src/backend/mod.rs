@@ -250,6 +250,16 @@ pub trait Backend: Send + Sync {
         weights: &[f32],
         k: usize,
     ) -> Self::Tensor;
+
+    // ----- sampling ----------------------------------------------------------------------------
+
+    /// Greedy sampling: the index of the largest value in the last row of `logits` (the first
+    /// on ties). A GPU backend answers without copying the row to the host.
+    fn argmax_last(&self, logits: &Self::Tensor) -> u32 {
+        let (rows, cols) = self.shape(logits);
+        let all = self.download(logits);
+        crate::sampling::argmax(&all[(rows - 1) * cols..]) as u32
+    }
 }
 
 /// The model's only contact with tensor parallelism: called after attn_output and after the

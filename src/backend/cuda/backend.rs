@@ -784,6 +784,17 @@ impl Backend for Cuda {
         self.combine(&d_out, &dslots, &dw, n, k)
     }
 
+    fn argmax_last(&self, logits: &CudaTensor) -> u32 {
+        let (rows, cols) = (logits.rows, logits.cols);
+        let out = ok(self.gpu.empty_i32(1), "alloc");
+        let last = self.p(logits, (rows - 1) * cols);
+        ok(
+            self.gpu.argmax_rows(last, 1, cols, self.gpu.ptr(&out, 0)),
+            "argmax",
+        );
+        ok(self.gpu.download(&out), "download")[0] as u32
+    }
+
     fn moe_routed(
         &self,
         x: &CudaTensor,

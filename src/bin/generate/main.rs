@@ -440,14 +440,21 @@ fn generate<B: Backend + DeviceMemory>(
     let mut out = std::io::stdout().lock();
     let mut stream = TextStream::new();
 
-    let start = Instant::now();
-    let logits = {
-        let logits = match &cli.trace {
-            Some(_) => model.forward(&mut cache, &tokens, Some(&mut trace))?.0,
-            None => model.forward_last(&mut cache, &tokens)?,
-        };
-        model.backend().download(&logits)
+    // Greedy picks on the device (no copy of the logits); sampling needs them here.
+    let mut pick = |logits: &B::Tensor| -> u32 {
+        let b = model.backend();
+        if cli.temperature <= 0.0 {
+            return b.argmax_last(logits);
+        }
+        let all = b.download(logits);
+        sampler.sample(&all[all.len() - vocab..])
     };
+    let start = Instant::now();
+    let logits = match &cli.trace {
+        Some(_) => model.forward(&mut cache, &tokens, Some(&mut trace))?.0,
+        None => model.forward_last(&mut cache, &tokens)?,
+    };
+    let mut next = pick(&logits);
     let prompt_secs = start.elapsed().as_secs_f64();
     if let Some(path) = &cli.trace {
         trace.save(path)?;
@@ -455,7 +462,6 @@ fn generate<B: Backend + DeviceMemory>(
 
     write!(out, "{prompt}")?;
     out.flush()?;
-    let mut next = sampler.sample(&logits[logits.len() - vocab..]);
     let start = Instant::now();
     let mut generated = 0;
     while generated < max_new {
@@ -468,10 +474,7 @@ fn generate<B: Backend + DeviceMemory>(
         if generated == max_new {
             break;
         }
-        let logits = model
-            .backend()
-            .download(&model.forward(&mut cache, &[next], None)?.0);
-        next = sampler.sample(&logits);
+        next = pick(&model.forward(&mut cache, &[next], None)?.0);
     }
     writeln!(out)?;
     let gen_secs = start.elapsed().as_secs_f64();
