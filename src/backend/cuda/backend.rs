@@ -670,8 +670,6 @@ impl Backend for Cuda {
         let f = gate.dim(1);
         let rows = n * k;
         let (gate_bytes, down_bytes) = (f * gate.row_bytes(), e * down.row_bytes());
-        let g_out = self.empty(rows, f);
-        let u_out = self.empty(rows, f);
         let d_out = self.empty(rows, e);
         // Row r of the expert outputs belongs to (token, choice) slots[t * k + j] == r.
         let slots: Vec<i32>;
@@ -682,6 +680,8 @@ impl Backend for Cuda {
         } else {
             // Group the (token, choice) pairs by expert: each expert's tokens are gathered by
             // the tensor-core kernel through row_ids, its outputs land in consecutive rows.
+            let g_out = self.empty(rows, f);
+            let u_out = self.empty(rows, f);
             let n_exp = gate.dim(2);
             let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); n_exp];
             for (slot, &id) in ids.iter().enumerate() {
