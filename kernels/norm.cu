@@ -2,6 +2,8 @@
 //
 // rmsnorm: y = x / sqrt(mean(x^2) + eps) * w
 // layernorm: y = (x - mean) / sqrt(var + eps) * w + b   (the DSA indexer's key norm)
+// add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm)
+// latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope)
 //
 // Thread i holds values i, i + blockDim.x, ... of its row in registers (at most NORM_VALS;
 // the launch picks blockDim.x >= n / NORM_VALS, n <= 8192), so x, w and b are read once, every
@@ -66,5 +68,84 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(const float* x, i64
     for (int k = 0; k < NORM_VALS; k++) {
         int i = threadIdx.x + k * blockDim.x;
         if (i < n) yr[i] = (v[k] - mean) * inv * wv[k] + bv[k];
+    }
+}
+
+// The residual add fused with the norm after it, rows of n contiguous values: x += r is
+// written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x.
+extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
+                                                               const float* w, float* y, int n,
+                                                               float eps) {
+    __shared__ float scratch[32];
+    float* xr = x + (i64)blockIdx.x * n;
+    const float* rr = r + (i64)blockIdx.x * n;
+    float* yr = y + (i64)blockIdx.x * n;
+    float v[NORM_VALS], wv[NORM_VALS];
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < n ? xr[i] + rr[i] : 0.0f;
+        wv[k] = i < n ? w[i] : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n) xr[i] = v[k];
+        ss += v[k] * v[k];
+    }
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)n + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < n) yr[i] = v[k] * inv * wv[k];
+    }
+}
+
+// The MLA latent of token t (model/mla.rs): row t of kv [T, dl + dr] -> row t of `cache`
+// (the caller points it at the first row to fill; rows dl + dr wide):
+//   cache[t, 0..dl)     = rmsnorm(kv[t, 0..dl)) * w
+//   cache[t, dl..dl+dr) = kv[t, dl..dl+dr) rotated as adjacent pairs at position pos0 + t,
+//                         exactly as rope_pairs turns them (angle = f32 pos * inv_freq[i]).
+// One block per token, blockDim.x >= dl / NORM_VALS (the rmsnorm launch of a dl-wide row).
+extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
+    const float* kv, const float* w, float* cache, int dl, int dr, int pos0,
+    const float* inv_freq, float mscale, float eps) {
+    __shared__ float scratch[32];
+    const i64 width = dl + dr;
+    const float* xr = kv + blockIdx.x * width;
+    float* yr = cache + blockIdx.x * width;
+
+    // k_pe: one pair per thread (a loop for widths past the block).
+    float pos = (float)(pos0 + (int)blockIdx.x);
+    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x) {
+        float angle = pos * inv_freq[i];
+        float s, c;
+        sincosf(angle, &s, &c);
+        c *= mscale;
+        s *= mscale;
+        float x0 = xr[dl + 2 * i], x1 = xr[dl + 2 * i + 1];
+        yr[dl + 2 * i] = x0 * c - x1 * s;
+        yr[dl + 2 * i + 1] = x0 * s + x1 * c;
+    }
+
+    // c_kv: as rmsnorm.
+    float v[NORM_VALS], wv[NORM_VALS];
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < dl ? xr[i] : 0.0f;
+        wv[k] = i < dl ? w[i] : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) ss += v[k] * v[k];
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)dl + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < dl) yr[i] = v[k] * inv * wv[k];
     }
 }

@@ -586,6 +586,123 @@ fn norms_match() {
     assert_close("layernorm", &y, &want, F32_OP);
 }
 
+/// f64 twin of rmsnorm over one row.
+fn rmsnorm_twin(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
+    let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps as f64).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(&v, &g)| v as f64 * inv * g as f64)
+        .collect()
+}
+
+#[test]
+fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("add_rmsnorm");
+    let eps = 1e-5;
+    // A latent-sized row and GLM-5's residual width (1024 threads x NORM_VALS).
+    for (rows, n) in [(9, 576), (3, 6144)] {
+        let x: Vec<f32> = rng.normals(rows * n).iter().map(|v| v * 3.0).collect();
+        let r = rng.normals(rows * n);
+        let w = rng.normals(n);
+        let (dx, dr, dw) = (
+            g.upload(&x).unwrap(),
+            g.upload(&r).unwrap(),
+            g.upload(&w).unwrap(),
+        );
+        let dy = poisoned(&g, rows * n);
+        g.add_rmsnorm(
+            g.ptr(&dx, 0),
+            g.ptr(&dr, 0),
+            g.ptr(&dw, 0),
+            g.ptr(&dy, 0),
+            rows,
+            n,
+            eps,
+        )
+        .unwrap();
+        // The sum is the f32 sum, exactly (what add_inplace writes).
+        let sum: Vec<f32> = x.iter().zip(&r).map(|(a, b)| a + b).collect();
+        let want_sum: Vec<f64> = sum.iter().map(|&v| v as f64).collect();
+        assert_close("add_rmsnorm x", &g.download(&dx).unwrap(), &want_sum, 0.0);
+        let want: Vec<f64> = sum
+            .chunks_exact(n)
+            .flat_map(|row| rmsnorm_twin(row, &w, eps))
+            .collect();
+        assert_close("add_rmsnorm y", &g.download(&dy).unwrap(), &want, F32_OP);
+    }
+}
+
+#[test]
+fn latent_norm_rope_fills_only_its_cache_rows() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("latent_norm_rope");
+    let eps = 1e-6;
+    let mscale = 1.15f32;
+    // GLM-5's latent (512 + 64) and a small odd one.
+    for (dl, dr, tokens, ctx, row0) in [(512, 64, 5, 12, 4), (72, 8, 3, 4000, 3990)] {
+        let width = dl + dr;
+        let kv: Vec<f32> = rng
+            .normals(tokens * width)
+            .iter()
+            .map(|v| v * 3.0)
+            .collect();
+        let w = rng.normals(dl);
+        let inv_freq: Vec<f32> = (0..dr / 2)
+            .map(|i| (10000f64.powf(-((2 * i) as f64) / dr as f64) * (0.5 + rng.uniform())) as f32)
+            .collect();
+        // Rows outside row0..row0+tokens hold values the kernel must keep; its rows are NaN.
+        let mut cache = rng.normals(ctx * width);
+        cache[row0 * width..(row0 + tokens) * width].fill(f32::NAN);
+        let (dkv, dw, df, dc) = (
+            g.upload(&kv).unwrap(),
+            g.upload(&w).unwrap(),
+            g.upload(&inv_freq).unwrap(),
+            g.upload(&cache).unwrap(),
+        );
+        g.latent_norm_rope(
+            g.ptr(&dkv, 0),
+            g.ptr(&dw, 0),
+            g.ptr(&dc, row0 * width),
+            tokens,
+            dl,
+            dr,
+            row0,
+            g.ptr(&df, 0),
+            mscale,
+            eps,
+        )
+        .unwrap();
+        let mut want: Vec<f64> = cache.iter().map(|&v| v as f64).collect();
+        for t in 0..tokens {
+            let x = &kv[t * width..(t + 1) * width];
+            let out = &mut want[(row0 + t) * width..(row0 + t + 1) * width];
+            out[..dl].copy_from_slice(&rmsnorm_twin(&x[..dl], &w, eps));
+            for i in 0..dr / 2 {
+                // The angle is an f32 product, as in rope_pairs.
+                let angle = (((row0 + t) as f32) * inv_freq[i]) as f64;
+                let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
+                let (x0, x1) = (x[dl + 2 * i] as f64, x[dl + 2 * i + 1] as f64);
+                out[dl + 2 * i] = x0 * c - x1 * s;
+                out[dl + 2 * i + 1] = x0 * s + x1 * c;
+            }
+        }
+        let got = g.download(&dc).unwrap();
+        assert_close(&format!("latent_norm_rope {dl}+{dr}"), &got, &want, F32_OP);
+        for (i, (&a, &b)) in got.iter().zip(&cache).enumerate() {
+            let row = i / width;
+            if row < row0 || row >= row0 + tokens {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "latent_norm_rope touched row {row}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn rope_rotates_adjacent_pairs_only_in_its_columns() {
     let Some(g) = gpu() else { return };

@@ -131,6 +131,19 @@ pub trait Backend: Send + Sync {
     /// `x += y`, both [n, d] (residual connections).
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
 
+    /// The residual add and the RMSNorm after it: `x += y`, then returns `rms_norm(x, w, eps)`
+    /// of the updated `x`. A GPU does both in one pass over the rows.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Self::Tensor {
+        self.add_assign(x, y);
+        self.rms_norm(x, w, eps)
+    }
+
     /// `silu(gate) * up`, both [n, f] -> [n, f].
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
 
@@ -139,6 +152,28 @@ pub trait Backend: Send + Sync {
     /// `(col0+2i, col0+2i+1)` by the angle `pos * inv_freq[i]`, cos and sin scaled by
     /// `rope.cos_sin_scale`. The other columns are untouched.
     fn rope(&self, x: &mut Self::Tensor, heads: usize, col0: usize, pos0: usize, rope: &Rope);
+
+    /// The MLA latent of n positions into its cache: `kv` [n, kv_lora + dr] (the kv_a_mqa
+    /// output, dr = `rope.rot_dims()`) -> rows `row0..row0+n` of `cache` [ctx, kv_lora + dr],
+    /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`. A GPU does it in one
+    /// pass over the rows, without the intermediate slices.
+    fn latent_append(
+        &self,
+        cache: &mut Self::Tensor,
+        row0: usize,
+        kv: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        rope: &Rope,
+    ) {
+        let (n, width) = self.shape(kv);
+        let kv_lora = width - rope.rot_dims();
+        let c_kv = self.rms_norm(&self.slice(kv, 0..n, 0..kv_lora), w, eps);
+        let mut k_pe = self.slice(kv, 0..n, kv_lora..width);
+        self.rope(&mut k_pe, 1, 0, row0, rope);
+        self.write_block(cache, row0, 0, &c_kv);
+        self.write_block(cache, row0, kv_lora, &k_pe);
+    }
 
     // ----- matrix products ----------------------------------------------------------------
 
@@ -155,6 +190,20 @@ pub trait Backend: Send + Sync {
     /// MLA uses it four ways: q_lat = k_b q_nope (absorbed decode), k_nope = k_b^T c_kv and
     /// v = v_b c_kv (expanded prefill), out = v_b out_lat (absorbed decode).
     fn head_matmul(&self, x: &Self::Tensor, w: &Self::Weight, transpose: bool) -> Self::Tensor;
+
+    /// `head_matmul` of columns `cols` of each head of `x` [n, heads*d] (`cols` within
+    /// `0..d`): `head_matmul(head_columns(x, heads, cols), w, transpose)`, which a GPU reads
+    /// in place instead of copying (the absorbed decode's q_nope, inside q).
+    fn head_matmul_cols(
+        &self,
+        x: &Self::Tensor,
+        heads: usize,
+        cols: Range<usize>,
+        w: &Self::Weight,
+        transpose: bool,
+    ) -> Self::Tensor {
+        self.head_matmul(&self.head_columns(x, heads, cols), w, transpose)
+    }
 
     // ----- attention ----------------------------------------------------------------------
 

@@ -51,20 +51,18 @@ pub fn attention<B: Backend>(
     let q_pe = b.head_columns(&q, h, dn..dn + dr); // [n, H*dr]
     taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
 
-    // The latent of these positions: c_kv [n, kv_lora] normed, k_pe [n, dr] roped.
+    // The latent of these positions, straight into the cache: c_kv [n, kv_lora] normed,
+    // k_pe [n, dr] roped.
     let kv = b.linear(x, &w.kv_a_mqa); // [n, kv_lora + dr]
-    let c_kv = b.rms_norm(
-        &b.slice(&kv, 0..n, 0..kv_lora),
-        &w.kv_a_norm,
-        LATENT_NORM_EPS,
-    );
-    taps.tensor(b, || format!("L{il}.c_kv"), &c_kv);
-    let mut k_pe = b.slice(&kv, 0..n, kv_lora..kv_lora + dr);
-    b.rope(&mut k_pe, 1, 0, pos0, &m.rope);
-    taps.tensor(b, || format!("L{il}.k_pe"), &k_pe);
     let latent = &mut cache.latent[il];
-    b.write_block(latent, pos0, 0, &c_kv);
-    b.write_block(latent, pos0, kv_lora, &k_pe);
+    b.latent_append(latent, pos0, &kv, &w.kv_a_norm, LATENT_NORM_EPS, &m.rope);
+    if taps.on() {
+        let rows = pos0..pos0 + n;
+        let c_kv = b.slice(latent, rows.clone(), 0..kv_lora);
+        taps.tensor(b, || format!("L{il}.c_kv"), &c_kv);
+        let k_pe = b.slice(latent, rows, kv_lora..kv_lora + dr);
+        taps.tensor(b, || format!("L{il}.k_pe"), &k_pe);
+    }
 
     // DSA: which keys each query may see (None: all causal keys).
     let keep = cfg.indexer.as_ref().map(|ix| {
@@ -97,8 +95,7 @@ pub fn attention<B: Backend>(
         b.attention(&q, &k_nope, &k_pe_all, &v, pos0, scale, keep)
     } else {
         // Absorbed: queries move into the latent space instead.
-        let q_nope = b.head_columns(&q, h, 0..dn); // [n, H*dn]
-        let q_lat = b.head_matmul(&q_nope, &w.k_b, false); // [n, H*kv_lora]
+        let q_lat = b.head_matmul_cols(&q, h, 0..dn, &w.k_b, false); // k_b q_nope [n, H*kv_lora]
         let out_lat = b.latent_attention(&q_lat, &q_pe, latent, pos0, scale, keep); // [n, H*kv_lora]
         b.head_matmul(&out_lat, &w.v_b, false) // [n, H*dv]
     };

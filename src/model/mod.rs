@@ -263,19 +263,24 @@ impl<B: Backend> Model<B> {
 
         // DSA: the last full indexer's selection, reused by the shared layers after it.
         let mut topk: Option<Vec<i32>> = None;
+        // Each residual add runs fused with the norm after it (`add_rms_norm`): the FFN output
+        // of a layer waits here for the next layer's attn_norm (or the final norm).
+        let mut ffn_out: Option<B::Tensor> = None;
         for (il, lw) in w.layers.iter().enumerate() {
-            let h = b.rms_norm(&x, &lw.attn_norm, cfg.rms_eps);
+            let h = residual_norm(b, &mut x, ffn_out.take(), &lw.attn_norm, cfg.rms_eps);
+            if il > 0 {
+                taps.tensor(b, || format!("L{}.h_out", il - 1), &x);
+            }
             taps.tensor(b, || format!("L{il}.attn_norm"), &h);
 
             let mut attn = mla::attention(self, il, &h, cache, pos0, &mut topk, taps);
             self.comm.all_reduce(b, &mut attn);
             taps.tensor(b, || format!("L{il}.attn_out"), &attn);
-            b.add_assign(&mut x, &attn);
+            let h = b.add_rms_norm(&mut x, &attn, &lw.ffn_norm, cfg.rms_eps);
             taps.tensor(b, || format!("L{il}.h_attn"), &x);
-
-            let h = b.rms_norm(&x, &lw.ffn_norm, cfg.rms_eps);
             taps.tensor(b, || format!("L{il}.ffn_norm"), &h);
-            let mut ffn_out = match &lw.ffn {
+
+            let mut out = match &lw.ffn {
                 Ffn::Dense(ffn) => {
                     let y = dense_ffn(b, ffn, &h);
                     taps.tensor(b, || format!("L{il}.ffn_out"), &y);
@@ -284,22 +289,42 @@ impl<B: Backend> Model<B> {
                 Ffn::Moe(m) => moe::forward(self, il, m, &h, taps),
                 Ffn::OtherRank => b.zeros(tokens.len(), cfg.n_embd),
             };
-            self.comm.all_reduce(b, &mut ffn_out);
-            b.add_assign(&mut x, &ffn_out);
-            taps.tensor(b, || format!("L{il}.h_out"), &x);
+            self.comm.all_reduce(b, &mut out);
+            ffn_out = Some(out);
         }
         cache.len += tokens.len();
 
         let n = tokens.len();
         if last_only && n > 1 {
+            // Only the last position goes on (forward_last, never traced: the last layer's
+            // h_out below is then that row alone).
             x = b.slice(&x, n - 1..n, 0..cfg.n_embd);
+            ffn_out = ffn_out.map(|y| b.slice(&y, n - 1..n, 0..cfg.n_embd));
         }
-        let h = b.rms_norm(&x, &w.output_norm, cfg.rms_eps);
+        let h = residual_norm(b, &mut x, ffn_out, &w.output_norm, cfg.rms_eps);
+        if let Some(last) = w.layers.len().checked_sub(1) {
+            taps.tensor(b, || format!("L{last}.h_out"), &x);
+        }
         taps.tensor(b, || "final_norm".into(), &h);
         let logits = b.linear(&h, w.lm_head());
         let logits = self.comm.all_gather_cols(b, logits);
         taps.tensor(b, || "logits".into(), &logits);
         Ok(logits)
+    }
+}
+
+/// `x += y` (the previous layer's output; None before the first layer), then the RMSNorm of
+/// `x`: one fused step on the residual stream.
+fn residual_norm<B: Backend>(
+    b: &B,
+    x: &mut B::Tensor,
+    y: Option<B::Tensor>,
+    w: &B::Weight,
+    eps: f32,
+) -> B::Tensor {
+    match y {
+        Some(y) => b.add_rms_norm(x, &y, w, eps),
+        None => b.rms_norm(x, w, eps),
     }
 }
 

@@ -395,6 +395,66 @@ impl Backend for Cuda {
         );
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        r: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> CudaTensor {
+        assert_eq!((x.rows, x.cols), (r.rows, r.cols), "add_rms_norm shapes");
+        let y = self.empty(x.rows, x.cols);
+        ok(
+            self.gpu.add_rmsnorm(
+                self.p(x, 0),
+                self.p(r, 0),
+                self.w(w),
+                self.p(&y, 0),
+                x.rows,
+                x.cols,
+                eps,
+            ),
+            "add_rmsnorm",
+        );
+        y
+    }
+
+    fn latent_append(
+        &self,
+        cache: &mut CudaTensor,
+        row0: usize,
+        kv: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        rope: &Rope,
+    ) {
+        let dr = rope.rot_dims();
+        assert!(
+            kv.cols == cache.cols && dr < kv.cols && row0 + kv.rows <= cache.rows,
+            "latent_append: [{}, {}] at row {row0} of [{}, {}]",
+            kv.rows,
+            kv.cols,
+            cache.rows,
+            cache.cols
+        );
+        let dfreq = ok(self.gpu.upload(&rope.inv_freq), "upload");
+        ok(
+            self.gpu.latent_norm_rope(
+                self.p(kv, 0),
+                self.w(w),
+                self.p(cache, row0 * cache.cols),
+                kv.rows,
+                kv.cols - dr,
+                dr,
+                row0,
+                self.gpu.ptr(&dfreq, 0),
+                rope.cos_sin_scale,
+                eps,
+            ),
+            "latent_norm_rope",
+        );
+    }
+
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
         assert_eq!((gate.rows, gate.cols), (up.rows, up.cols), "swiglu shapes");
         let y = self.empty(gate.rows, gate.cols);
@@ -453,63 +513,40 @@ impl Backend for Cuda {
     }
 
     fn head_matmul(&self, x: &CudaTensor, w: &CudaWeight, transpose: bool) -> CudaTensor {
-        // Head h is a matrix of b rows and a columns, b * row_bytes apart.
-        let (a, b, heads) = (w.ne[0], w.dim(1), w.dim(2));
-        let head_bytes = b * w.row_bytes();
-        let (din, dout) = if transpose { (b, a) } else { (a, b) };
-        let shared = x.cols == din;
+        // Head h's input: columns h * din .. of x, or all of x (din wide) for every head.
+        let din = if transpose { w.dim(1) } else { w.ne[0] };
+        let head_stride = if x.cols == din { 0 } else { din };
+        self.head_product(x, 0, head_stride, w, transpose)
+    }
+
+    fn head_matmul_cols(
+        &self,
+        x: &CudaTensor,
+        heads: usize,
+        cols: Range<usize>,
+        w: &CudaWeight,
+        transpose: bool,
+    ) -> CudaTensor {
+        let d = x.cols / heads;
         assert!(
-            shared || x.cols == heads * din,
-            "head_matmul {}: x has {} columns",
-            w.name,
+            d * heads == x.cols && cols.end <= d,
+            "head_matmul_cols: {} cols, {heads} heads",
             x.cols
         );
-        let n = x.rows;
-        let y = self.empty(n, heads * dout);
-        if n < MATMUL_MIN_ROWS || din % 32 != 0 {
-            // One f32 matrix-vector item per (token, head), matrix index = head.
-            let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
-            let dids = self.upload_i32(&ids);
-            let mv = Matvec {
-                ty: w.ty,
-                w: self.w(w),
-                mat_stride: head_bytes,
-                ids: self.gpu.ptr(&dids, 0),
-                rows: b,
-                k: a,
-                x: self.p(x, 0),
-                x_group: if shared { heads } else { 1 },
-                x_stride: din,
-                y: self.p(&y, 0),
-                y_stride: dout,
-                batch: n * heads,
-                transposed: transpose,
-            };
-            ok(self.gpu.matvec(&mv), "head_matmul");
-            return y;
+        // The kernels read x rows as float4: in place when each head's slice is 16-byte
+        // aligned, else through a copy.
+        if d % 4 != 0 || cols.start % 4 != 0 {
+            return self.head_matmul(&self.head_columns(x, heads, cols.clone()), w, transpose);
         }
-        // All heads in one batched launch: head h is matrix h, its x columns h * din (or the
-        // shared x), its y columns h * dout.
-        let mm = Matmul {
-            ty: w.ty,
-            w: self.w(w),
-            transposed: transpose,
-            x: self.p(x, 0),
-            x_stride: x.cols,
-            row_ids: 0,
-            y: self.p(&y, 0),
-            y_stride: heads * dout,
-            m: n,
-            n: dout,
-            k: din,
-            spans: 0,
-            n_spans: heads,
-            mat_stride: head_bytes,
-            x_mat_stride: if shared { 0 } else { din },
-            y_mat_stride: dout,
-        };
-        ok(self.gpu.matmul(&mm), "head_matmul");
-        y
+        let din = if transpose { w.dim(1) } else { w.ne[0] };
+        assert_eq!(
+            cols.len(),
+            din,
+            "head_matmul_cols {}: {} columns",
+            w.name,
+            cols.len()
+        );
+        self.head_product(x, cols.start, d, w, transpose)
     }
 
     fn attention(
@@ -841,6 +878,87 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// Per-head products (`Backend::head_matmul`) where head h reads its input row at
+    /// `x[t, col0 + h * head_stride ..]` (`head_stride` 0: one input shared by every head).
+    /// x's rows must hold `heads * head_stride` columns for the matrix-vector path's item
+    /// stride (x is [n, heads * head_stride] or [n, din] when shared).
+    fn head_product(
+        &self,
+        x: &CudaTensor,
+        col0: usize,
+        head_stride: usize,
+        w: &CudaWeight,
+        transpose: bool,
+    ) -> CudaTensor {
+        // Head h is a matrix of b rows and a columns, b * row_bytes apart.
+        let (a, b, heads) = (w.ne[0], w.dim(1), w.dim(2));
+        let head_bytes = b * w.row_bytes();
+        let (din, dout) = if transpose { (b, a) } else { (a, b) };
+        let shared = head_stride == 0;
+        assert!(
+            if shared {
+                col0 + din <= x.cols
+            } else {
+                x.cols == heads * head_stride && col0 + din <= head_stride
+            },
+            "head_matmul {}: x has {} columns",
+            w.name,
+            x.cols
+        );
+        let n = x.rows;
+        let y = self.empty(n, heads * dout);
+        if n < MATMUL_MIN_ROWS || din % 32 != 0 {
+            // One f32 matrix-vector item per (token, head), matrix index = head; item
+            // b = t * heads + h reads x + col0 + (b / x_group) * x_stride.
+            let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
+            let dids = self.upload_i32(&ids);
+            let (x_group, x_stride) = if shared {
+                (heads, x.cols)
+            } else {
+                (1, head_stride)
+            };
+            let mv = Matvec {
+                ty: w.ty,
+                w: self.w(w),
+                mat_stride: head_bytes,
+                ids: self.gpu.ptr(&dids, 0),
+                rows: b,
+                k: a,
+                x: self.p(x, col0),
+                x_group,
+                x_stride,
+                y: self.p(&y, 0),
+                y_stride: dout,
+                batch: n * heads,
+                transposed: transpose,
+            };
+            ok(self.gpu.matvec(&mv), "head_matmul");
+            return y;
+        }
+        // All heads in one batched launch: head h is matrix h, its x columns
+        // col0 + h * head_stride, its y columns h * dout.
+        let mm = Matmul {
+            ty: w.ty,
+            w: self.w(w),
+            transposed: transpose,
+            x: self.p(x, col0),
+            x_stride: x.cols,
+            row_ids: 0,
+            y: self.p(&y, 0),
+            y_stride: heads * dout,
+            m: n,
+            n: dout,
+            k: din,
+            spans: 0,
+            n_spans: heads,
+            mat_stride: head_bytes,
+            x_mat_stride: head_stride,
+            y_mat_stride: dout,
+        };
+        ok(self.gpu.matmul(&mm), "head_matmul");
+        y
+    }
+
     /// Decode-sized MoE: row t * k + j of `d_out` [n * k, E] = expert ids[t * k + j] applied to
     /// token t, as batched matrix-vector products (gate and up, silu, down). An id of -1 (a
     /// choice another rank holds) leaves its rows unwritten: the matvec skips such items.

@@ -246,6 +246,55 @@ impl Gpu {
         Ok(())
     }
 
+    /// x += r (written back), then y = rmsnorm(x) * w, row by row ([rows, n], contiguous).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rmsnorm(
+        &self,
+        x: Ptr,
+        r: Ptr,
+        w: Ptr,
+        y: Ptr,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let block = norm_block(n, "add_rmsnorm")?;
+        launch!(self, "add_rmsnorm", (rows as u32, 1, 1), block, 0;
+            x, r, w, y, n as i32, eps);
+        Ok(())
+    }
+
+    /// The MLA latent of `rows` tokens: row t of kv [rows, dl + dr] -> row t of `cache`
+    /// (pointing at the first row to fill, rows dl + dr wide), c_kv RMS-normed with w, k_pe
+    /// roped at position pos0 + t (inv_freq: [dr / 2] f32). See kernels/norm.cu.
+    #[allow(clippy::too_many_arguments)]
+    pub fn latent_norm_rope(
+        &self,
+        kv: Ptr,
+        w: Ptr,
+        cache: Ptr,
+        rows: usize,
+        dl: usize,
+        dr: usize,
+        pos0: usize,
+        inv_freq: Ptr,
+        mscale: f32,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let block = norm_block(dl, "latent_norm_rope")?;
+        check(
+            dr % 2 == 0 && pos0 + rows <= i32::MAX as usize,
+            "latent_norm_rope",
+            || format!("rope width {dr}, positions up to {}", pos0 + rows),
+        )?;
+        if rows == 0 {
+            return Ok(());
+        }
+        launch!(self, "latent_norm_rope", (rows as u32, 1, 1), block, 0;
+            kv, w, cache, dl as i32, dr as i32, pos0 as i32, inv_freq, mscale, eps);
+        Ok(())
+    }
+
     /// y = (x - mean) / sqrt(var + eps) * w + b, row by row.
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm(
