@@ -391,3 +391,58 @@ fn prefill_equals_decode_on_the_gpu() {
         assert!(e <= 1e-4, "{variant}: prefill and decode differ by {e:.2e}");
     }
 }
+
+/// Routing on the GPU (what runs when nothing traces) against the host routing of a traced
+/// run, on the same GPU and the same prompts: prefill (the 26-token prompt: choices downloaded
+/// and grouped) and decode steps (choices kept on the device). The router logits are the same
+/// tensor in both runs and the golden models' routing margins (>= 4.3e-4, manifest) dwarf the
+/// kernel's f32 ulps, so the choices agree and only the weights' last bits may: 1e-5.
+#[test]
+fn device_routing_equals_host_routing_on_the_gpu() {
+    let Some(first) = cuda() else { return };
+    let mut backend = Some(first);
+    let mut seen = std::collections::BTreeSet::new();
+    for (variant, _) in cases() {
+        if !seen.insert(variant.clone()) {
+            continue;
+        }
+        let b = backend.take().map_or_else(|| Cuda::new(0).unwrap(), |b| b);
+        let model = open(&model_path(&variant).unwrap(), b);
+        if model.cfg.moe.is_none() {
+            continue;
+        }
+        let reference =
+            Trace::load(&golden().join(format!("refs/{variant}.p1.safetensors"))).unwrap();
+        let tokens = tokens_of(&reference);
+        assert!(
+            tokens.len() >= MATMUL_MIN_ROWS,
+            "{variant}: p1 must take the prefill path"
+        );
+        let run = |traced: bool| {
+            let mut trace = Trace::new();
+            let mut taps = if traced {
+                Taps::new(Some(&mut trace))
+            } else {
+                Taps::none()
+            };
+            let mut cache = model.new_cache(tokens.len() + 4);
+            let mut logits = model
+                .backend
+                .download(&model.forward(&mut cache, &tokens, &mut taps).unwrap());
+            for t in [3u32, 7, 11] {
+                let mut taps = if traced {
+                    Taps::new(Some(&mut trace))
+                } else {
+                    Taps::none()
+                };
+                let l = model.forward(&mut cache, &[t], &mut taps).unwrap();
+                logits.extend(model.backend.download(&l));
+            }
+            logits
+        };
+        let (host, device) = (run(true), run(false));
+        let e = relative_error(&device, &host);
+        println!("{variant}: device vs host routing, prefill + 3 decode steps: {e:.2e}");
+        assert!(e <= 1e-5, "{variant}: device routing differs by {e:.2e}");
+    }
+}

@@ -267,7 +267,7 @@ pub trait Backend: Send + Sync {
 
     /// The routed experts of a batch straight from the router logits [n, n_expert], routed on
     /// the device by the rules of `model::moe::route`, so that decode pays no host round trip
-    /// per MoE layer. `held`: the experts this rank's stacks hold (all at TP = 1); choices
+    /// per MoE layer (and prefill no host routing of every token). `held`: the experts this rank's stacks hold (all at TP = 1); choices
     /// held elsewhere add nothing here. None (the default): the caller routes on the host and
     /// calls `moe_experts`.
     #[allow(clippy::too_many_arguments)]

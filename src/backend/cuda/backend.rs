@@ -844,8 +844,9 @@ impl Backend for Cuda {
         down: &CudaWeight,
     ) -> Option<CudaTensor> {
         let n = x.rows;
-        if n >= MATMUL_MIN_ROWS {
-            return None; // prefill: grouped by expert on the host (moe_experts)
+        let all_held = *held == (0..m.n_expert);
+        if n >= MATMUL_MIN_ROWS && !all_held {
+            return None; // a TP rank's prefill: routed and grouped on the host (moe_experts)
         }
         let k = m.n_used;
         let dbias = bias.map(|b| ok(self.gpu.upload(b), "upload"));
@@ -870,6 +871,16 @@ impl Backend for Cuda {
             weights: self.p(&dw, 0),
         };
         ok(self.gpu.moe_router(&router), "moe router");
+        if n >= MATMUL_MIN_ROWS {
+            // Prefill: the choices come to the host (n * k ids, not n * n_expert logits) to be
+            // grouped by expert for the tensor-core products.
+            let ids: Vec<u32> = ok(self.gpu.download(&dids), "download")
+                .into_iter()
+                .map(|e| e as u32)
+                .collect();
+            let weights = self.download(&dw);
+            return Some(self.moe_experts(x, gate, up, down, &ids, &weights, k));
+        }
         let d_out = self.empty(n * k, x.cols);
         self.experts_per_choice(x, gate, up, down, &dids, k, &d_out);
         let slots: Vec<i32> = (0..(n * k) as i32).collect();
