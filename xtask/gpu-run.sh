@@ -4,6 +4,7 @@
 #
 #   run.sh [PHASE...]    default: tests golden tp
 #     tests   the nextest archive: cuda_kernels, cuda_forward, nvrtc_compile, tp_nccl
+#             (TEST_FILTER: a nextest filter instead, e.g. 'binary(tp_nccl)')
 #     golden  `generate --backend cuda` against `--backend cpu` on every golden file: the
 #             prefill traces with `generate diff`, and the greedy text
 #     tp      `generate --backend cuda --tp 2` against `--tp 1` on every golden file (2 GPUs)
@@ -85,7 +86,7 @@ same() {
 }
 
 phase_tests() {
-  local filter="@FILTER@"
+  local filter="${TEST_FILTER:-@FILTER@}"
   timeout 300 "$bin/cargo-nextest" nextest run --archive-file "$here/tests.tar.zst" \
     --workspace-remap "$src" -E "$filter" --no-fail-fast \
     --success-output final --failure-output final
