@@ -686,3 +686,77 @@ fn generate_tp_gives_the_tp1_logits_and_reports_rank_memory() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A communicator whose rank `fail_rank` panics in its `fail_at`-th all-reduce.
+struct FailingRank {
+    inner: Local,
+    rank: usize,
+    fail_rank: usize,
+    fail_at: usize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Communicator<Cpu> for FailingRank {
+    fn all_reduce(&self, backend: &Cpu, x: &mut <Cpu as Backend>::Tensor) {
+        let n = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.rank == self.fail_rank && n + 1 == self.fail_at {
+            panic!("injected failure in rank {}", self.rank);
+        }
+        self.inner.all_reduce(backend, x);
+    }
+    fn all_gather_cols(
+        &self,
+        backend: &Cpu,
+        x: <Cpu as Backend>::Tensor,
+    ) -> <Cpu as Backend>::Tensor {
+        self.inner.all_gather_cols(backend, x)
+    }
+    fn abort(&self) {
+        Communicator::<Cpu>::abort(&self.inner);
+    }
+}
+
+/// A rank that panics mid-forward stops the others (they would wait for it in the next
+/// collective forever) and the caller sees that rank's own message.
+#[test]
+fn a_failing_rank_stops_the_group_with_its_message() {
+    let path = golden_files()
+        .into_iter()
+        .find(|p| variant(p) == "ds3.q8_0")
+        .unwrap();
+    let (file, cfg) = open(&path);
+    let tokens = ref_tokens(&load_ref("ds3.q8_0", 0));
+    for (fail_rank, fail_at) in [(1, 3), (0, 1), (3, 5)] {
+        let plan = ShardPlan::new(&file, &cfg, 4).unwrap();
+        let ranks = Local::group(4)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, inner)| {
+                let c = FailingRank {
+                    inner,
+                    rank,
+                    fail_rank,
+                    fail_at,
+                    calls: Default::default(),
+                };
+                (Cpu, Box::new(c) as Box<dyn Communicator<Cpu>>)
+            })
+            .collect();
+        let m = ShardedModel::load(file.clone(), plan, ranks, &|_| {}).unwrap();
+        let mut cache = m.new_cache(cfg.n_ctx);
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            m.forward(&mut cache, &tokens, None)
+        }));
+        let payload = outcome.err().expect("the forward must fail");
+        let text = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            text.contains(&format!("injected failure in rank {fail_rank}")),
+            "rank {fail_rank} at all-reduce {fail_at}: {text}"
+        );
+    }
+}

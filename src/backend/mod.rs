@@ -267,9 +267,9 @@ pub trait Backend: Send + Sync {
 
     /// The routed experts of a batch straight from the router logits [n, n_expert], routed on
     /// the device by the rules of `model::moe::route`, so that decode pays no host round trip
-    /// per MoE layer (and prefill no host routing of every token). `held`: the experts this rank's stacks hold (all at TP = 1); choices
-    /// held elsewhere add nothing here. None (the default): the caller routes on the host and
-    /// calls `moe_experts`.
+    /// per MoE layer (and prefill no host routing of every token). `held`: the experts this
+    /// rank's stacks hold (all at TP = 1); choices held elsewhere add nothing here. None (the
+    /// default): the caller routes on the host and calls `moe_experts`.
     #[allow(clippy::too_many_arguments)]
     fn moe_routed(
         &self,
@@ -319,6 +319,9 @@ pub trait Communicator<B: Backend>: Send + Sync {
     fn all_reduce(&self, backend: &B, x: &mut B::Tensor);
     /// Concatenates each rank's column block of `x` [n, V/TP] into [n, V].
     fn all_gather_cols(&self, backend: &B, x: B::Tensor) -> B::Tensor;
+    /// This rank failed: the ranks waiting in a collective for it, or that enter one later,
+    /// must fail too instead of waiting forever. Nothing by default.
+    fn abort(&self) {}
 }
 
 /// One rank holds everything: nothing to reduce or gather.

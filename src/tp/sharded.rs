@@ -1,6 +1,7 @@
 //! A model over N ranks: each rank a `Model` built from its own shards, run in lockstep, one
 //! thread per rank.
 
+use super::local::BROKEN;
 use super::plan::{ShardPlan, Split, TensorPlan};
 use crate::backend::{Backend, Communicator};
 use crate::gguf::GgufFile;
@@ -312,6 +313,10 @@ impl<B: Backend> ShardedModel<B> {
                 .zip(cache.ranks.iter_mut())
                 .map(|(model, cache)| {
                     s.spawn(move || {
+                        // A rank that panics breaks the group, so that the others stop in
+                        // their next collective instead of waiting for it forever. (Forward
+                        // errors are found by every rank alike, before any collective.)
+                        let _guard = AbortOnPanic(&*model.comm);
                         let mut t = Trace::new();
                         let mut taps = Taps::new(tracing.then_some(&mut t));
                         let logits = step(model, cache, &mut taps)?;
@@ -319,10 +324,17 @@ impl<B: Backend> ShardedModel<B> {
                     })
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("a rank panicked during forward"))
-                .collect()
+            let joined: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
+            // Report the failing rank's own panic, not the others' "another rank failed".
+            let panics = joined.iter().filter_map(|j| j.as_ref().err());
+            if let Some(first) = panics
+                .clone()
+                .find(|p| panic_text(p) != BROKEN)
+                .or(panics.clone().next())
+            {
+                panic!("a tensor-parallel rank failed: {}", panic_text(first));
+            }
+            joined.into_iter().map(|j| j.unwrap()).collect()
         });
         let mut logits = None;
         let mut traces = Vec::new();
@@ -338,5 +350,28 @@ impl<B: Backend> ShardedModel<B> {
             mismatches = m;
         }
         Ok((logits.expect("at least one rank"), mismatches))
+    }
+}
+
+/// Breaks the rank's group when dropped while its thread panics.
+struct AbortOnPanic<'a, B: Backend>(&'a dyn Communicator<B>);
+
+impl<B: Backend> Drop for AbortOnPanic<'_, B> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.abort();
+        }
+    }
+}
+
+/// The message of a panic payload (`panic!` gives a &str or a String).
+fn panic_text(payload: &Box<dyn std::any::Any + Send>) -> &str {
+    match (
+        payload.downcast_ref::<&str>(),
+        payload.downcast_ref::<String>(),
+    ) {
+        (Some(s), _) => s,
+        (_, Some(s)) => s,
+        _ => "(no message)",
     }
 }
