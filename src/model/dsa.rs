@@ -15,10 +15,39 @@ use crate::weights::Indexer;
 /// The layer-norm epsilon of indexer.k_norm (fixed in the reference models).
 const K_NORM_EPS: f32 = 1e-6;
 
-/// Appends this batch's indexer keys to `keys` and returns the selection [n * top_k]
-/// (ascending positions, -1 padded). While no query sees more than `top_k` keys the selection
-/// is every causal key whatever the scores, so they are not computed (the keys still are: later
-/// queries rank them).
+/// Which cache positions the queries of a batch may attend to.
+pub enum Selection {
+    /// Every causal key: no query sees more than `top_k` of them, so the indexer keeps all.
+    AllCausal,
+    /// [n * top_k] positions per query, ascending, -1 padded.
+    TopK(Vec<i32>),
+}
+
+impl Selection {
+    /// The explicit list, None when every causal key is kept (attention then runs dense).
+    pub fn positions(&self) -> Option<&[i32]> {
+        match self {
+            Selection::AllCausal => None,
+            Selection::TopK(ids) => Some(ids),
+        }
+    }
+
+    /// [n * top_k] positions as the reference records them (for traces).
+    pub fn ids(&self, ix: &IndexerConfig, pos0: usize, n: usize) -> Vec<i32> {
+        match self {
+            Selection::AllCausal => (0..n)
+                .flat_map(|i| {
+                    (0..ix.top_k as i32).map(move |p| if p <= (pos0 + i) as i32 { p } else { -1 })
+                })
+                .collect(),
+            Selection::TopK(ids) => ids.clone(),
+        }
+    }
+}
+
+/// Appends this batch's indexer keys to `keys` and returns the selection. While no query sees
+/// more than `top_k` keys the selection is every causal key whatever the scores, so they are
+/// not computed (the keys still are: later queries rank them).
 pub fn select<B: Backend>(
     m: &Model<B>,
     w: &Indexer<B::Weight>,
@@ -27,28 +56,17 @@ pub fn select<B: Backend>(
     q_a: &B::Tensor,
     keys: &mut B::Tensor,
     pos0: usize,
-) -> Vec<i32> {
+) -> Selection {
     let b = &m.backend;
     let mut k = b.layer_norm(&b.linear(x, &w.k), &w.k_norm, &w.k_norm_bias, K_NORM_EPS); // [n, d]
     b.rope(&mut k, 1, 0, pos0, &m.rope);
     b.write_block(keys, pos0, 0, &k);
-    let n = b.shape(x).0;
-    if selects_all(ix, pos0, n) {
-        return (0..n)
-            .flat_map(|i| {
-                (0..ix.top_k as i32).map(move |p| if p <= (pos0 + i) as i32 { p } else { -1 })
-            })
-            .collect();
+    if pos0 + b.shape(x).0 <= ix.top_k {
+        return Selection::AllCausal;
     }
     let mut q = b.linear(q_a, &w.q_b); // [n, nh*d]
     b.rope(&mut q, ix.n_head, 0, pos0, &m.rope);
     let head_weights = b.linear(x, &w.proj); // [n, nh]
     let scale = 1.0 / (ix.head_dim as f32).sqrt();
-    b.dsa_topk(&q, keys, &head_weights, pos0, scale, ix.top_k)
-}
-
-/// Whether every query of a batch of `n` at `pos0` sees at most `top_k` keys, so that the
-/// indexer keeps all of them.
-pub fn selects_all(ix: &IndexerConfig, pos0: usize, n: usize) -> bool {
-    pos0 + n <= ix.top_k
+    Selection::TopK(b.dsa_topk(&q, keys, &head_weights, pos0, scale, ix.top_k))
 }

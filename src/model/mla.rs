@@ -25,7 +25,7 @@ pub fn attention<B: Backend>(
     x: &B::Tensor,
     cache: &mut Cache<B>,
     pos0: usize,
-    topk: &mut Option<Vec<i32>>,
+    topk: &mut Option<dsa::Selection>,
     taps: &mut Taps,
 ) -> B::Tensor {
     let (b, cfg) = (&m.backend, &m.cfg);
@@ -64,8 +64,9 @@ pub fn attention<B: Backend>(
         taps.tensor(b, || format!("L{il}.k_pe"), &k_pe);
     }
 
-    // DSA: which keys each query may see (None: all causal keys).
-    let keep = cfg.indexer.as_ref().map(|ix| {
+    // DSA: which keys each query may see (None: all causal keys, the dense path).
+    let mut keep = None;
+    if let Some(ix) = &cfg.indexer {
         if let Some(indexer) = &m.weights.layers[il].indexer {
             let q_a = q_a.as_ref().expect("validated: DSA needs q-LoRA");
             let keys = cache.index_keys[il]
@@ -73,15 +74,14 @@ pub fn attention<B: Backend>(
                 .expect("allocated for full indexer layers");
             *topk = Some(dsa::select(m, indexer, ix, x, q_a, keys, pos0));
         }
-        let kept = topk
-            .clone()
+        let selection = topk
+            .as_ref()
             .expect("validated: layer 0 runs its own indexer");
-        taps.ids(|| format!("L{il}.dsa_topk"), n, &kept);
-        // Every causal key kept: the dense path computes the same, without the id lists.
-        (!dsa::selects_all(ix, pos0, n)).then_some(kept)
-    });
-    let keep = keep.flatten();
-    let keep = keep.as_deref();
+        if taps.on() {
+            taps.ids(|| format!("L{il}.dsa_topk"), n, &selection.ids(ix, pos0, n));
+        }
+        keep = selection.positions();
+    }
 
     let s = pos0 + n; // keys visible to the last query
     let latent = &cache.latent[il];
