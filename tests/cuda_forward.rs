@@ -22,10 +22,13 @@
 //!   the test prints how many rows it compared. (A count limit of 2% came
 //!   first: it failed on ds3.f32 p1 L2 with 2 of 52 choices flipped, each a near tie.)
 //!
-//! Variants are every `golden/refs/{variant}.p{k}.safetensors` whose model exists. Without a
-//! GPU every test prints `SKIPPED: no CUDA device` and passes.
+//! Variants are every `golden/refs/{variant}.p{k}.safetensors`. Without a GPU every test
+//! prints `SKIPPED: no CUDA device` and passes.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{golden_dir, load_ref, manifest_noise, model_path, ref_tokens};
+use std::path::Path;
 
 use mla_engine::backend::cuda::backend::MATMUL_MIN_ROWS;
 use mla_engine::backend::cuda::{Cuda, CudaError};
@@ -36,10 +39,6 @@ use mla_engine::trace::{compare, relative_error, Comparison, Stage, StageData, T
 use mla_engine::weights::Ffn;
 
 const BF16_PATH_TOL: f64 = 3e-2;
-
-fn golden() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden")
-}
 
 fn cuda() -> Option<Cuda> {
     match Cuda::new(0) {
@@ -55,10 +54,10 @@ fn cuda() -> Option<Cuda> {
     }
 }
 
-/// (variant, prompt index) of every reference whose model is present.
+/// (variant, prompt index) of every golden reference, sorted.
 fn cases() -> Vec<(String, usize)> {
     let mut out = Vec::new();
-    let refs = golden().join("refs");
+    let refs = golden_dir().join("refs");
     for entry in std::fs::read_dir(&refs).unwrap_or_else(|e| panic!("{}: {e}", refs.display())) {
         let name = entry.unwrap().file_name().to_string_lossy().into_owned();
         let Some(stem) = name.strip_suffix(".safetensors") else {
@@ -67,9 +66,7 @@ fn cases() -> Vec<(String, usize)> {
         let Some((variant, p)) = stem.rsplit_once(".p") else {
             continue;
         };
-        if model_path(variant).is_some() {
-            out.push((variant.to_string(), p.parse().unwrap()));
-        }
+        out.push((variant.to_string(), p.parse().unwrap()));
     }
     out.sort();
     assert!(
@@ -80,36 +77,20 @@ fn cases() -> Vec<(String, usize)> {
     out
 }
 
-/// The GGUF of a variant (split sets by their first shard).
-fn model_path(variant: &str) -> Option<PathBuf> {
-    let models = golden().join("models");
-    let single = models.join(format!("{variant}.gguf"));
-    if single.exists() {
-        return Some(single);
-    }
-    let prefix = format!("{variant}-00001-of-");
-    std::fs::read_dir(&models)
-        .ok()?
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with(&prefix)
-        })
-}
-
 fn open(path: &Path, backend: Cuda) -> Model<Cuda> {
     Model::open(path, backend).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-fn manifest_noise(variant: &str, prompt: usize, stage: &str) -> Option<f64> {
-    let text = std::fs::read_to_string(golden().join("manifest.json")).ok()?;
-    let m: serde_json::Value = serde_json::from_str(&text).ok()?;
-    m.get("noise")?
-        .get(format!("{variant}.p{prompt}"))?
-        .get(stage)?
-        .as_f64()
+/// Each golden variant once, loaded on the GPU (the first on `first`, the probe's device).
+fn each_variant(first: Cuda) -> impl Iterator<Item = (String, Model<Cuda>)> {
+    let mut variants: Vec<String> = cases().into_iter().map(|(v, _)| v).collect();
+    variants.dedup();
+    let mut first = Some(first);
+    variants.into_iter().map(move |variant| {
+        let b = first.take().map_or_else(|| Cuda::new(0).unwrap(), |b| b);
+        let model = open(&model_path(&variant), b);
+        (variant, model)
+    })
 }
 
 /// Routing scores of one token's router logits (sigmoid or softmax, as the model gates).
@@ -254,11 +235,6 @@ fn compare_rows(a: &Stage, b: &Stage, rows: usize) -> Comparison {
     }
 }
 
-fn tokens_of(r: &Trace) -> Vec<u32> {
-    let t = r.get("tokens").expect("tokens").i32().expect("i32 tokens");
-    t.iter().map(|&t| t as u32).collect()
-}
-
 #[test]
 fn every_stage_matches_the_reference_on_the_gpu() {
     let Some(first) = cuda() else { return };
@@ -266,16 +242,13 @@ fn every_stage_matches_the_reference_on_the_gpu() {
     let mut failures = Vec::new();
     for (variant, prompt) in cases() {
         let b = backend.take().map_or_else(|| Cuda::new(0).unwrap(), |b| b);
-        let path = model_path(&variant).unwrap();
-        let model = open(&path, b);
+        let model = open(&model_path(&variant), b);
         println!(
             "{variant}: weights {} bytes on the GPU",
             model.backend.weight_bytes()
         );
-        let reference =
-            Trace::load(&golden().join(format!("refs/{variant}.p{prompt}.safetensors")))
-                .unwrap_or_else(|e| panic!("{e}"));
-        let tokens = tokens_of(&reference);
+        let reference = load_ref(&variant, prompt);
+        let tokens = ref_tokens(&reference);
         let bf16_path = tokens.len() >= MATMUL_MIN_ROWS;
         let mut ours = Trace::new();
         let mut cache = model.new_cache(tokens.len() + 16);
@@ -351,14 +324,7 @@ fn every_stage_matches_the_reference_on_the_gpu() {
 #[test]
 fn prefill_equals_decode_on_the_gpu() {
     let Some(first) = cuda() else { return };
-    let mut backend = Some(first);
-    let mut seen = std::collections::BTreeSet::new();
-    for (variant, _) in cases() {
-        if !seen.insert(variant.clone()) {
-            continue;
-        }
-        let b = backend.take().map_or_else(|| Cuda::new(0).unwrap(), |b| b);
-        let model = open(&model_path(&variant).unwrap(), b);
+    for (variant, model) in each_variant(first) {
         let vocab = model.cfg.n_vocab;
         let tokens: Vec<u32> = (0..12)
             .map(|i| (i * 37 + 5) as u32 % vocab as u32)
@@ -400,20 +366,11 @@ fn prefill_equals_decode_on_the_gpu() {
 #[test]
 fn device_routing_equals_host_routing_on_the_gpu() {
     let Some(first) = cuda() else { return };
-    let mut backend = Some(first);
-    let mut seen = std::collections::BTreeSet::new();
-    for (variant, _) in cases() {
-        if !seen.insert(variant.clone()) {
-            continue;
-        }
-        let b = backend.take().map_or_else(|| Cuda::new(0).unwrap(), |b| b);
-        let model = open(&model_path(&variant).unwrap(), b);
+    for (variant, model) in each_variant(first) {
         if model.cfg.moe.is_none() {
             continue;
         }
-        let reference =
-            Trace::load(&golden().join(format!("refs/{variant}.p1.safetensors"))).unwrap();
-        let tokens = tokens_of(&reference);
+        let tokens = ref_tokens(&load_ref(&variant, 1));
         assert!(
             tokens.len() >= MATMUL_MIN_ROWS,
             "{variant}: p1 must take the prefill path"
