@@ -58,6 +58,18 @@ __device__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// Rotary embedding of one adjacent pair (x0, x1) into y[0], y[1] (y may hold x): the angle
+// pos * inv_freq (an f32 product, as the CPU computes it), cos and sin scaled by YaRN's mscale.
+__device__ __forceinline__ void rope_pair(float x0, float x1, float pos, float inv_freq,
+                                          float mscale, float* y) {
+    float s, c;
+    sincosf(pos * inv_freq, &s, &c);
+    c *= mscale;
+    s *= mscale;
+    y[0] = x0 * c - x1 * s;
+    y[1] = x0 * s + x1 * c;
+}
+
 __device__ float block_max(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     v = warp_max(v);

@@ -12,19 +12,18 @@
 
 #define NORM_VALS 8
 
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x_stride,
-                                                           const float* w, float* y,
-                                                           i64 y_stride, int n, float eps) {
-    __shared__ float scratch[32];
-    const float* xr = x + blockIdx.x * x_stride;
-    float* yr = y + blockIdx.x * y_stride;
-    float v[NORM_VALS], wv[NORM_VALS];
+// This thread's values of a row of n (0 past the end), all loads issued at once.
+__device__ __forceinline__ void load_row(float v[NORM_VALS], const float* row, int n) {
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
         int i = threadIdx.x + k * blockDim.x;
-        v[k] = i < n ? xr[i] : 0.0f;
-        wv[k] = i < n ? w[i] : 0.0f;
+        v[k] = i < n ? row[i] : 0.0f;
     }
+}
+
+// y = v / sqrt(mean(v^2) + eps) * w for a row of n held as load_row leaves it (w likewise).
+__device__ __forceinline__ void rms_store(const float v[NORM_VALS], const float wv[NORM_VALS],
+                                          float* y, int n, float eps, float* scratch) {
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) ss += v[k] * v[k];
@@ -33,8 +32,18 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
         int i = threadIdx.x + k * blockDim.x;
-        if (i < n) yr[i] = v[k] * inv * wv[k];
+        if (i < n) y[i] = v[k] * inv * wv[k];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x_stride,
+                                                           const float* w, float* y,
+                                                           i64 y_stride, int n, float eps) {
+    __shared__ float scratch[32];
+    float v[NORM_VALS], wv[NORM_VALS];
+    load_row(v, x + blockIdx.x * x_stride, n);
+    load_row(wv, w, n);
+    rms_store(v, wv, y + blockIdx.x * y_stride, n, eps, scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) layernorm(const float* x, i64 x_stride,
@@ -42,16 +51,11 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(const float* x, i64
                                                              float* y, i64 y_stride, int n,
                                                              float eps) {
     __shared__ float scratch[32];
-    const float* xr = x + blockIdx.x * x_stride;
     float* yr = y + blockIdx.x * y_stride;
     float v[NORM_VALS], wv[NORM_VALS], bv[NORM_VALS];
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        v[k] = i < n ? xr[i] : 0.0f;
-        wv[k] = i < n ? w[i] : 0.0f;
-        bv[k] = i < n ? b[i] : 0.0f;
-    }
+    load_row(v, x + blockIdx.x * x_stride, n);
+    load_row(wv, w, n);
+    load_row(bv, b, n);
     float s = 0.0f;
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) s += v[k];
@@ -79,28 +83,17 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
     __shared__ float scratch[32];
     float* xr = x + (i64)blockIdx.x * n;
     const float* rr = r + (i64)blockIdx.x * n;
-    float* yr = y + (i64)blockIdx.x * n;
-    float v[NORM_VALS], wv[NORM_VALS];
+    float v[NORM_VALS], r_v[NORM_VALS], wv[NORM_VALS];
+    load_row(v, xr, n);
+    load_row(r_v, rr, n);
+    load_row(wv, w, n);
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
         int i = threadIdx.x + k * blockDim.x;
-        v[k] = i < n ? xr[i] + rr[i] : 0.0f;
-        wv[k] = i < n ? w[i] : 0.0f;
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
+        v[k] += r_v[k];
         if (i < n) xr[i] = v[k];
-        ss += v[k] * v[k];
     }
-    ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss / (float)n + eps);
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        if (i < n) yr[i] = v[k] * inv * wv[k];
-    }
+    rms_store(v, wv, y + (i64)blockIdx.x * n, n, eps, scratch);
 }
 
 // The MLA latent of token t (model/mla.rs): row t of kv [T, dl + dr] -> row t of `cache`
@@ -119,33 +112,12 @@ extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
 
     // k_pe: one pair per thread (a loop for widths past the block).
     float pos = (float)(pos0 + (int)blockIdx.x);
-    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x) {
-        float angle = pos * inv_freq[i];
-        float s, c;
-        sincosf(angle, &s, &c);
-        c *= mscale;
-        s *= mscale;
-        float x0 = xr[dl + 2 * i], x1 = xr[dl + 2 * i + 1];
-        yr[dl + 2 * i] = x0 * c - x1 * s;
-        yr[dl + 2 * i + 1] = x0 * s + x1 * c;
-    }
+    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x)
+        rope_pair(xr[dl + 2 * i], xr[dl + 2 * i + 1], pos, inv_freq[i], mscale, yr + dl + 2 * i);
 
     // c_kv: as rmsnorm.
     float v[NORM_VALS], wv[NORM_VALS];
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        v[k] = i < dl ? xr[i] : 0.0f;
-        wv[k] = i < dl ? w[i] : 0.0f;
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) ss += v[k] * v[k];
-    ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss / (float)dl + eps);
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        if (i < dl) yr[i] = v[k] * inv * wv[k];
-    }
+    load_row(v, xr, dl);
+    load_row(wv, w, dl);
+    rms_store(v, wv, yr, dl, eps, scratch);
 }

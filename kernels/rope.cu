@@ -11,12 +11,5 @@ extern "C" __global__ void rope_pairs(float* x, i64 tok_stride, i64 head_stride,
     int i = threadIdx.x;
     if (i >= dims / 2) return;
     float* p = x + blockIdx.x * tok_stride + blockIdx.y * head_stride + 2 * i;
-    float angle = (float)pos[blockIdx.x] * inv_freq[i];
-    float s, c;
-    sincosf(angle, &s, &c);
-    c *= mscale;
-    s *= mscale;
-    float x0 = p[0], x1 = p[1];
-    p[0] = x0 * c - x1 * s;
-    p[1] = x0 * s + x1 * c;
+    rope_pair(p[0], p[1], (float)pos[blockIdx.x], inv_freq[i], mscale, p);
 }
