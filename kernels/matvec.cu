@@ -369,6 +369,234 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
     }
 }
 
+// ---- Q4_K on the integer tensor cores (matvec_tc_q4_k) ----
+//
+// On the CUDA cores above, each weight costs about three instructions per row (the byte into
+// a float, the bias subtraction, the FMA): measured with ncu on an H200, a Q4_K matvec issues
+// ~5.8 instructions per weight-row and runs out of issue slots near half the memory bandwidth.
+// Here the weights stay small integers: 16 rows x 32 weights of one sub-block are one
+// mma.sync m16n8k32 with s8 operands, their nibbles masked out four at a time.
+//
+// x becomes integers exactly enough: per 256-element block, N = rint(x / s) with
+// s = max|x| / (127 * 2^21) is split into base-128 digits (N = d0 2^21 + d1 2^14 + d2 2^7 + d3,
+// |d0| <= 127, |d1..3| <= 64), i.e. x to 28 bits of the block's largest value, finer than its
+// f32 rounding. The four digit planes are the mma's B columns (columns 4-7 repeat them and are
+// weighted 0), so one mma gives the sums q . d_p of all planes at once, exactly, in int32; the
+// row's 6-bit sub-block scales multiply them as integers, and once per 256-element block they
+// become floats (times d, s and 2^(21 - 7p)). The minimums use the f32 sums of x per sub-block.
+// Result: the f32 product of the dequantized row and x up to f32 rounding (nmse ~1e-14 against
+// f64, like the CUDA-core kernel).
+//
+// Each thread block turns its x into planes in shared memory first (tc_prepare_x) while the
+// first weight loads are in flight; that costs a pass over x per block, which is why
+// Gpu::matvec uses this kernel only for matrices with many rows and k <= TC_K_MAX.
+//
+// Grid (ceil(tiles / T), batch), a tile = 16 rows, T = 2 or 4 tiles per block (read back from
+// the grid size as in matvec_body); block TC_WARPS warps: 4 / T warps per tile take its
+// 256-blocks in turn and meet in shared memory. Dynamic shared memory tc_smem_bytes(k)
+// (kernels.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block
+// on distinct banks), k / 256 scales, k / 32 sums.
+
+#define TC_WARPS 4
+
+__device__ __forceinline__ void mma_s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                             u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+// Weights through L1 here (unlike ld_stream16): a lane's 8 bytes of a chunk share a 32-byte
+// sector with its neighbour's in every other block, and the second load then hits L1 instead
+// of asking L2 again (measured: L2 traffic twice the DRAM traffic without it).
+__device__ __forceinline__ uint2 ld_cached8(const u8* p) {
+    uint2 v;
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_cached16(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int tc_plane_stride(int k) { return k + 32; }
+
+// Planes, scales and sums of x[0, k) into shared memory, one warp per 256-element block at a
+// time (lane l owns elements 8l .. 8l + 7).
+__device__ void tc_prepare_x(const float* x, int k, u8* sm) {
+    int stride = tc_plane_stride(k);
+    float* scales = (float*)(sm + 4 * stride);
+    float* sums = scales + k / 256;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int blk = warp; blk < k / 256; blk += nwarps) {
+        const float4* xp = (const float4*)(x + 256 * blk + 8 * lane);
+        float4 u = xp[0], v = xp[1];
+        float e[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+        float mx = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            mx = fmaxf(mx, fabsf(e[i]));
+            sum += e[i];
+        }
+        mx = warp_max(mx);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        float inv = mx > 0.0f ? (127.0f * 2097152.0f) / mx : 0.0f;
+        if (lane == 0) scales[blk] = mx > 0.0f ? 1.0f / inv : 0.0f;
+        if ((lane & 3) == 0) sums[8 * blk + lane / 4] = sum;
+        u32 digit[4][8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int n = __float2int_rn(e[i] * inv);
+#pragma unroll
+            for (int p = 3; p > 0; p--) {
+                int d = ((n + 64) & 127) - 64;
+                digit[p][i] = (u32)d;
+                n = (n - d) >> 7;
+            }
+            digit[0][i] = (u32)n;
+        }
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            u32 lo = __byte_perm(__byte_perm(digit[p][0], digit[p][1], 0x0040),
+                                 __byte_perm(digit[p][2], digit[p][3], 0x0040), 0x5410);
+            u32 hi = __byte_perm(__byte_perm(digit[p][4], digit[p][5], 0x0040),
+                                 __byte_perm(digit[p][6], digit[p][7], 0x0040), 0x5410);
+            *(uint2*)(sm + p * stride + 256 * blk + 8 * lane) = make_uint2(lo, hi);
+        }
+    }
+}
+
+// The 6-bit scales (sc) and minimums (m) of Q4_K sub-blocks 0-3 ([0]) and 4-7 ([1]), one per
+// byte, from the header's scale words w0 (bytes 0-3), w1 (4-7), w2 (8-11).
+__device__ __forceinline__ void q4k_packed(u32 w0, u32 w1, u32 w2, u32* sc, u32* m) {
+    sc[0] = w0 & 0x3F3F3F3Fu;
+    m[0] = w1 & 0x3F3F3F3Fu;
+    sc[1] = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+    m[1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+}
+
+// A lane's share of one Q4_K block of its two rows (g and g + 8 of the tile): the 16-byte
+// headers and its 8 qs bytes (8t ..) of each 32-byte chunk.
+struct TcQ4k {
+    uint4 h_lo, h_hi;
+    uint2 q_lo[4], q_hi[4];
+};
+
+__device__ __forceinline__ TcQ4k tc_load_q4k(const u8* blo, const u8* bhi, int t) {
+    TcQ4k v;
+    v.h_lo = ld_cached16(blo);
+    v.h_hi = ld_cached16(bhi);
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        v.q_lo[c] = ld_cached8(blo + 16 + 32 * c + 8 * t);
+        v.q_hi[c] = ld_cached8(bhi + 16 + 32 * c + 8 * t);
+    }
+    return v;
+}
+
+// Same arguments and addressing as matvec_q4_k; rows 16-byte aligned, k a multiple of 256.
+extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
+    const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes, const float* x,
+    int x_group, i64 x_stride, float* y, i64 y_stride) {
+    extern __shared__ __align__(16) u8 tc_sm[];
+    int b = blockIdx.y;
+    i64 mat = ids ? ids[b] : b;
+    if (mat < 0) return;  // a MoE choice held by another rank (uniform per block)
+    int stride = tc_plane_stride(k), nb = k / 256;
+    const float* scales = (const float*)(tc_sm + 4 * stride);
+    const float* sums = scales + nb;
+    __shared__ float partial[TC_WARPS][16];
+
+    int tiles = (rows + 15) / 16, per_block = 1;
+    while (per_block < TC_WARPS && (int)gridDim.x * per_block < tiles) per_block *= 2;
+    int ks = TC_WARPS / per_block;  // warps per tile
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int tile = blockIdx.x * per_block + warp / ks, part = warp % ks;
+    const u8* row_lo = w + mat * mat_stride + (i64)min(tile * 16 + g, rows - 1) * row_bytes;
+    const u8* row_hi = w + mat * mat_stride + (i64)min(tile * 16 + g + 8, rows - 1) * row_bytes;
+    // Three blocks in flight per warp: the first two load while the block prepares x.
+    TcQ4k cur = tc_load_q4k(row_lo + (i64)min(part, nb - 1) * 144,
+                            row_hi + (i64)min(part, nb - 1) * 144, t);
+    TcQ4k nxt = tc_load_q4k(row_lo + (i64)min(part + ks, nb - 1) * 144,
+                            row_hi + (i64)min(part + ks, nb - 1) * 144, t);
+    tc_prepare_x(x + (i64)(b / x_group) * x_stride, k, tc_sm);
+    __syncthreads();
+
+    // B fragment: this lane's column g holds plane g % 4.
+    const u8* bcol = tc_sm + (g & 3) * stride + 8 * t;
+    // C columns 2t, 2t + 1 are planes 2t, 2t + 1 (weights 2^21, 2^14, 2^7, 1); t >= 2: repeats.
+    float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
+    float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
+
+    float acc_lo = 0.0f, acc_hi = 0.0f;
+    if (tile * 16 < rows) {
+        for (int kb = part; kb < nb; kb += ks) {
+            int kn = min(kb + 2 * ks, nb - 1);
+            TcQ4k nn = tc_load_q4k(row_lo + (i64)kn * 144, row_hi + (i64)kn * 144, t);
+            u32 sc_lo[2], m_lo[2], sc_hi[2], m_hi[2];
+            q4k_packed(cur.h_lo.y, cur.h_lo.z, cur.h_lo.w, sc_lo, m_lo);
+            q4k_packed(cur.h_hi.y, cur.h_hi.z, cur.h_hi.w, sc_hi, m_hi);
+            const u8* bk = bcol + 256 * kb;
+            int ci[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {  // low nibbles: sub-block 2c, high: 2c + 1
+                    int sb = 2 * c + h;
+                    uint2 bb = *(const uint2*)(bk + 32 * sb);
+                    int cc[4];
+                    mma_s8_16832(cc, (cur.q_lo[c].x >> (4 * h)) & 0x0F0F0F0Fu,
+                                 (cur.q_hi[c].x >> (4 * h)) & 0x0F0F0F0Fu,
+                                 (cur.q_lo[c].y >> (4 * h)) & 0x0F0F0F0Fu,
+                                 (cur.q_hi[c].y >> (4 * h)) & 0x0F0F0F0Fu, bb.x, bb.y);
+                    int sl = (int)__byte_perm(sc_lo[sb >> 2], 0u, 0x4440 + (sb & 3));
+                    int sh = (int)__byte_perm(sc_hi[sb >> 2], 0u, 0x4440 + (sb & 3));
+                    ci[0] += sl * cc[0];
+                    ci[1] += sl * cc[1];
+                    ci[2] += sh * cc[2];
+                    ci[3] += sh * cc[3];
+                }
+            }
+            float s = scales[kb];
+            float dlo = f16_to_f32((u16)cur.h_lo.x) * s, dhi = f16_to_f32((u16)cur.h_hi.x) * s;
+            acc_lo += dlo * (pf0 * (float)ci[0] + pf1 * (float)ci[1]);
+            acc_hi += dhi * (pf0 * (float)ci[2] + pf1 * (float)ci[3]);
+            // Lane t subtracts the minimums of sub-blocks 2t and 2t + 1.
+            float2 sx = *(const float2*)(sums + 8 * kb + 2 * t);
+            u32 wl = t >= 2 ? m_lo[1] : m_lo[0], wh = t >= 2 ? m_hi[1] : m_hi[0];
+            int j = 2 * (t & 1);
+            acc_lo -= f16_to_f32((u16)(cur.h_lo.x >> 16)) *
+                      (byte_f(wl, j, 0.0f) * sx.x + byte_f(wl, j + 1, 0.0f) * sx.y);
+            acc_hi -= f16_to_f32((u16)(cur.h_hi.x >> 16)) *
+                      (byte_f(wh, j, 0.0f) * sx.x + byte_f(wh, j + 1, 0.0f) * sx.y);
+            cur = nxt;
+            nxt = nn;
+        }
+    }
+    // Row g's sum is spread over its quad (plane columns, minimum shares), then over the warps
+    // of the tile.
+    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
+    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
+    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+    if (t == 0) {
+        partial[warp][g] = acc_lo;
+        partial[warp][g + 8] = acc_hi;
+    }
+    __syncthreads();
+    if (part == 0 && lane < 16 && tile * 16 + lane < rows) {
+        float sum = 0.0f;
+        for (int i = 0; i < ks; i++) sum += partial[warp + i][lane];
+        y[b * y_stride + tile * 16 + lane] = sum;
+    }
+}
+
 // matvec_t_<type>: the transposed product for small batches, y_b[j] = sum_i W_b[i, j] * x_b[i]
 // over the `rows` rows of W_b (each k elements long, so y_b has k values), with the same
 // W_b / x_b / y_b addressing as matvec. MLA's k_nope = k_b^T c_kv for a few tokens, in f32.

@@ -11,7 +11,8 @@
 //
 // Long contexts are split over the sequence (flash decoding): mla_decode_split handles
 // `keys_per_split` keys for a group of MLA_HB heads and writes an unnormalized partial result
-// (running max m, sum l, acc = sum p c_kv); mla_decode_combine merges the splits.
+// (running max m, sum l, acc = sum p c_kv); mla_decode_combine merges the splits (at most
+// MLA_MAX_SPLITS, kernels.rs).
 //
 // mla_decode_split runs on tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation)
 // with split precision: every f32 operand x is carried as x_hi = bf16(x) and
@@ -47,6 +48,7 @@
 #define MLA_TILEB (MLA_BK * MLA_ROWB)                   // one hi or lo tile
 #define MLA_STAGEB (2 * MLA_TILEB)                      // hi tile, then lo tile
 #define MLA_XS_FLOATS (MLA_HB / 16 * 4 * 16 * MLA_BK)   // partial scores of the 8 warps
+#define MLA_MAX_SPLITS 1024                             // split weights mla_decode_combine holds
 
 __device__ __forceinline__ void mla_split2(float x0, float x1, u32& hi, u32& lo) {
     hi = pack_bf16x2(x0, x1);
@@ -333,27 +335,42 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
 }
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
-// grid (H, T), block 128; out row t starts at out + t * out_tok, head h at h * dl.
-extern "C" __global__ void mla_decode_combine(const float* part_acc, const float* part_ml,
-                                              int n_splits, int n_heads, int dl, float* out,
-                                              i64 out_tok) {
-    int h = blockIdx.x, t = blockIdx.y;
-    part_acc += (i64)t * n_splits * n_heads * dl;
-    part_ml += (i64)t * n_splits * n_heads * 2;
+// grid (H, T), block 128; out row t starts at out + t * out_tok, head h at h * dl (both
+// 16-byte aligned: dl % 4 == 0, out_tok % 4 == 0). The block computes the split weights
+// exp(m_s - M) once into shared memory (n_splits <= MLA_MAX_SPLITS), then every thread sums
+// four dims of the partials per step (float4 reads), skipping splits of weight 0 (no visible
+// key; block-uniform).
+extern "C" __global__ void __launch_bounds__(128) mla_decode_combine(
+    const float* part_acc, const float* part_ml, int n_splits, int n_heads, int dl, float* out,
+    i64 out_tok) {
+    __shared__ float w[MLA_MAX_SPLITS];
+    __shared__ float red[32];
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+    const i64 first = (i64)t * n_splits * n_heads + h;  // (split 0, head h) of token t
+    const float* ml = part_ml + first * 2;
     float mx = NEG_INF;
-    for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, part_ml[((i64)s * n_heads + h) * 2]);
-    float denom = 0.0f;
-    for (int s = 0; s < n_splits; s++) {
-        float ms = part_ml[((i64)s * n_heads + h) * 2];
-        if (ms != NEG_INF) denom += expf(ms - mx) * part_ml[((i64)s * n_heads + h) * 2 + 1];
+    for (int s = tid; s < n_splits; s += blockDim.x) mx = fmaxf(mx, ml[(i64)s * n_heads * 2]);
+    mx = block_max(mx, red);
+    float den = 0.0f;
+    for (int s = tid; s < n_splits; s += blockDim.x) {
+        float ms = ml[(i64)s * n_heads * 2];
+        float e = ms == NEG_INF ? 0.0f : expf(ms - mx);
+        w[s] = e;
+        den += e * ml[(i64)s * n_heads * 2 + 1];
     }
-    float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-    for (int d = threadIdx.x; d < dl; d += blockDim.x) {
-        float sum = 0.0f;
+    den = block_sum(den, red);  // ends with a barrier: w is visible
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    const float4* acc = (const float4*)(part_acc + first * dl);
+    const i64 step = (i64)n_heads * dl / 4;  // float4s from one split to the next
+    for (int d4 = tid; d4 < dl / 4; d4 += blockDim.x) {
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int s = 0; s < n_splits; s++) {
-            float ms = part_ml[((i64)s * n_heads + h) * 2];
-            if (ms != NEG_INF) sum += expf(ms - mx) * part_acc[((i64)s * n_heads + h) * dl + d];
+            float e = w[s];
+            if (e == 0.0f) continue;  // block-uniform
+            float4 a = __ldg(acc + s * step + d4);
+            sum.x += e * a.x, sum.y += e * a.y, sum.z += e * a.z, sum.w += e * a.w;
         }
-        out[t * out_tok + (i64)h * dl + d] = sum * inv;
+        *(float4*)(out + t * out_tok + (i64)h * dl + 4 * d4) =
+            make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
     }
 }

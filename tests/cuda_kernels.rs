@@ -229,6 +229,68 @@ fn matvec_every_type_matches_dequantized_dot() {
     }
 }
 
+/// The Q4_K matvec on the integer tensor cores (matvec_tc_q4_k, taken for many rows over the
+/// batch): a tail tile (2100 rows), x with wide and tiny values (the per-block integer planes),
+/// shared and per-item inputs, and a MoE choice held elsewhere (id -1: output left alone).
+#[test]
+fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_tc");
+    let (t, rows, k, mats) = (GgmlType::Q4_K, 2100, 1536, 3);
+    let w = random_rows(&mut rng, t, rows * mats, k);
+    let wf = dequant_rows(t, &w, rows * mats, k);
+    let mut x = rng.normals(2 * k);
+    for (i, v) in x.iter_mut().enumerate() {
+        // Blocks whose largest value dwarfs the rest, and blocks of tiny values.
+        match (i / 256) % 3 {
+            0 => *v *= if i % 97 == 0 { 1e4 } else { 1.0 },
+            1 => *v *= 1e-6,
+            _ => {}
+        }
+    }
+    let ids = [2i32, 0, -1, 1, 1];
+    let (dw, dx, di) = (
+        g.upload(&w).unwrap(),
+        g.upload(&x).unwrap(),
+        g.upload(&ids).unwrap(),
+    );
+    let dy = poisoned(&g, ids.len() * rows);
+    g.matvec(&Matvec {
+        ty: t,
+        w: g.ptr(&dw, 0),
+        mat_stride: rows * t.row_bytes(k).unwrap(),
+        ids: g.ptr(&di, 0),
+        rows,
+        k,
+        x: g.ptr(&dx, 0),
+        x_group: 3,
+        x_stride: k,
+        y: g.ptr(&dy, 0),
+        y_stride: rows,
+        batch: ids.len(),
+        transposed: false,
+    })
+    .unwrap();
+    let y = g.download(&dy).unwrap();
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for (b, &m) in ids.iter().enumerate() {
+        let out = &y[b * rows..(b + 1) * rows];
+        if m < 0 {
+            assert!(
+                out.iter().all(|v| v.is_nan()),
+                "item {b} (id -1) was written"
+            );
+            continue;
+        }
+        let xb = &x[(b / 3) * k..(b / 3 + 1) * k];
+        for r in 0..rows {
+            want.push(dot64(&wf[(m as usize * rows + r) * k..][..k], xb));
+        }
+        got.extend_from_slice(out);
+    }
+    assert_close("matvec q4_k (tensor cores)", &got, &want, F32_OP);
+}
+
 #[test]
 fn matvec_transposed_every_type_matches() {
     let Some(g) = gpu() else { return };
@@ -442,6 +504,76 @@ fn matmul_grouped_experts_match_per_expert_products() {
                 );
                 assert_close(&what, &y, &want, BF16_MATMUL);
             }
+        }
+    }
+}
+
+#[test]
+fn matmul_cp_split_k_and_spans_match_f64() {
+    // The cp.async kernels (Q4_K, Q8_0; Q6_K takes the first-generation ones, as a control) on
+    // prefill-like shapes: plain 200 x 264 x 2048 is 2 x 3 tiles of 128, far from a full wave,
+    // so it splits k (32 steps of 64) and sums partials; plain 300 rows gathered by row_ids;
+    // grouped spans of 40 + 1 + 75 rows (two and three 32-row tiles) over 264 columns (a full
+    // and a partial tile of 128 and 256), gathered and consecutive.
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matmul cp");
+    let (n_exp, n, k) = (3, 264, 2048);
+    let spans: &[(usize, usize, usize)] = &[(2, 0, 40), (0, 40, 1), (1, 41, 75)];
+    for t in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q6_K] {
+        let mat_stride = n * t.row_bytes(k).unwrap();
+        let w = random_rows(&mut rng, t, n_exp * n, k);
+        let wf = dequant_rows(t, &w, n_exp * n, k);
+        let x = rng.normals(320 * k);
+        let (dw, dx) = (g.upload(&w).unwrap(), g.upload(&x).unwrap());
+        let row_ids: Vec<i32> = (0..320).map(|_| rng.below(320) as i32).collect();
+        let dr = g.upload(&row_ids).unwrap();
+        let table: Vec<i32> = spans
+            .iter()
+            .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
+            .collect();
+        let ds = g.upload(&table).unwrap();
+        // (rows, gathered, grouped)
+        for (m, gathered, grouped) in [
+            (200, false, false),
+            (300, true, false),
+            (116, true, true),
+            (116, false, true),
+        ] {
+            let dy = poisoned(&g, m * n);
+            g.matmul(&Matmul {
+                ty: t,
+                w: g.ptr(&dw, 0),
+                transposed: false,
+                x: g.ptr(&dx, 0),
+                x_stride: k,
+                row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
+                y: g.ptr(&dy, 0),
+                y_stride: n,
+                m: if grouped { 75 } else { m },
+                n,
+                k,
+                spans: if grouped { g.ptr(&ds, 0) } else { 0 },
+                n_spans: if grouped { spans.len() } else { 1 },
+                mat_stride,
+                x_mat_stride: 0,
+                y_mat_stride: 0,
+            })
+            .unwrap();
+            let y = g.download(&dy).unwrap();
+            let mut want = vec![0f64; m * n];
+            for r in 0..m {
+                let ex = if grouped {
+                    spans.iter().find(|s| r >= s.1 && r < s.1 + s.2).unwrap().0
+                } else {
+                    0
+                };
+                let src = if gathered { row_ids[r] as usize } else { r };
+                for j in 0..n {
+                    want[r * n + j] = dot64(&wf[(ex * n + j) * k..][..k], &x[src * k..][..k]);
+                }
+            }
+            let what = format!("matmul cp {t} m {m} gathered {gathered} grouped {grouped}");
+            assert_close(&what, &y, &want, BF16_MATMUL);
         }
     }
 }
@@ -929,41 +1061,21 @@ fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
 fn mla_decode_split_over_sequence_matches() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("mla_decode");
-    let (dl, dr, heads, tokens, pos0) = (512, 64, 20, 3, 1500);
+    let (dl, dr, heads, tokens, pos0) = (512, 64, 20, 3, 2200);
     let s_len = pos0 + tokens;
     let q_lat = rng.normals(tokens * heads * dl);
     let q_pe = rng.normals(tokens * heads * dr);
     let cache = rng.normals(s_len * (dl + dr));
     let scale = 0.07f32;
+    let (dq, dp, dc) = (
+        g.upload(&q_lat).unwrap(),
+        g.upload(&q_pe).unwrap(),
+        g.upload(&cache).unwrap(),
+    );
     for dsa in [false, true] {
         let n_ids = 300;
         let keep = random_keep(&mut rng, tokens, pos0, n_ids);
-        let (dq, dp, dc, dk) = (
-            g.upload(&q_lat).unwrap(),
-            g.upload(&q_pe).unwrap(),
-            g.upload(&cache).unwrap(),
-            g.upload(&keep).unwrap(),
-        );
-        let dout = poisoned(&g, tokens * heads * dl);
-        g.mla_decode(&MlaDecode {
-            q_lat: g.ptr(&dq, 0),
-            ql_tok: heads * dl,
-            q_pe: g.ptr(&dp, 0),
-            qp_tok: heads * dr,
-            cache: g.ptr(&dc, 0),
-            dl,
-            dr,
-            heads,
-            tokens,
-            pos0,
-            key_ids: if dsa { g.ptr(&dk, 0) } else { 0 },
-            n_ids,
-            scale,
-            out: g.ptr(&dout, 0),
-            out_tok: heads * dl,
-        })
-        .unwrap();
-        let got = g.download(&dout).unwrap();
+        let dk = g.upload(&keep).unwrap();
         let mut want = Vec::new();
         for t in 0..tokens {
             let visible: Vec<usize> = if dsa {
@@ -991,12 +1103,49 @@ fn mla_decode_split_over_sequence_matches() {
                 want.extend(attend(&scores, |s, d| cache[s * (dl + dr) + d] as f64, dl));
             }
         }
-        let (splits, per) = g.mla_decode_splits(s_len, heads);
-        let what = format!(
-            "mla_decode {splits} splits of {per}{}",
-            if dsa { " dsa" } else { "" }
-        );
-        assert_close(&what, &got, &want, 1e-9);
+        let a = |out: u64| MlaDecode {
+            q_lat: g.ptr(&dq, 0),
+            ql_tok: heads * dl,
+            q_pe: g.ptr(&dp, 0),
+            qp_tok: heads * dr,
+            cache: g.ptr(&dc, 0),
+            dl,
+            dr,
+            heads,
+            tokens,
+            pos0,
+            key_ids: if dsa { g.ptr(&dk, 0) } else { 0 },
+            n_ids,
+            scale,
+            out,
+            out_tok: heads * dl,
+        };
+        let n_keys = if dsa { n_ids } else { s_len };
+        // The engine's split (None), one split, splits of 16 keys (more splits than the 128
+        // threads of the combine without DSA), of 7 keys (partial key tiles), of 3 (735
+        // without DSA, near the combine's limit, and past the kept workspace: a buffer of its
+        // own) and, with DSA, of 1 key (300 splits, many with no visible key). The calls
+        // share one workspace: it grows and is reused.
+        let pers = [None, Some(n_keys), Some(16), Some(7), Some(3), Some(1)];
+        for per in pers.into_iter().filter(|&p| dsa || p != Some(1)) {
+            let (splits, per) = match per {
+                Some(p) => (n_keys.div_ceil(p), p),
+                None => g.mla_decode_splits(n_keys, heads),
+            };
+            let what = format!(
+                "mla_decode {splits} splits of {per}{}",
+                if dsa { " dsa" } else { "" }
+            );
+            let dout = poisoned(&g, tokens * heads * dl);
+            g.mla_decode_with(&a(g.ptr(&dout, 0)), per).unwrap();
+            let got = g.download(&dout).unwrap();
+            assert_close(&what, &got, &want, 1e-9);
+        }
+        if !dsa {
+            // More splits than the combine holds (2203) is an error, not a wrong answer.
+            let dout = poisoned(&g, tokens * heads * dl);
+            assert!(g.mla_decode_with(&a(g.ptr(&dout, 0)), 1).is_err());
+        }
     }
 }
 

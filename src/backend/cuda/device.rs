@@ -28,6 +28,9 @@ pub struct Gpu {
     pub multiprocessors: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
+    /// decode does not allocate per layer (ops.rs).
+    pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -62,6 +65,7 @@ impl Gpu {
             ctx,
             modules: Mutex::default(),
             functions: Mutex::default(),
+            mla_work: Mutex::default(),
         })
     }
 

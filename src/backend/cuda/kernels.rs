@@ -87,6 +87,8 @@ pub const MLA_DR_MAX: usize = 64;
 pub const MLA_HB: usize = 32;
 pub const MLA_BK: usize = 16;
 pub const MLA_THREADS: u32 = 256;
+/// Most sequence splits mla_decode_combine merges (its shared split weights).
+pub const MLA_MAX_SPLITS: usize = 1024;
 
 /// Dynamic shared memory of mla_decode_split: two stages of a hi and a lo bf16 key tile
 /// (MLA_BK rows of MLA_DL_MAX + MLA_DR_MAX dims, padded by 8), the partial scores of the 8
@@ -113,6 +115,25 @@ pub fn dsa_scores_smem_bytes(heads: usize, dim: usize) -> usize {
     4 * (heads * dim + 32 * (dim + 4))
 }
 
+/// Dynamic shared memory of the cp.async matmul kernels (CpCfg in kernels/matmul.cu, whose
+/// static_assert keeps each under 99 KiB): STAGES stages of the X tile (bf16 rows of 128
+/// bytes, or f32 rows of 64 + 4 floats in grouped mode) and the raw weight bytes (Q4_K: 32 qs
+/// + 16 header bytes per row, Q8_0: an 80-byte window), plus Q4_K's two scale buffers.
+pub fn matmul_cp_smem_bytes(kernel: &str) -> usize {
+    // (rows, columns, stages, Q4_K, grouped) of each kernel, as instantiated in matmul.cu.
+    let (bm, bn, stages, q4, grouped) = match kernel {
+        "matmul_cp_q4_k" => (128, 128, 4, true, false),
+        "matmul_cp_q8_0" => (128, 128, 3, false, false),
+        "matmul_cp_spans_q4_k" => (32, 128, 4, true, true),
+        "matmul_cp_spans_q8_0" => (32, 256, 3, false, true),
+        _ => return 0,
+    };
+    let x_row = if grouped { 4 * (64 + 4) } else { 128 };
+    let w_row = if q4 { 32 + 16 } else { 80 };
+    let scales = if q4 { 2 * bn * 16 } else { 0 };
+    stages * (bm * x_row + bn * w_row) + scales
+}
+
 /// The largest dynamic shared memory each kernel that uses it is ever launched with.
 pub fn max_dynamic_smem(kernel: &str) -> usize {
     match kernel {
@@ -120,6 +141,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         // heads * dim <= DSA_Q_MAX and dim <= DSA_DIM_MAX.
         "dsa_scores" => 4 * (DSA_Q_MAX + 32 * (DSA_DIM_MAX + 4)),
         "mla_decode_split" => mla_decode_smem_bytes(),
+        k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         _ => 0,
     }
 }

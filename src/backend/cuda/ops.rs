@@ -72,6 +72,29 @@ fn matvec_groups_per_block(groups: usize, batch: usize, row_bytes: usize) -> usi
     MATVEC_WARPS / split
 }
 
+/// matvec_tc_q4_k (kernels/matvec.cu), the Q4_K product on the integer tensor cores, serves
+/// matrices with at least TC_MIN_ROWS rows over the batch and k <= TC_K_MAX: each of its
+/// thread blocks first turns x into integer planes (a pass over k), which pays off only when
+/// a block has many rows to amortize it over. Measured on an H200 (docs/performance.md): the
+/// GLM-5 expert up x16 (2048 x 6144 each) 54 -> 43 us, a 24576 x 1536 q_b 16.4 -> 11.8 us;
+/// the CUDA-core kernel stays ahead on 576-1536 rows and on k = 16384.
+const TC_MIN_ROWS: usize = 8192;
+const TC_K_MAX: usize = 8192;
+
+fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
+    a.ty == GgmlType::Q4_K
+        && !a.transposed
+        && a.k <= TC_K_MAX
+        && a.rows * a.batch >= TC_MIN_ROWS
+        && (a.w as usize | a.mat_stride | row_bytes) % 16 == 0
+}
+
+/// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales and
+/// k / 32 sums of x.
+fn tc_smem_bytes(k: usize) -> usize {
+    4 * (k + 32) + 4 * (k / 256) + 4 * (k / 32)
+}
+
 impl Gpu {
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
         let kernel = typed_kernel(if a.transposed { "matvec_t" } else { "matvec" }, a.ty)?;
@@ -85,6 +108,18 @@ impl Gpu {
         check(a.x_group > 0 && a.batch > 0, "matvec", || {
             "empty batch".into()
         })?;
+        if uses_tensor_cores(a, row_bytes.unwrap()) {
+            // Tiles of 16 rows, 4 per block (one warp each) on large grids, else 2 (two warps
+            // each, halving k): the faster choice in the measurements above.
+            let tiles = a.rows.div_ceil(16);
+            let per_block = if tiles * a.batch >= 1152 { 4 } else { 2 };
+            launch!(self, "matvec_tc_q4_k", (grid1(tiles, per_block), a.batch as u32, 1), 128,
+                tc_smem_bytes(a.k) as u32;
+                a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32,
+                row_bytes.unwrap() as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
+                a.y_stride as i64);
+            return Ok(());
+        }
         // Non-transposed: row groups sharing blocks; transposed: one thread per 8 columns.
         let (grid_x, block) = if a.transposed {
             (grid1(a.k / 8, 128), 128)
@@ -168,8 +203,67 @@ pub struct Matmul {
     pub y_mat_stride: usize,
 }
 
+// Tiles of the cp.async kernels (MATMUL_CP_KERNEL in kernels/matmul.cu): plain products take
+// 128 x 128 tiles of 256 threads; grouped ones 32-row tiles of Q4_K 128 columns (128 threads)
+// or Q8_0 256 columns (256 threads).
+const CP_BM: usize = 128;
+const CP_BN: usize = 128;
+const CP_THREADS: u32 = 256;
+const CP_SPANS_BM: usize = 32;
+/// Split-K keeps at least this many 64-wide k steps per split (fewer would spend more on the
+/// partials than they save).
+const CP_MIN_SPLIT_STEPS: usize = 4;
+
+/// Whether matmul_cp_<type> takes the product (else the first-generation kernels, which take
+/// every type and mode): Q4_K or Q8_0, not transposed, k a multiple of 256, weights 16-byte
+/// aligned (cp.async of raw rows), Y rows 16-byte aligned; grouped, or a single matrix of more
+/// than 32 rows (fewer: matmul_s16 / matmul_s32, made for them; batched heads: the first
+/// generation's gridDim.z).
+fn matmul_cp_takes(a: &Matmul, row_bytes: usize) -> bool {
+    matches!(a.ty, GgmlType::Q4_K | GgmlType::Q8_0)
+        && !a.transposed
+        && a.k % 256 == 0
+        && a.w % 16 == 0
+        && row_bytes % 16 == 0
+        && a.mat_stride % 16 == 0
+        && a.y % 16 == 0
+        && a.y_stride % 4 == 0
+        && (a.spans != 0 || (a.n_spans <= 1 && a.m > 32))
+}
+
 impl Gpu {
     pub fn matmul(&self, a: &Matmul) -> Result<(), CudaError> {
+        let row_bytes = a.ty.row_bytes(if a.transposed { a.n } else { a.k });
+        check(
+            row_bytes.is_some() && a.k % 32 == 0 && a.n % 8 == 0,
+            "matmul",
+            || {
+                format!(
+                    "k = {}, n = {}: k a multiple of 32, rows whole {} blocks",
+                    a.k, a.n, a.ty
+                )
+            },
+        )?;
+        let row_bytes = row_bytes.unwrap();
+        check(
+            a.x % 16 == 0 && a.x_stride % 4 == 0 && a.x_mat_stride % 4 == 0,
+            "matmul",
+            || "x rows must be 16-byte aligned".into(),
+        )?;
+        let z = if a.spans == 0 {
+            a.n_spans.max(1)
+        } else {
+            a.n_spans
+        };
+        check(z <= 65535, "matmul", || {
+            format!("{z} spans or matrices (at most 65535)")
+        })?;
+        if z == 0 || a.m == 0 || a.n == 0 {
+            return Ok(());
+        }
+        if matmul_cp_takes(a, row_bytes) {
+            return self.matmul_cp(a, row_bytes);
+        }
         // Row tiles (kernels/matmul.cu): 128 rows for large products; 64 where a matrix has
         // few rows; the small kernels (16 or 32 rows x 256 columns, k a multiple of 64) for
         // tiny plain or batched products and the grouped MoE spans. There m is the largest
@@ -193,37 +287,74 @@ impl Gpu {
             (true, _) => ("matmul_t_m64", 128),
         };
         let kernel = typed_kernel(prefix, a.ty)?;
-        let row_bytes = a.ty.row_bytes(if a.transposed { a.n } else { a.k });
-        check(
-            row_bytes.is_some() && a.k % 32 == 0 && a.n % 8 == 0,
-            "matmul",
-            || {
-                format!(
-                    "k = {}, n = {}: k a multiple of 32, rows whole {} blocks",
-                    a.k, a.n, a.ty
-                )
-            },
-        )?;
-        check(
-            a.x % 16 == 0 && a.x_stride % 4 == 0 && a.x_mat_stride % 4 == 0,
-            "matmul",
-            || "x rows must be 16-byte aligned".into(),
-        )?;
-        let z = if a.spans == 0 {
-            a.n_spans.max(1)
-        } else {
-            a.n_spans
-        };
-        check(z <= 65535, "matmul", || {
-            format!("{z} spans or matrices (at most 65535)")
-        })?;
-        if z == 0 || a.m == 0 || a.n == 0 {
-            return Ok(());
-        }
         launch!(self, kernel, (grid1(a.n, bn), grid1(a.m, bm), z as u32), 256, 0;
-            a.w, row_bytes.unwrap() as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
+            a.w, row_bytes as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
             a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32, a.spans,
             a.mat_stride as i64, a.x_mat_stride as i64, a.y_mat_stride as i64);
+        Ok(())
+    }
+
+    /// The product on matmul_cp_<type> (see `matmul_cp_takes`). Plain mode: X rounded to
+    /// bf16 once by matmul_xprep, then the tiles, split over k when they do not fill the GPU
+    /// (partials summed by matmul_splitk_sum). Grouped mode reads X f32 directly: the host
+    /// does not know the total row count (only the largest span) to size a copy.
+    fn matmul_cp(&self, a: &Matmul, row_bytes: usize) -> Result<(), CudaError> {
+        let ty = a.ty.name().to_lowercase();
+        if a.spans != 0 {
+            let kernel = format!("matmul_cp_spans_{ty}");
+            let (bn, threads) = if a.ty == GgmlType::Q4_K {
+                (128, 128)
+            } else {
+                (256, 256)
+            };
+            let smem = super::kernels::matmul_cp_smem_bytes(&kernel) as u32;
+            let grid = (grid1(a.n, bn), grid1(a.m, CP_SPANS_BM), a.n_spans as u32);
+            launch!(self, kernel, grid, threads, smem;
+                a.w, row_bytes as i64, 0u64, a.x, a.x_stride as i64, a.row_ids, a.y,
+                a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32, a.spans,
+                a.mat_stride as i64, 0i32, 0i32, 0u64);
+            return Ok(());
+        }
+        let kernel = format!("matmul_cp_{ty}");
+        let smem = super::kernels::matmul_cp_smem_bytes(&kernel);
+        // Split-K: enough blocks for one full wave, each split CP_MIN_SPLIT_STEPS k steps or
+        // more; then as few splits as that many steps per split needs.
+        let tiles_m = a.m.div_ceil(CP_BM);
+        let tiles = tiles_m * a.n.div_ceil(CP_BN);
+        let steps = a.k / 64;
+        let per_sm = self
+            .function(&kernel)?
+            .occupancy_max_active_blocks_per_multiprocessor(CP_THREADS, smem, None)?;
+        let wave = self.multiprocessors * (per_sm as usize).max(1);
+        let mut ksteps = steps;
+        if tiles < wave {
+            let splits = (steps / CP_MIN_SPLIT_STEPS)
+                .max(1)
+                .min(wave.div_ceil(tiles));
+            ksteps = steps.div_ceil(splits);
+        }
+        let splits = steps.div_ceil(ksteps);
+        // Scratch, like the backend's temporaries: one stream-ordered allocation, freed in
+        // stream order (after the kernels below) when it drops at the end of this function.
+        // bf16 X [m, k], then the partials [splits, m, n] f32 from a 256-byte boundary.
+        let xb_floats = (a.m * a.k / 2).next_multiple_of(64);
+        let part_floats = if splits > 1 { splits * a.m * a.n } else { 0 };
+        let scratch = self.empty(xb_floats + part_floats)?;
+        let xb = self.ptr(&scratch, 0);
+        let part = if splits > 1 {
+            self.ptr(&scratch, xb_floats)
+        } else {
+            0
+        };
+        launch!(self, "matmul_xprep", (grid1(a.m * a.k / 32, 256), 1, 1), 256, 0;
+            a.x, a.x_stride as i64, a.row_ids, a.m as i32, a.k as i32, xb);
+        launch!(self, kernel, (tiles as u32, splits as u32, 1), CP_THREADS, smem as u32;
+            a.w, row_bytes as i64, xb, 0u64, 0i64, 0u64, a.y, a.y_stride as i64, a.m as i32,
+            a.n as i32, a.k as i32, 0u64, 0i64, tiles_m as i32, ksteps as i32, part);
+        if splits > 1 {
+            launch!(self, "matmul_splitk_sum", (grid1(a.m * a.n / 4, 256), 1, 1), 256, 0;
+                part, splits as i32, a.m as i32, a.n as i32, a.y, a.y_stride as i64);
+        }
         Ok(())
     }
 
@@ -461,22 +592,46 @@ pub struct MlaDecode {
     pub out_tok: usize,
 }
 
-use super::kernels::{mla_decode_smem_bytes, MLA_BK, MLA_HB, MLA_THREADS};
+use super::kernels::{mla_decode_smem_bytes, MLA_BK, MLA_HB, MLA_MAX_SPLITS, MLA_THREADS};
+
+/// The most floats of split partials `mla_decode` keeps between calls (64 MiB; one decode
+/// token needs about multiprocessors * 32 * dl, 8.6 MB on an H200); a larger call (many
+/// tokens) allocates its own for the call.
+const MLA_WORK_KEEP: usize = 16 << 20;
 
 impl Gpu {
     /// The number of sequence splits and keys per split for up to `n_keys` keys and `heads`
     /// heads: one block of mla_decode_split per multiprocessor (it holds 32 heads and ~200
     /// registers a thread, so one block fits an SM), keys per split a multiple of the key
-    /// tile (MLA_BK).
+    /// tile (MLA_BK), at most MLA_MAX_SPLITS splits (what mla_decode_combine merges).
     pub fn mla_decode_splits(&self, n_keys: usize, heads: usize) -> (usize, usize) {
         let groups = heads.div_ceil(MLA_HB);
-        let want = self.multiprocessors.div_ceil(groups).max(1);
+        let want = self
+            .multiprocessors
+            .div_ceil(groups)
+            .clamp(1, MLA_MAX_SPLITS);
         let splits = want.min(n_keys.div_ceil(MLA_BK)).max(1);
         let per = (n_keys.div_ceil(splits).div_ceil(MLA_BK) * MLA_BK).max(MLA_BK);
         (n_keys.div_ceil(per).max(1), per)
     }
 
+    /// The keys the longest query row of `a` walks (DSA ids or causal positions).
+    fn mla_decode_keys(a: &MlaDecode) -> usize {
+        if a.key_ids != 0 {
+            a.n_ids
+        } else {
+            a.pos0 + a.tokens
+        }
+    }
+
     pub fn mla_decode(&self, a: &MlaDecode) -> Result<(), CudaError> {
+        let (_, per) = self.mla_decode_splits(Self::mla_decode_keys(a), a.heads);
+        self.mla_decode_with(a, per)
+    }
+
+    /// `mla_decode` with `per` keys per split (any per >= 1 that makes at most MLA_MAX_SPLITS
+    /// splits; the engine's choice is `mla_decode_splits`), so tests can pick the split count.
+    pub fn mla_decode_with(&self, a: &MlaDecode, per: usize) -> Result<(), CudaError> {
         check(
             a.dl % 32 == 0 && a.dl <= MLA_DL_MAX && a.dr <= MLA_DR_MAX,
             "mla_decode_split",
@@ -487,20 +642,54 @@ impl Gpu {
                 )
             },
         )?;
+        // mla_decode_combine writes float4 rows.
+        check(
+            a.out % 16 == 0 && a.out_tok % 4 == 0,
+            "mla_decode_combine",
+            || {
+                format!(
+                    "out {:#x}, rows {} floats apart: not float4 rows",
+                    a.out, a.out_tok
+                )
+            },
+        )?;
+        let splits = Self::mla_decode_keys(a).div_ceil(per.max(1)).max(1);
+        check(
+            per > 0 && splits <= MLA_MAX_SPLITS,
+            "mla_decode_split",
+            || format!("{per} keys per split make {splits} splits (at most {MLA_MAX_SPLITS})"),
+        )?;
         if a.tokens == 0 {
             return Ok(());
         }
-        let max_keys = if a.key_ids != 0 {
-            a.n_ids
+        // Partial results, one buffer: acc [T, splits, heads, dl], then (m, l) [T, splits,
+        // heads, 2] (16-byte aligned: dl % 32 == 0). Every element is written by
+        // mla_decode_split (empty splits write m = -inf, l = 0). The kept workspace is reused
+        // without a host wait: every launch goes to the one stream, in order, and the lock is
+        // held until both kernels are queued; growing frees the old buffer stream-ordered.
+        let n_acc = a.tokens * splits * a.heads * a.dl;
+        let n = n_acc + a.tokens * splits * a.heads * 2;
+        let mut work = self.mla_work.lock().unwrap();
+        let temp;
+        let buf = if n <= MLA_WORK_KEEP {
+            if work.as_ref().is_none_or(|w| w.len() < n) {
+                *work = None;
+                *work = Some(self.empty(n)?);
+            } else if cfg!(debug_assertions) {
+                // As `empty` does for a new buffer: NaN where a kernel fails to write.
+                let p = self.ptr(work.as_ref().unwrap(), 0);
+                // SAFETY: p addresses the n * 4 bytes of the workspace (len >= n); earlier
+                // users of it are ordered before this on the stream.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(p, 0xff, n * 4, self.stream.cu_stream())
+                }?;
+            }
+            work.as_ref().unwrap()
         } else {
-            a.pos0 + a.tokens
+            temp = self.empty(n)?;
+            &temp
         };
-        let (splits, per) = self.mla_decode_splits(max_keys, a.heads);
-        // Partial results: acc [T, splits, heads, dl] and (m, l) [T, splits, heads, 2].
-        // Every element is written by mla_decode_split (empty splits write m = -inf, l = 0).
-        let part_acc = self.empty(a.tokens * splits * a.heads * a.dl)?;
-        let part_ml = self.empty(a.tokens * splits * a.heads * 2)?;
-        let (pa, pm) = (self.ptr(&part_acc, 0), self.ptr(&part_ml, 0));
+        let (pa, pm) = (self.ptr(buf, 0), self.ptr(buf, n_acc));
         let grid = (grid1(a.heads, MLA_HB), splits as u32, a.tokens as u32);
         launch!(self, "mla_decode_split", grid, MLA_THREADS, mla_decode_smem_bytes() as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
