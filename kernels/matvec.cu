@@ -394,7 +394,7 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 // Grid (ceil(tiles / T), batch), a tile = 16 rows, T = 2 or 4 tiles per block (read back from
 // the grid size as in matvec_body); block TC_WARPS warps: 4 / T warps per tile take its
 // 256-blocks in turn and meet in shared memory. Dynamic shared memory tc_smem_bytes(k)
-// (kernels.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block
+// (ops.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block
 // on distinct banks), k / 256 scales, k / 32 sums.
 
 #define TC_WARPS 4
