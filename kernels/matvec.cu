@@ -481,37 +481,79 @@ __device__ __forceinline__ void q4k_packed(u32 w0, u32 w1, u32 w2, u32* sc, u32*
     m[1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
 }
 
-// A lane's share of one Q4_K block of its two rows (g and g + 8 of the tile): the 16-byte
-// headers and its 8 qs bytes (8t ..) of each 32-byte chunk.
+// A lane's registers for one Q4_K block (144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 qs
+// bytes) of its two rows (g and g + 8 of the tile): the 16-byte headers and its 8 qs bytes
+// (8t ..) of each 32-byte chunk. Chunk c holds sub-block 2c in its low nibbles and 2c + 1 in
+// its high ones: two m16n8k32 products. B_LANE: where in a plane the lane's B bytes start.
 struct TcQ4k {
+    static const int BYTES = 144, B_LANE = 8;
     uint4 h_lo, h_hi;
     uint2 q_lo[4], q_hi[4];
-};
 
-__device__ __forceinline__ TcQ4k tc_load_q4k(const u8* blo, const u8* bhi, int t) {
-    TcQ4k v;
-    v.h_lo = ld_cached16(blo);
-    v.h_hi = ld_cached16(bhi);
+    __device__ __forceinline__ void load(const u8* blo, const u8* bhi, int t) {
+        h_lo = ld_cached16(blo);
+        h_hi = ld_cached16(bhi);
 #pragma unroll
-    for (int c = 0; c < 4; c++) {
-        v.q_lo[c] = ld_cached8(blo + 16 + 32 * c + 8 * t);
-        v.q_hi[c] = ld_cached8(bhi + 16 + 32 * c + 8 * t);
+        for (int c = 0; c < 4; c++) {
+            q_lo[c] = ld_cached8(blo + 16 + 32 * c + 8 * t);
+            q_hi[c] = ld_cached8(bhi + 16 + 32 * c + 8 * t);
+        }
     }
-    return v;
-}
+
+    // bk: this lane's B bytes of the block (plane + 256 kb + B_LANE t); sums: the block's 8
+    // sub-block sums of x; s: its scale.
+    __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
+                                       float pf0, float pf1, float& acc_lo,
+                                       float& acc_hi) const {
+        u32 sc_lo[2], m_lo[2], sc_hi[2], m_hi[2];
+        q4k_packed(h_lo.y, h_lo.z, h_lo.w, sc_lo, m_lo);
+        q4k_packed(h_hi.y, h_hi.z, h_hi.w, sc_hi, m_hi);
+        int ci[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {  // low nibbles: sub-block 2c, high: 2c + 1
+                int sb = 2 * c + h;
+                uint2 bb = *(const uint2*)(bk + 32 * sb);
+                int cc[4];
+                mma_s8_16832(cc, (q_lo[c].x >> (4 * h)) & 0x0F0F0F0Fu,
+                             (q_hi[c].x >> (4 * h)) & 0x0F0F0F0Fu,
+                             (q_lo[c].y >> (4 * h)) & 0x0F0F0F0Fu,
+                             (q_hi[c].y >> (4 * h)) & 0x0F0F0F0Fu, bb.x, bb.y);
+                int sl = (int)__byte_perm(sc_lo[sb >> 2], 0u, 0x4440 + (sb & 3));
+                int sh = (int)__byte_perm(sc_hi[sb >> 2], 0u, 0x4440 + (sb & 3));
+                ci[0] += sl * cc[0];
+                ci[1] += sl * cc[1];
+                ci[2] += sh * cc[2];
+                ci[3] += sh * cc[3];
+            }
+        }
+        float dlo = f16_to_f32((u16)h_lo.x) * s, dhi = f16_to_f32((u16)h_hi.x) * s;
+        acc_lo += dlo * (pf0 * (float)ci[0] + pf1 * (float)ci[1]);
+        acc_hi += dhi * (pf0 * (float)ci[2] + pf1 * (float)ci[3]);
+        // Lane t subtracts the minimums of sub-blocks 2t and 2t + 1.
+        float2 sx = *(const float2*)(sums + 2 * t);
+        u32 wl = t >= 2 ? m_lo[1] : m_lo[0], wh = t >= 2 ? m_hi[1] : m_hi[0];
+        int j = 2 * (t & 1);
+        acc_lo -= f16_to_f32((u16)(h_lo.x >> 16)) *
+                  (byte_f(wl, j, 0.0f) * sx.x + byte_f(wl, j + 1, 0.0f) * sx.y);
+        acc_hi -= f16_to_f32((u16)(h_hi.x >> 16)) *
+                  (byte_f(wh, j, 0.0f) * sx.x + byte_f(wh, j + 1, 0.0f) * sx.y);
+    }
+};
 
 // Same arguments and addressing as matvec_q4_k; rows 16-byte aligned, k a multiple of 256.
 extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
     const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes, const float* x,
     int x_group, i64 x_stride, float* y, i64 y_stride) {
     extern __shared__ __align__(16) u8 tc_sm[];
+    __shared__ float partial[TC_WARPS][16];
     int b = blockIdx.y;
     i64 mat = ids ? ids[b] : b;
     if (mat < 0) return;  // a MoE choice held by another rank (uniform per block)
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
     const float* sums = scales + nb;
-    __shared__ float partial[TC_WARPS][16];
 
     int tiles = (rows + 15) / 16, per_block = 1;
     while (per_block < TC_WARPS && (int)gridDim.x * per_block < tiles) per_block *= 2;
@@ -521,15 +563,16 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
     const u8* row_lo = w + mat * mat_stride + (i64)min(tile * 16 + g, rows - 1) * row_bytes;
     const u8* row_hi = w + mat * mat_stride + (i64)min(tile * 16 + g + 8, rows - 1) * row_bytes;
     // Three blocks in flight per warp: the first two load while the block prepares x.
-    TcQ4k cur = tc_load_q4k(row_lo + (i64)min(part, nb - 1) * 144,
-                            row_hi + (i64)min(part, nb - 1) * 144, t);
-    TcQ4k nxt = tc_load_q4k(row_lo + (i64)min(part + ks, nb - 1) * 144,
-                            row_hi + (i64)min(part + ks, nb - 1) * 144, t);
+    TcQ4k cur, nxt;
+    cur.load(row_lo + (i64)min(part, nb - 1) * TcQ4k::BYTES,
+             row_hi + (i64)min(part, nb - 1) * TcQ4k::BYTES, t);
+    nxt.load(row_lo + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES,
+             row_hi + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES, t);
     tc_prepare_x(x + (i64)(b / x_group) * x_stride, k, tc_sm);
     __syncthreads();
 
     // B fragment: this lane's column g holds plane g % 4.
-    const u8* bcol = tc_sm + (g & 3) * stride + 8 * t;
+    const u8* bcol = tc_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
     // C columns 2t, 2t + 1 are planes 2t, 2t + 1 (weights 2^21, 2^14, 2^7, 1); t >= 2: repeats.
     float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
     float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
@@ -538,43 +581,9 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
     if (tile * 16 < rows) {
         for (int kb = part; kb < nb; kb += ks) {
             int kn = min(kb + 2 * ks, nb - 1);
-            TcQ4k nn = tc_load_q4k(row_lo + (i64)kn * 144, row_hi + (i64)kn * 144, t);
-            u32 sc_lo[2], m_lo[2], sc_hi[2], m_hi[2];
-            q4k_packed(cur.h_lo.y, cur.h_lo.z, cur.h_lo.w, sc_lo, m_lo);
-            q4k_packed(cur.h_hi.y, cur.h_hi.z, cur.h_hi.w, sc_hi, m_hi);
-            const u8* bk = bcol + 256 * kb;
-            int ci[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {  // low nibbles: sub-block 2c, high: 2c + 1
-                    int sb = 2 * c + h;
-                    uint2 bb = *(const uint2*)(bk + 32 * sb);
-                    int cc[4];
-                    mma_s8_16832(cc, (cur.q_lo[c].x >> (4 * h)) & 0x0F0F0F0Fu,
-                                 (cur.q_hi[c].x >> (4 * h)) & 0x0F0F0F0Fu,
-                                 (cur.q_lo[c].y >> (4 * h)) & 0x0F0F0F0Fu,
-                                 (cur.q_hi[c].y >> (4 * h)) & 0x0F0F0F0Fu, bb.x, bb.y);
-                    int sl = (int)__byte_perm(sc_lo[sb >> 2], 0u, 0x4440 + (sb & 3));
-                    int sh = (int)__byte_perm(sc_hi[sb >> 2], 0u, 0x4440 + (sb & 3));
-                    ci[0] += sl * cc[0];
-                    ci[1] += sl * cc[1];
-                    ci[2] += sh * cc[2];
-                    ci[3] += sh * cc[3];
-                }
-            }
-            float s = scales[kb];
-            float dlo = f16_to_f32((u16)cur.h_lo.x) * s, dhi = f16_to_f32((u16)cur.h_hi.x) * s;
-            acc_lo += dlo * (pf0 * (float)ci[0] + pf1 * (float)ci[1]);
-            acc_hi += dhi * (pf0 * (float)ci[2] + pf1 * (float)ci[3]);
-            // Lane t subtracts the minimums of sub-blocks 2t and 2t + 1.
-            float2 sx = *(const float2*)(sums + 8 * kb + 2 * t);
-            u32 wl = t >= 2 ? m_lo[1] : m_lo[0], wh = t >= 2 ? m_hi[1] : m_hi[0];
-            int j = 2 * (t & 1);
-            acc_lo -= f16_to_f32((u16)(cur.h_lo.x >> 16)) *
-                      (byte_f(wl, j, 0.0f) * sx.x + byte_f(wl, j + 1, 0.0f) * sx.y);
-            acc_hi -= f16_to_f32((u16)(cur.h_hi.x >> 16)) *
-                      (byte_f(wh, j, 0.0f) * sx.x + byte_f(wh, j + 1, 0.0f) * sx.y);
+            TcQ4k nn;
+            nn.load(row_lo + (i64)kn * TcQ4k::BYTES, row_hi + (i64)kn * TcQ4k::BYTES, t);
+            cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
             cur = nxt;
             nxt = nn;
         }
@@ -596,6 +605,7 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
         y[b * y_stride + tile * 16 + lane] = sum;
     }
 }
+
 
 // matvec_t_<type>: the transposed product for small batches, y_b[j] = sum_i W_b[i, j] * x_b[i]
 // over the `rows` rows of W_b (each k elements long, so y_b has k values), with the same

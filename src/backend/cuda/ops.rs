@@ -109,10 +109,14 @@ impl Gpu {
             "empty batch".into()
         })?;
         if uses_tensor_cores(a, row_bytes.unwrap()) {
-            // Tiles of 16 rows, 4 per block (one warp each) on large grids, else 2 (two warps
-            // each, halving k): the faster choice in the measurements above.
+            // Tiles of 16 rows, 4 per block (one warp each, all of k) on large grids or short
+            // rows, else 2 (two warps each, half of k): the faster choice in the lab runs.
             let tiles = a.rows.div_ceil(16);
-            let per_block = if tiles * a.batch >= 1152 { 4 } else { 2 };
+            let per_block = if tiles * a.batch >= 2048 || a.k < 4096 {
+                4
+            } else {
+                2
+            };
             launch!(self, "matvec_tc_q4_k", (grid1(tiles, per_block), a.batch as u32, 1), 128,
                 tc_smem_bytes(a.k) as u32;
                 a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32,
