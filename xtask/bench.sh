@@ -98,12 +98,18 @@ EOF
   done
 
   echo "== ncu: decode and prefill kernels"
-  ncu --clock-control none -k 'regex:^(matvec_q4_k|mla_decode_split|matmul_q4_k)$' --launch-count 8 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-    --section LaunchStats --section WarpStateStats --section SchedulerStats \
-    "$x" bench --quick --filter 'matvec q4_k ds3.expert_up,matvec q4_k ds3.kv_a,mla_decode ds3 8K,matmul q4_k ds3.ffn_up 2048x' \
+  sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+    --section LaunchStats --section WarpStateStats --section SchedulerStats"
+  ncu --clock-control none -k 'regex:^(matvec_tc_q4_k|matvec_q4_k|mla_decode_split|matmul_cp_q4_k)$' \
+    --launch-count 8 $sections \
+    "$x" bench --quick --filter 'matvec q4_k ds3.ffn_up,matvec q4_k ds3.kv_a,mla_decode ds3 8K,matmul q4_k ds3.ffn_up 2048x' \
     >"$out/ncu-kernels.txt" 2>&1
   echo "ncu kernels: exit $?"
+  # The grouped MoE product of a real prefill (its spans come from the routing).
+  ncu --clock-control none --profile-from-start off -k 'regex:^matmul_cp_spans' --launch-count 1 \
+    $sections --section InstructionStats --section ComputeWorkloadAnalysis \
+    "$x" bench --profile-prefill 512 --model "$work/$first.gguf" >>"$out/ncu-kernels.txt" 2>&1
+  echo "ncu grouped prefill product: exit $?"
   date -u +%FT%TZ
 }
 

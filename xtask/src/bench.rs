@@ -303,7 +303,10 @@ impl Bench {
         if self.quick {
             return batch(2, 0, &mut calls);
         }
-        let (_, host) = batch(3, 0, &mut calls)?; // warm-up: compiles and loads the kernels
+        batch(3, 0, &mut calls)?; // warm-up: compiles and loads the kernels
+                                  // The host's pace once compiled: sizing the spin by the warm-up's (a cold NVRTC
+                                  // compile, seconds per call) made every sample spin for minutes.
+        let (_, host) = batch(3, 0, &mut calls)?;
         let (first, _) = batch(3, (4.0 * host * 1e9) as u64 + 20_000, &mut calls)?;
         // Enough calls per sample for about 5 ms of device time.
         let reps = ((5e-3 / first.max(1e-7)) as usize).clamp(3, 500);
