@@ -987,9 +987,8 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 // Configurations measured on an H200 (lab: 2048 x 18432 x 7168 q4_k 4.4 -> 2.0 ms, q8_0
 // 5.3 -> 2.2 ms; grouped MoE q8_0 10.2 -> 1.9 ms). Plain: 128 x 128 tiles, 8 warps of 64 x 32,
 // two blocks per SM (Q4_K 4 stages, 92 KiB; Q8_0 3 stages, 78 KiB). Grouped (spans of ~16-32
-// rows): 32 x 256 tiles, 8 warps of 32 x 32 side by side along N (Q4_K 4 stages, 90 KiB;
-// Q8_0 3 stages, 85.5 KiB; two blocks per SM): each block reads its span's f32 X rows from
-// L2, and 128-column tiles doubled that traffic (ncu: L2 80% busy, 1.47 ms per product).
+// rows): 32-row tiles, warps of 32 x 32 side by side along N (Q4_K 128 columns, 4 stages,
+// 62 KiB, three blocks per SM; Q8_0 256 columns, 3 stages, 85.5 KiB).
 #define MATMUL_CP_KERNEL(kname, qt, xf32, bm, bn, wm, wn, stages, minb, fast)                  \
     extern "C" __global__ void __launch_bounds__(                                              \
         CpCfg<qt, xf32, bm, bn, wm, wn, stages>::THREADS, minb)                                 \
@@ -1004,5 +1003,5 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 
 MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 64, 32, 4, 2, true)
 MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 64, 32, 3, 2, false)
-MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 256, 32, 32, 4, 2, true)
+MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 4, 3, true)
 MATMUL_CP_KERNEL(matmul_cp_spans_q8_0, Q80_T, true, 32, 256, 32, 32, 3, 2, false)

@@ -124,7 +124,7 @@ pub fn matmul_cp_smem_bytes(kernel: &str) -> usize {
     let (bm, bn, stages, q4, grouped) = match kernel {
         "matmul_cp_q4_k" => (128, 128, 4, true, false),
         "matmul_cp_q8_0" => (128, 128, 3, false, false),
-        "matmul_cp_spans_q4_k" => (32, 256, 4, true, true),
+        "matmul_cp_spans_q4_k" => (32, 128, 4, true, true),
         "matmul_cp_spans_q8_0" => (32, 256, 3, false, true),
         _ => return 0,
     };

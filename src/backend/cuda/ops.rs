@@ -208,14 +208,12 @@ pub struct Matmul {
 }
 
 // Tiles of the cp.async kernels (MATMUL_CP_KERNEL in kernels/matmul.cu): plain products take
-// 128 x 128 tiles of 256 threads; grouped ones 32 x 256 tiles of 256 threads.
+// 128 x 128 tiles of 256 threads; grouped ones 32-row tiles of Q4_K 128 columns (128 threads)
+// or Q8_0 256 columns (256 threads).
 const CP_BM: usize = 128;
 const CP_BN: usize = 128;
 const CP_THREADS: u32 = 256;
 const CP_SPANS_BM: usize = 32;
-/// Grouped tiles are 256 columns wide: each block re-reads its span's f32 X rows from L2, and
-/// with 128 columns that traffic (twice the expert weights' bytes) kept L2 80% busy (ncu).
-const CP_SPANS_BN: usize = 256;
 /// Split-K keeps at least this many 64-wide k steps per split (fewer would spend more on the
 /// partials than they save).
 const CP_MIN_SPLIT_STEPS: usize = 4;
@@ -308,7 +306,11 @@ impl Gpu {
         let ty = a.ty.name().to_lowercase();
         if a.spans != 0 {
             let kernel = format!("matmul_cp_spans_{ty}");
-            let (bn, threads) = (CP_SPANS_BN, 256);
+            let (bn, threads) = if a.ty == GgmlType::Q4_K {
+                (128, 128)
+            } else {
+                (256, 256)
+            };
             let smem = super::kernels::matmul_cp_smem_bytes(&kernel) as u32;
             let grid = (grid1(a.n, bn), grid1(a.m, CP_SPANS_BM), a.n_spans as u32);
             launch!(self, kernel, grid, threads, smem;
