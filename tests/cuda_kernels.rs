@@ -182,6 +182,60 @@ fn dot64(a: &[f32], b: &[f32]) -> f64 {
 
 // ----- quantized products ----------------------------------------------------------------------
 
+/// y = the batched matvec of `ids.len()` items on the GPU: item b multiplies matrix ids[b] of
+/// `w` (rows x k each) by x row b / x_group; y starts NaN, so an item left alone stays NaN.
+fn expert_matvec(
+    g: &Gpu,
+    t: GgmlType,
+    w: &[u8],
+    (rows, k): (usize, usize),
+    x: &[f32],
+    x_group: usize,
+    ids: &[i32],
+) -> Vec<f32> {
+    let (dw, dx, di) = (
+        g.upload(w).unwrap(),
+        g.upload(x).unwrap(),
+        g.upload(ids).unwrap(),
+    );
+    let dy = poisoned(g, ids.len() * rows);
+    g.matvec(&Matvec {
+        ty: t,
+        w: g.ptr(&dw, 0),
+        mat_stride: rows * t.row_bytes(k).unwrap(),
+        ids: g.ptr(&di, 0),
+        rows,
+        k,
+        x: g.ptr(&dx, 0),
+        x_group,
+        x_stride: k,
+        y: g.ptr(&dy, 0),
+        y_stride: rows,
+        batch: ids.len(),
+        transposed: false,
+    })
+    .unwrap();
+    g.download(&dy).unwrap()
+}
+
+/// The f64 twin of expert_matvec on the dequantized matrices `wf`, for the items with an id.
+fn expert_matvec_want(
+    wf: &[f32],
+    (rows, k): (usize, usize),
+    x: &[f32],
+    x_group: usize,
+    ids: &[i32],
+) -> Vec<f64> {
+    let mut want = Vec::new();
+    for (b, &m) in ids.iter().enumerate().filter(|(_, &m)| m >= 0) {
+        let xb = &x[(b / x_group) * k..][..k];
+        for r in 0..rows {
+            want.push(dot64(&wf[(m as usize * rows + r) * k..][..k], xb));
+        }
+    }
+    want
+}
+
 #[test]
 fn matvec_every_type_matches_dequantized_dot() {
     let Some(g) = gpu() else { return };
@@ -194,37 +248,8 @@ fn matvec_every_type_matches_dequantized_dot() {
         let wf = dequant_rows(t, &w, rows * mats, k);
         let x = rng.normals(2 * k);
         let ids = [2i32, 0, 2, 1];
-        let (dw, dx, di) = (
-            g.upload(&w).unwrap(),
-            g.upload(&x).unwrap(),
-            g.upload(&ids).unwrap(),
-        );
-        let dy = poisoned(&g, 4 * rows);
-        g.matvec(&Matvec {
-            ty: t,
-            w: g.ptr(&dw, 0),
-            mat_stride: rows * t.row_bytes(k).unwrap(),
-            ids: g.ptr(&di, 0),
-            rows,
-            k,
-            x: g.ptr(&dx, 0),
-            x_group: 2,
-            x_stride: k,
-            y: g.ptr(&dy, 0),
-            y_stride: rows,
-            batch: 4,
-            transposed: false,
-        })
-        .unwrap();
-        let y = g.download(&dy).unwrap();
-        let mut want = Vec::new();
-        for (b, &m) in ids.iter().enumerate() {
-            let xb = &x[(b / 2) * k..(b / 2 + 1) * k];
-            for r in 0..rows {
-                let row = &wf[(m as usize * rows + r) * k..][..k];
-                want.push(dot64(row, xb));
-            }
-        }
+        let y = expert_matvec(&g, t, &w, (rows, k), &x, 2, &ids);
+        let want = expert_matvec_want(&wf, (rows, k), &x, 2, &ids);
         assert_close(&format!("matvec {t}"), &y, &want, F32_OP);
     }
 }
@@ -249,45 +274,14 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
         }
     }
     let ids = [2i32, 0, -1, 1, 1];
-    let (dw, dx, di) = (
-        g.upload(&w).unwrap(),
-        g.upload(&x).unwrap(),
-        g.upload(&ids).unwrap(),
+    let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, &ids);
+    let held = &y[2 * rows..3 * rows];
+    assert!(
+        held.iter().all(|v| v.is_nan()),
+        "item 2 (id -1) was written"
     );
-    let dy = poisoned(&g, ids.len() * rows);
-    g.matvec(&Matvec {
-        ty: t,
-        w: g.ptr(&dw, 0),
-        mat_stride: rows * t.row_bytes(k).unwrap(),
-        ids: g.ptr(&di, 0),
-        rows,
-        k,
-        x: g.ptr(&dx, 0),
-        x_group: 3,
-        x_stride: k,
-        y: g.ptr(&dy, 0),
-        y_stride: rows,
-        batch: ids.len(),
-        transposed: false,
-    })
-    .unwrap();
-    let y = g.download(&dy).unwrap();
-    let (mut got, mut want) = (Vec::new(), Vec::new());
-    for (b, &m) in ids.iter().enumerate() {
-        let out = &y[b * rows..(b + 1) * rows];
-        if m < 0 {
-            assert!(
-                out.iter().all(|v| v.is_nan()),
-                "item {b} (id -1) was written"
-            );
-            continue;
-        }
-        let xb = &x[(b / 3) * k..(b / 3 + 1) * k];
-        for r in 0..rows {
-            want.push(dot64(&wf[(m as usize * rows + r) * k..][..k], xb));
-        }
-        got.extend_from_slice(out);
-    }
+    let got: Vec<f32> = [&y[..2 * rows], &y[3 * rows..]].concat();
+    let want = expert_matvec_want(&wf, (rows, k), &x, 3, &ids);
     assert_close("matvec q4_k (tensor cores)", &got, &want, F32_OP);
 }
 
