@@ -381,22 +381,15 @@ fn matmul_every_type_on_tensor_cores() {
             );
             let dy = poisoned(&g, m * n);
             g.matmul(&Matmul {
-                ty: t,
-                w: g.ptr(&dw, 0),
                 transposed,
-                x: g.ptr(&dx, 0),
-                x_stride: k,
                 row_ids: if transposed { 0 } else { g.ptr(&dr, 0) },
-                y: g.ptr(&dy, 0),
-                y_stride: n,
-                m,
-                n,
-                k,
-                spans: 0,
-                n_spans: 1,
-                mat_stride: 0,
-                x_mat_stride: 0,
-                y_mat_stride: 0,
+                ..Matmul::plain(
+                    t,
+                    g.ptr(&dw, 0),
+                    (g.ptr(&dx, 0), k),
+                    (g.ptr(&dy, 0), n),
+                    (m, n, k),
+                )
             })
             .unwrap();
             let y = g.download(&dy).unwrap();
@@ -463,22 +456,17 @@ fn matmul_grouped_experts_match_per_expert_products() {
             for gathered in [true, false] {
                 let dy = poisoned(&g, rows * n);
                 g.matmul(&Matmul {
-                    ty: t,
-                    w: wp,
-                    transposed: false,
-                    x: g.ptr(&dx, 0),
-                    x_stride: k,
                     row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
-                    y: g.ptr(&dy, 0),
-                    y_stride: n,
-                    m: max_count,
-                    n,
-                    k,
                     spans: g.ptr(&ds, 0),
                     n_spans: spans.len(),
                     mat_stride,
-                    x_mat_stride: 0,
-                    y_mat_stride: 0,
+                    ..Matmul::plain(
+                        t,
+                        wp,
+                        (g.ptr(&dx, 0), k),
+                        (g.ptr(&dy, 0), n),
+                        (max_count, n, k),
+                    )
                 })
                 .unwrap();
                 let y = g.download(&dy).unwrap();
@@ -534,23 +522,19 @@ fn matmul_cp_split_k_and_spans_match_f64() {
             (116, false, true),
         ] {
             let dy = poisoned(&g, m * n);
+            let rows_m = if grouped { 75 } else { m };
             g.matmul(&Matmul {
-                ty: t,
-                w: g.ptr(&dw, 0),
-                transposed: false,
-                x: g.ptr(&dx, 0),
-                x_stride: k,
                 row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
-                y: g.ptr(&dy, 0),
-                y_stride: n,
-                m: if grouped { 75 } else { m },
-                n,
-                k,
                 spans: if grouped { g.ptr(&ds, 0) } else { 0 },
                 n_spans: if grouped { spans.len() } else { 1 },
                 mat_stride,
-                x_mat_stride: 0,
-                y_mat_stride: 0,
+                ..Matmul::plain(
+                    t,
+                    g.ptr(&dw, 0),
+                    (g.ptr(&dx, 0), k),
+                    (g.ptr(&dy, 0), n),
+                    (rows_m, n, k),
+                )
             })
             .unwrap();
             let y = g.download(&dy).unwrap();
@@ -597,22 +581,18 @@ fn matmul_batched_heads_match_per_head_products() {
                 let ycols = heads * dout;
                 let dy = poisoned(&g, m * ycols);
                 g.matmul(&Matmul {
-                    ty: t,
-                    w: g.ptr(&dw, 0),
                     transposed,
-                    x: g.ptr(&dx, 0),
-                    x_stride: xcols,
-                    row_ids: 0,
-                    y: g.ptr(&dy, 0),
-                    y_stride: ycols,
-                    m,
-                    n: dout,
-                    k: din,
-                    spans: 0,
                     n_spans: heads,
                     mat_stride,
                     x_mat_stride: if shared { 0 } else { din },
                     y_mat_stride: dout,
+                    ..Matmul::plain(
+                        t,
+                        g.ptr(&dw, 0),
+                        (g.ptr(&dx, 0), xcols),
+                        (g.ptr(&dy, 0), ycols),
+                        (m, dout, din),
+                    )
                 })
                 .unwrap();
                 let y = g.download(&dy).unwrap();
@@ -1627,24 +1607,13 @@ fn decode_and_prefill_kernel_timings() {
         .unwrap();
     let xs = g.upload(&rng.normals(m * k)).unwrap();
     let ys = g.zeros::<f32>(m * n).unwrap();
-    let a = Matmul {
-        ty: GgmlType::Q4_K,
-        w: g.ptr(&w, 0),
-        transposed: false,
-        x: g.ptr(&xs, 0),
-        x_stride: k,
-        row_ids: 0,
-        y: g.ptr(&ys, 0),
-        y_stride: n,
-        m,
-        n,
-        k,
-        spans: 0,
-        n_spans: 1,
-        mat_stride: 0,
-        x_mat_stride: 0,
-        y_mat_stride: 0,
-    };
+    let a = Matmul::plain(
+        GgmlType::Q4_K,
+        g.ptr(&w, 0),
+        (g.ptr(&xs, 0), k),
+        (g.ptr(&ys, 0), n),
+        (m, n, k),
+    );
     let ms = time_ms(&g, 10, || g.matmul(&a).unwrap());
     println!(
         "matmul Q4_K {m}x{n}x{k}: {ms:.3} ms, {:.1} TFLOP/s",

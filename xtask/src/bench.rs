@@ -642,24 +642,14 @@ impl Bench {
                         let (copies, step) = rotation(bytes, ARENA_BYTES);
                         let gpu = self.gpu.clone();
                         let timed = self.time(|i| {
-                            Ok(gpu.matmul(&Matmul {
+                            let w = base + ((i % copies) * step) as u64;
+                            Ok(gpu.matmul(&Matmul::plain(
                                 ty,
-                                w: base + ((i % copies) * step) as u64,
-                                transposed: false,
-                                x: xbuf,
-                                x_stride: k,
-                                row_ids: 0,
-                                y: ybuf,
-                                y_stride: n,
-                                m,
-                                n,
-                                k,
-                                spans: 0,
-                                n_spans: 1,
-                                mat_stride: 0,
-                                x_mat_stride: 0,
-                                y_mat_stride: 0,
-                            })?)
+                                w,
+                                (xbuf, k),
+                                (ybuf, n),
+                                (m, n, k),
+                            ))?)
                         });
                         let Some((secs, host)) = self.ok_or_report("prefill", &name, timed) else {
                             continue;

@@ -138,24 +138,7 @@ impl Cuda {
         y_stride: usize,
     ) {
         if n >= MATMUL_MIN_ROWS && k % 32 == 0 && rows % 8 == 0 {
-            let a = Matmul {
-                ty,
-                w,
-                transposed: false,
-                x,
-                x_stride,
-                row_ids: 0,
-                y,
-                y_stride,
-                m: n,
-                n: rows,
-                k,
-                spans: 0,
-                n_spans: 1,
-                mat_stride: 0,
-                x_mat_stride: 0,
-                y_mat_stride: 0,
-            };
+            let a = Matmul::plain(ty, w, (x, x_stride), (y, y_stride), (n, rows, k));
             ok(self.gpu.matmul(&a), "matmul");
         } else {
             let a = Matvec {
@@ -755,22 +738,17 @@ impl Backend for Cuda {
                            x_stride,
                            row_ids,
                            y: &CudaTensor| Matmul {
-                ty: w.ty,
-                w: self.w(w),
-                transposed: false,
-                x,
-                x_stride,
                 row_ids,
-                y: self.p(y, 0),
-                y_stride: nn,
-                m: max_count,
-                n: nn,
-                k: kk,
                 spans: self.gpu.ptr(&dspans, 0),
                 n_spans: spans.len(),
                 mat_stride: bytes,
-                x_mat_stride: 0,
-                y_mat_stride: 0,
+                ..Matmul::plain(
+                    w.ty,
+                    self.w(w),
+                    (x, x_stride),
+                    (self.p(y, 0), nn),
+                    (max_count, nn, kk),
+                )
             };
             let tok = self.gpu.ptr(&dtok, 0);
             ok(
@@ -949,22 +927,18 @@ impl Cuda {
         // All heads in one batched launch: head h is matrix h, its x columns
         // col0 + h * head_stride, its y columns h * dout.
         let mm = Matmul {
-            ty: w.ty,
-            w: self.w(w),
             transposed: transpose,
-            x: self.p(x, col0),
-            x_stride: x.cols,
-            row_ids: 0,
-            y: self.p(&y, 0),
-            y_stride: heads * dout,
-            m: n,
-            n: dout,
-            k: din,
-            spans: 0,
             n_spans: heads,
             mat_stride: head_bytes,
             x_mat_stride: head_stride,
             y_mat_stride: dout,
+            ..Matmul::plain(
+                w.ty,
+                self.w(w),
+                (self.p(x, col0), x.cols),
+                (self.p(&y, 0), heads * dout),
+                (n, dout, din),
+            )
         };
         ok(self.gpu.matmul(&mm), "head_matmul");
         y

@@ -207,6 +207,37 @@ pub struct Matmul {
     pub y_mat_stride: usize,
 }
 
+impl Matmul {
+    /// One product Y[m, n] = X W^T: no gather, no spans, not transposed. The other modes set
+    /// their fields over it (`Matmul { spans, n_spans, ..Matmul::plain(..) }`).
+    pub fn plain(
+        ty: GgmlType,
+        w: Ptr,
+        (x, x_stride): (Ptr, usize),
+        (y, y_stride): (Ptr, usize),
+        (m, n, k): (usize, usize, usize),
+    ) -> Matmul {
+        Matmul {
+            ty,
+            w,
+            transposed: false,
+            x,
+            x_stride,
+            row_ids: 0,
+            y,
+            y_stride,
+            m,
+            n,
+            k,
+            spans: 0,
+            n_spans: 1,
+            mat_stride: 0,
+            x_mat_stride: 0,
+            y_mat_stride: 0,
+        }
+    }
+}
+
 // Tiles of the cp.async kernels (MATMUL_CP_KERNEL in kernels/matmul.cu): plain products take
 // 128 x 128 tiles of 256 threads; grouped ones 32-row tiles of Q4_K 128 columns (128 threads)
 // or Q8_0 256 columns (256 threads).
