@@ -180,6 +180,13 @@ fn dot64(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 
+/// y = the product `a(y)` run into a NaN-poisoned y of `len` floats.
+fn matmul_poisoned(g: &Gpu, len: usize, a: impl FnOnce(u64) -> Matmul) -> Vec<f32> {
+    let dy = poisoned(g, len);
+    g.matmul(&a(g.ptr(&dy, 0))).unwrap();
+    g.download(&dy).unwrap()
+}
+
 // ----- quantized products ----------------------------------------------------------------------
 
 /// y = the batched matvec of `ids.len()` items on the GPU: item b multiplies matrix ids[b] of
@@ -379,20 +386,11 @@ fn matmul_every_type_on_tensor_cores() {
                 g.upload(&x).unwrap(),
                 g.upload(&row_ids).unwrap(),
             );
-            let dy = poisoned(&g, m * n);
-            g.matmul(&Matmul {
+            let y = matmul_poisoned(&g, m * n, |dy| Matmul {
                 transposed,
                 row_ids: if transposed { 0 } else { g.ptr(&dr, 0) },
-                ..Matmul::plain(
-                    t,
-                    g.ptr(&dw, 0),
-                    (g.ptr(&dx, 0), k),
-                    (g.ptr(&dy, 0), n),
-                    (m, n, k),
-                )
-            })
-            .unwrap();
-            let y = g.download(&dy).unwrap();
+                ..Matmul::plain(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), k), (dy, n), (m, n, k))
+            });
             let mut want = vec![0f64; m * n];
             for i in 0..m {
                 let src = if transposed { i } else { row_ids[i] as usize };
@@ -454,22 +452,13 @@ fn matmul_grouped_experts_match_per_expert_products() {
             let (dr, ds) = (g.upload(&row_ids).unwrap(), g.upload(&table).unwrap());
             // Gathered (gate / up: row_ids) and consecutive (down: row r of x) rows.
             for gathered in [true, false] {
-                let dy = poisoned(&g, rows * n);
-                g.matmul(&Matmul {
+                let y = matmul_poisoned(&g, rows * n, |dy| Matmul {
                     row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
                     spans: g.ptr(&ds, 0),
                     n_spans: spans.len(),
                     mat_stride,
-                    ..Matmul::plain(
-                        t,
-                        wp,
-                        (g.ptr(&dx, 0), k),
-                        (g.ptr(&dy, 0), n),
-                        (max_count, n, k),
-                    )
-                })
-                .unwrap();
-                let y = g.download(&dy).unwrap();
+                    ..Matmul::plain(t, wp, (g.ptr(&dx, 0), k), (dy, n), (max_count, n, k))
+                });
                 let mut want = vec![0f64; rows * n];
                 for &(ex, r0, count) in spans {
                     for r in r0..r0 + count {
@@ -521,9 +510,8 @@ fn matmul_cp_split_k_and_spans_match_f64() {
             (116, true, true),
             (116, false, true),
         ] {
-            let dy = poisoned(&g, m * n);
             let rows_m = if grouped { 75 } else { m };
-            g.matmul(&Matmul {
+            let y = matmul_poisoned(&g, m * n, |dy| Matmul {
                 row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
                 spans: if grouped { g.ptr(&ds, 0) } else { 0 },
                 n_spans: if grouped { spans.len() } else { 1 },
@@ -532,12 +520,10 @@ fn matmul_cp_split_k_and_spans_match_f64() {
                     t,
                     g.ptr(&dw, 0),
                     (g.ptr(&dx, 0), k),
-                    (g.ptr(&dy, 0), n),
+                    (dy, n),
                     (rows_m, n, k),
                 )
-            })
-            .unwrap();
-            let y = g.download(&dy).unwrap();
+            });
             let mut want = vec![0f64; m * n];
             for r in 0..m {
                 let ex = if grouped {
@@ -579,8 +565,7 @@ fn matmul_batched_heads_match_per_head_products() {
                 let x = rng.normals(m * xcols);
                 let dx = g.upload(&x).unwrap();
                 let ycols = heads * dout;
-                let dy = poisoned(&g, m * ycols);
-                g.matmul(&Matmul {
+                let y = matmul_poisoned(&g, m * ycols, |dy| Matmul {
                     transposed,
                     n_spans: heads,
                     mat_stride,
@@ -590,12 +575,10 @@ fn matmul_batched_heads_match_per_head_products() {
                         t,
                         g.ptr(&dw, 0),
                         (g.ptr(&dx, 0), xcols),
-                        (g.ptr(&dy, 0), ycols),
+                        (dy, ycols),
                         (m, dout, din),
                     )
-                })
-                .unwrap();
-                let y = g.download(&dy).unwrap();
+                });
                 let mut want = vec![0f64; m * ycols];
                 for h in 0..heads {
                     let wh = &wf[h * wr * wc..][..wr * wc];
