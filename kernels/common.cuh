@@ -35,6 +35,22 @@ __device__ __forceinline__ u32 load_u32(const u8* p) {
     return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
 }
 
+// N little-endian words from any byte address through the read-only path: N + 1 aligned
+// 4-byte loads (neighbouring threads' words share L1 lines, so these keep the L1 allocation)
+// joined by funnel shifts. The extra word is read only when p is unaligned, and then it holds
+// bytes of the range itself.
+template <int N>
+__device__ __forceinline__ void ld_words(const u8* p, u32* out) {
+    const u8* base = (const u8*)((unsigned long long)p & ~3ull);
+    u32 sh = 8 * (u32)((unsigned long long)p & 3);
+    u32 a[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; i++) a[i] = __ldg((const unsigned int*)(base + 4 * i));
+    a[N] = sh ? __ldg((const unsigned int*)(base + 4 * N)) : 0u;
+#pragma unroll
+    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

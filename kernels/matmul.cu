@@ -79,20 +79,6 @@ __device__ __forceinline__ uint4 pack8(const float* v) {
                       pack_bf16x2(v[6], v[7]));
 }
 
-// N little-endian words from any byte address: N + 1 aligned 4-byte loads joined by funnel
-// shifts (the extra one only when p is unaligned, and then it holds bytes of the range).
-template <int N>
-__device__ __forceinline__ void mm_words(const u8* p, u32* out) {
-    const u8* base = (const u8*)((unsigned long long)p & ~3ull);
-    u32 sh = 8 * (u32)((unsigned long long)p & 3);
-    u32 a[N + 1];
-#pragma unroll
-    for (int i = 0; i < N; i++) a[i] = __ldg((const unsigned int*)(base + 4 * i));
-    a[N] = sh ? __ldg((const unsigned int*)(base + 4 * N)) : 0u;
-#pragma unroll
-    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
-}
-
 __device__ __forceinline__ int byte_of(u32 w, int i) { return (w >> (8 * i)) & 0xff; }
 
 // One 8-element unit into the weight tile: dq8_<type> (byte loads), or for the types that
@@ -108,8 +94,8 @@ struct MmUnit<dq8_q4_k> {
     static __device__ __forceinline__ void dq(const u8* b, int u, float* y) {
         int e0 = 8 * u, c = e0 >> 6, s = e0 >> 5, l0 = e0 & 31, shift = 4 * (s & 1);
         u32 hd[4], qs[2];
-        mm_words<4>(b, hd);
-        mm_words<2>(b + 16 + 32 * c + l0, qs);
+        ld_words<4>(b, hd);
+        ld_words<2>(b + 16 + 32 * c + l0, qs);
         // kquant_scale_min on the words: scales[i] is byte i % 4 of hd[1 + i / 4].
         int i = s & 3, sc, mn;
         if (s < 4) {
@@ -133,8 +119,8 @@ struct MmUnit<dq8_q6_k> {
     static __device__ __forceinline__ void dq(const u8* b, int u, float* y) {
         int e0 = 8 * u, h = e0 >> 7, j = (e0 & 127) >> 5, l0 = e0 & 31;
         u32 ql[2], qh[2];
-        mm_words<2>(b + 64 * h + 32 * (j & 1) + l0, ql);
-        mm_words<2>(b + 128 + 32 * h + l0, qh);
+        ld_words<2>(b + 64 * h + 32 * (j & 1) + l0, ql);
+        ld_words<2>(b + 128 + 32 * h + l0, qh);
         const signed char* scales = (const signed char*)(b + 192);
         float dl = f16_to_f32(load_u16(b + 208)) * (float)scales[8 * h + 2 * j + (l0 >> 4)];
         int lshift = 4 * (j >> 1);
@@ -146,6 +132,23 @@ struct MmUnit<dq8_q6_k> {
         }
     }
 };
+
+// Grouped mode: block z takes span z = (expert, first row r0, count). Moves w to the
+// expert's matrix, row_ids (gathered rows) or x (consecutive rows) and y to row r0, and
+// returns the span's row count.
+__device__ __forceinline__ int enter_span(const int* spans, i64 mat_stride, const u8*& w,
+                                          const int*& row_ids, const float*& x, i64 x_stride,
+                                          float*& y, i64 y_stride) {
+    const int* sp = spans + 3 * blockIdx.z;
+    int r0 = sp[1];
+    w += (i64)sp[0] * mat_stride;
+    if (row_ids)
+        row_ids += r0;
+    else
+        x += (i64)r0 * x_stride;
+    y += (i64)r0 * y_stride;
+    return sp[2];
+}
 
 template <int BM, int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*), bool TRANS>
 __device__ __forceinline__ void matmul_body(const u8* w, i64 row_bytes, const float* x,
@@ -162,16 +165,8 @@ __device__ __forceinline__ void matmul_body(const u8* w, i64 row_bytes, const fl
     constexpr int WSTAGE = TRANS ? MM_BK * WS : MM_BN * WS;  // [k][n] if TRANS, else [n][k]
 
     if (spans) {
-        const int* sp = spans + 3 * blockIdx.z;
-        int ex = sp[0], r0 = sp[1];
-        M = sp[2];
+        M = enter_span(spans, mat_stride, w, row_ids, x, x_stride, y, y_stride);
         if ((int)blockIdx.y * BM >= M) return;  // whole block: before any barrier
-        w += (i64)ex * mat_stride;
-        if (row_ids)
-            row_ids += r0;
-        else
-            x += (i64)r0 * x_stride;
-        y += (i64)r0 * y_stride;
     } else {
         w += (i64)blockIdx.z * mat_stride;
         x += (i64)blockIdx.z * x_mat_stride;
@@ -393,8 +388,8 @@ struct MmRow64<ELEMS, BYTES, dq8_q4_k> {
             qs[0] = q0.x, qs[1] = q0.y, qs[2] = q0.z, qs[3] = q0.w;
             qs[4] = q1.x, qs[5] = q1.y, qs[6] = q1.z, qs[7] = q1.w;
         } else {
-            mm_words<4>(b, hd);
-            mm_words<8>(q, qs);
+            ld_words<4>(b, hd);
+            ld_words<8>(q, qs);
         }
     }
     __device__ __forceinline__ void get(uint4* out) {
@@ -443,16 +438,8 @@ __device__ __forceinline__ void matmul_small_body(const u8* w, i64 row_bytes, co
     constexpr int XV = (XF + MM_THREADS - 1) / MM_THREADS;      // per thread
 
     if (spans) {
-        const int* sp = spans + 3 * blockIdx.z;
-        int ex = sp[0], r0 = sp[1];
-        M = sp[2];
+        M = enter_span(spans, mat_stride, w, row_ids, x, x_stride, y, y_stride);
         if ((int)blockIdx.y * BM >= M) return;  // whole block: before any barrier
-        w += (i64)ex * mat_stride;
-        if (row_ids)
-            row_ids += r0;
-        else
-            x += (i64)r0 * x_stride;
-        y += (i64)r0 * y_stride;
     } else {
         w += (i64)blockIdx.z * mat_stride;
         x += (i64)blockIdx.z * x_mat_stride;
@@ -724,18 +711,10 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int m0, n0, kb0 = 0, kb1 = K >> 6;
     if (XF32) {
-        const int* sp = spans + 3 * blockIdx.z;
-        int ex = sp[0], r0 = sp[1];
-        M = sp[2];
+        M = enter_span(spans, mat_stride, w, row_ids, x, x_stride, y, y_stride);
         m0 = blockIdx.y * BM;
         if (m0 >= M) return;  // whole block: before any barrier
         n0 = blockIdx.x * BN;
-        w += (i64)ex * mat_stride;
-        if (row_ids)
-            row_ids += r0;
-        else
-            x += (i64)r0 * x_stride;
-        y += (i64)r0 * y_stride;
     } else {
         m0 = (blockIdx.x % tiles_m) * BM;
         n0 = (blockIdx.x / tiles_m) * BN;

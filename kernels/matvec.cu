@@ -21,8 +21,9 @@
 // Types without such a piece walk 8-element units through dq8_<type> (generic_piece).
 
 #define MATVEC_WARPS 4
-// Four rows share each x load: x comes from L1, and a warp's 16-byte x loads hit up to 32
-// different 128-byte lines (one L1 wavefront each), so x, not the weights, sets the L1 time.
+// Four rows share each x load (x comes from L1). Rows per thread and how lanes share x loads
+// were measured not to matter (2, 4 or 8 rows; 1-8 row sets per warp): the kernel is issue-bound
+// at ~6 instructions per weight and row (ncu), which is what matvec_tc_q4_k below avoids.
 #define MATVEC_ROWS 4
 
 // A piece function: acc[r] += (piece p of block blk[r]) . (the x values of that piece), for
@@ -37,23 +38,7 @@ __device__ __forceinline__ uint4 ld_stream16(const u8* p) {
         : "l"(p));
     return v;
 }
-__device__ __forceinline__ u32 ld_nc32(const u8* p) { return __ldg((const unsigned int*)p); }
 __device__ __forceinline__ u16 ld_nc16(const u8* p) { return __ldg((const unsigned short*)p); }
-
-// N little-endian words from any byte address: N + 1 aligned 4-byte loads (neighbouring
-// threads' words share L1 lines, so these keep the L1 allocation) joined by funnel shifts. The
-// extra word is read only when p is unaligned, and then it holds bytes of the range itself.
-template <int N>
-__device__ __forceinline__ void ld_words(const u8* p, u32* out) {
-    const u8* base = (const u8*)((unsigned long long)p & ~3ull);
-    u32 sh = 8 * (u32)((unsigned long long)p & 3);
-    u32 a[N + 1];
-#pragma unroll
-    for (int i = 0; i < N; i++) a[i] = ld_nc32(base + 4 * i);
-    a[N] = sh ? ld_nc32(base + 4 * N) : 0u;
-#pragma unroll
-    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
-}
 
 // Byte k of w minus `bias`, as a float: the byte goes into the mantissa of 2^23 (exact) and
 // one FADD removes 2^23 + bias. Full FP32 rate, where an int-to-float conversion is 1/4.
