@@ -187,6 +187,37 @@ fn matmul_poisoned(g: &Gpu, len: usize, a: impl FnOnce(u64) -> Matmul) -> Vec<f3
     g.download(&dy).unwrap()
 }
 
+/// The span table of grouped mode: (expert, first row, count) triples as i32.
+fn span_table(spans: &[(usize, usize, usize)]) -> Vec<i32> {
+    spans
+        .iter()
+        .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
+        .collect()
+}
+
+/// The f64 twin of a (grouped) product on the dequantized matrices `wf` ([n, k] each): row r
+/// of Y multiplies the matrix of the span holding r (matrix 0 without spans) by x row
+/// row_ids[r] (gathered) or r.
+fn grouped_want(
+    wf: &[f32],
+    x: &[f32],
+    (m, n, k): (usize, usize, usize),
+    spans: Option<&[(usize, usize, usize)]>,
+    row_ids: Option<&[i32]>,
+) -> Vec<f64> {
+    let mut want = vec![0f64; m * n];
+    for r in 0..m {
+        let ex = spans.map_or(0, |sp| {
+            sp.iter().find(|s| r >= s.1 && r < s.1 + s.2).unwrap().0
+        });
+        let src = row_ids.map_or(r, |ids| ids[r] as usize);
+        for j in 0..n {
+            want[r * n + j] = dot64(&wf[(ex * n + j) * k..][..k], &x[src * k..][..k]);
+        }
+    }
+    want
+}
+
 // ----- quantized products ----------------------------------------------------------------------
 
 /// y = the batched matvec of `ids.len()` items on the GPU: item b multiplies matrix ids[b] of
@@ -445,11 +476,10 @@ fn matmul_grouped_experts_match_per_expert_products() {
             let rows: usize = spans.iter().map(|s| s.2).sum();
             let max_count = spans.iter().map(|s| s.2).max().unwrap();
             let row_ids: Vec<i32> = (0..rows).map(|_| rng.below(100) as i32).collect();
-            let table: Vec<i32> = spans
-                .iter()
-                .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
-                .collect();
-            let (dr, ds) = (g.upload(&row_ids).unwrap(), g.upload(&table).unwrap());
+            let (dr, ds) = (
+                g.upload(&row_ids).unwrap(),
+                g.upload(&span_table(spans)).unwrap(),
+            );
             // Gathered (gate / up: row_ids) and consecutive (down: row r of x) rows.
             for gathered in [true, false] {
                 let y = matmul_poisoned(&g, rows * n, |dy| Matmul {
@@ -459,16 +489,8 @@ fn matmul_grouped_experts_match_per_expert_products() {
                     mat_stride,
                     ..Matmul::plain(t, wp, (g.ptr(&dx, 0), k), (dy, n), (max_count, n, k))
                 });
-                let mut want = vec![0f64; rows * n];
-                for &(ex, r0, count) in spans {
-                    for r in r0..r0 + count {
-                        let src = if gathered { row_ids[r] as usize } else { r };
-                        let xr = &x[src * k..][..k];
-                        for j in 0..n {
-                            want[r * n + j] = dot64(&wf[(ex * n + j) * k..][..k], xr);
-                        }
-                    }
-                }
+                let ids = gathered.then_some(&row_ids[..]);
+                let want = grouped_want(&wf, &x, (rows, n, k), Some(spans), ids);
                 let what = format!(
                     "matmul grouped{} max count {max_count} {t}",
                     if gathered { " gathered" } else { "" }
@@ -498,11 +520,7 @@ fn matmul_cp_split_k_and_spans_match_f64() {
         let (dw, dx) = (g.upload(&w).unwrap(), g.upload(&x).unwrap());
         let row_ids: Vec<i32> = (0..320).map(|_| rng.below(320) as i32).collect();
         let dr = g.upload(&row_ids).unwrap();
-        let table: Vec<i32> = spans
-            .iter()
-            .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
-            .collect();
-        let ds = g.upload(&table).unwrap();
+        let ds = g.upload(&span_table(spans)).unwrap();
         // (rows, gathered, grouped)
         for (m, gathered, grouped) in [
             (200, false, false),
@@ -524,18 +542,8 @@ fn matmul_cp_split_k_and_spans_match_f64() {
                     (rows_m, n, k),
                 )
             });
-            let mut want = vec![0f64; m * n];
-            for r in 0..m {
-                let ex = if grouped {
-                    spans.iter().find(|s| r >= s.1 && r < s.1 + s.2).unwrap().0
-                } else {
-                    0
-                };
-                let src = if gathered { row_ids[r] as usize } else { r };
-                for j in 0..n {
-                    want[r * n + j] = dot64(&wf[(ex * n + j) * k..][..k], &x[src * k..][..k]);
-                }
-            }
+            let (sp, ids) = (grouped.then_some(spans), gathered.then_some(&row_ids[..]));
+            let want = grouped_want(&wf, &x, (m, n, k), sp, ids);
             let what = format!("matmul cp {t} m {m} gathered {gathered} grouped {grouped}");
             assert_close(&what, &y, &want, BF16_MATMUL);
         }
