@@ -380,7 +380,7 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 // the grid size as in matvec_body); block TC_WARPS warps: 4 / T warps per tile take its
 // 256-blocks in turn and meet in shared memory. Dynamic shared memory tc_smem_bytes(k)
 // (ops.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block
-// on distinct banks), k / 256 scales, k / 32 sums.
+// on distinct banks), k / 256 scales (rounded up to even), k / 32 sums.
 
 #define TC_WARPS 4
 
@@ -410,13 +410,15 @@ __device__ __forceinline__ uint4 ld_cached16(const u8* p) {
 }
 
 __device__ __forceinline__ int tc_plane_stride(int k) { return k + 32; }
+// The sums of x follow the k / 256 scales, from an 8-byte boundary (lanes read them in pairs).
+__device__ __forceinline__ int tc_scales_len(int k) { return (k / 256 + 1) & ~1; }
 
 // Planes, scales and sums of x[0, k) into shared memory, one warp per 256-element block at a
 // time (lane l owns elements 8l .. 8l + 7).
 __device__ void tc_prepare_x(const float* x, int k, u8* sm) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
-    float* sums = scales + k / 256;
+    float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     for (int blk = warp; blk < k / 256; blk += nwarps) {
         const float4* xp = (const float4*)(x + 256 * blk + 8 * lane);
@@ -538,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
     if (mat < 0) return;  // a MoE choice held by another rank (uniform per block)
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
-    const float* sums = scales + nb;
+    const float* sums = scales + tc_scales_len(k);
 
     int tiles = (rows + 15) / 16, per_block = 1;
     while (per_block < TC_WARPS && (int)gridDim.x * per_block < tiles) per_block *= 2;

@@ -293,34 +293,49 @@ fn matvec_every_type_matches_dequantized_dot() {
 }
 
 /// The Q4_K matvec on the integer tensor cores (matvec_tc_q4_k, taken for many rows over the
-/// batch): a tail tile (2100 rows), x with wide and tiny values (the per-block integer planes),
-/// shared and per-item inputs, and a MoE choice held elsewhere (id -1: output left alone).
+/// batch): x with wide and tiny values (the per-block integer planes), a tail tile, shared and
+/// per-item inputs, a MoE choice held elsewhere (id -1: output left alone), and an odd number
+/// of 256-blocks (k = 1280: the shared-memory layout's padding).
 #[test]
 fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_tc");
-    let (t, rows, k, mats) = (GgmlType::Q4_K, 2100, 1536, 3);
-    let w = random_rows(&mut rng, t, rows * mats, k);
-    let wf = dequant_rows(t, &w, rows * mats, k);
-    let mut x = rng.normals(2 * k);
-    for (i, v) in x.iter_mut().enumerate() {
-        // Blocks whose largest value dwarfs the rest, and blocks of tiny values.
-        match (i / 256) % 3 {
-            0 => *v *= if i % 97 == 0 { 1e4 } else { 1.0 },
-            1 => *v *= 1e-6,
-            _ => {}
+    let t = GgmlType::Q4_K;
+    let cases: [(usize, usize, usize, &[i32]); 2] =
+        [(2100, 1536, 3, &[2, 0, -1, 1, 1]), (8200, 1280, 1, &[0])];
+    for (rows, k, mats, ids) in cases {
+        let w = random_rows(&mut rng, t, rows * mats, k);
+        let wf = dequant_rows(t, &w, rows * mats, k);
+        let mut x = rng.normals(2 * k);
+        for (i, v) in x.iter_mut().enumerate() {
+            // Blocks whose largest value dwarfs the rest, and blocks of tiny values.
+            match (i / 256) % 3 {
+                0 => *v *= if i % 97 == 0 { 1e4 } else { 1.0 },
+                1 => *v *= 1e-6,
+                _ => {}
+            }
         }
+        let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, ids);
+        let mut got = Vec::new();
+        for (b, &m) in ids.iter().enumerate() {
+            let yb = &y[b * rows..][..rows];
+            if m < 0 {
+                assert!(
+                    yb.iter().all(|v| v.is_nan()),
+                    "item {b} (id -1) was written"
+                );
+            } else {
+                got.extend_from_slice(yb);
+            }
+        }
+        let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
+        assert_close(
+            &format!("matvec q4_k (tensor cores) {rows}x{k}"),
+            &got,
+            &want,
+            F32_OP,
+        );
     }
-    let ids = [2i32, 0, -1, 1, 1];
-    let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, &ids);
-    let held = &y[2 * rows..3 * rows];
-    assert!(
-        held.iter().all(|v| v.is_nan()),
-        "item 2 (id -1) was written"
-    );
-    let got: Vec<f32> = [&y[..2 * rows], &y[3 * rows..]].concat();
-    let want = expert_matvec_want(&wf, (rows, k), &x, 3, &ids);
-    assert_close("matvec q4_k (tensor cores)", &got, &want, F32_OP);
 }
 
 #[test]
@@ -400,7 +415,8 @@ fn embed_every_type_matches_dequantize() {
 fn matmul_every_type_on_tensor_cores() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matmul");
-    let (m, k) = (70, 512);
+    // k = 3 x 512: the first-generation kernels split this small grid over k (ops.rs).
+    let (m, k) = (70, 1536);
     for &t in KERNEL_TYPES {
         for transposed in [false, true] {
             // Transposed rows are n long: a whole number of blocks of every type.

@@ -77,7 +77,9 @@ fn matvec_groups_per_block(groups: usize, batch: usize, row_bytes: usize) -> usi
 /// thread blocks first turns x into integer planes (a pass over k), which pays off only when
 /// a block has many rows to amortize it over. Measured on an H200 (docs/performance.md): the
 /// GLM-5 expert up x16 (2048 x 6144 each) 54 -> 43 us, a 24576 x 1536 q_b 16.4 -> 11.8 us;
-/// the CUDA-core kernel stays ahead on 576-1536 rows and on k = 16384.
+/// the CUDA-core kernel stays ahead on 576-1536 rows and on k = 16384, also when this kernel
+/// splits k over more blocks to fill the GPU (tried: q_a 6.7 -> 9.7 us, kv_a 5.5 -> 7.3 us,
+/// attn_output 33.8 -> 39.3 us).
 const TC_MIN_ROWS: usize = 8192;
 const TC_K_MAX: usize = 8192;
 
@@ -89,10 +91,10 @@ fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
         && (a.w as usize | a.mat_stride | row_bytes) % 16 == 0
 }
 
-/// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales and
-/// k / 32 sums of x.
+/// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
+/// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
 fn tc_smem_bytes(k: usize) -> usize {
-    4 * (k + 32) + 4 * (k / 256) + 4 * (k / 32)
+    4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
 }
 
 impl Gpu {
@@ -266,6 +268,9 @@ fn matmul_cp_takes(a: &Matmul, row_bytes: usize) -> bool {
         && (a.spans != 0 || (a.n_spans <= 1 && a.m > 32))
 }
 
+/// The shortest k chunk of the first-generation kernels' split-K.
+const FG_SPLIT_MIN_K: usize = 512;
+
 impl Gpu {
     pub fn matmul(&self, a: &Matmul) -> Result<(), CudaError> {
         let row_bytes = a.ty.row_bytes(if a.transposed { a.n } else { a.k });
@@ -322,11 +327,42 @@ impl Gpu {
             (true, _) => ("matmul_t_m64", 128),
         };
         let kernel = typed_kernel(prefix, a.ty)?;
-        launch!(self, kernel, (grid1(a.n, bn), grid1(a.m, bm), z as u32), 256, 0;
+        let (grid_x, grid_y) = (grid1(a.n, bn), grid1(a.m, bm));
+        let splits = self.first_generation_splits(a, (grid_x * grid_y) as usize);
+        if splits > 1 {
+            // Split-K as batched mode: "matrix" z is the z-th k chunk of every row (its bytes
+            // and its X columns) and writes its own [m, n] partials, summed in split order.
+            let chunk = a.k / splits;
+            let part = self.empty(splits * a.m * a.n)?;
+            let pp = self.ptr(&part, 0);
+            launch!(self, kernel, (grid_x, grid_y, splits as u32), 256, 0;
+                a.w, row_bytes as i64, a.x, a.x_stride as i64, a.row_ids, pp, a.n as i64,
+                a.m as i32, a.n as i32, chunk as i32, 0u64,
+                a.ty.row_bytes(chunk).unwrap() as i64, chunk as i64, (a.m * a.n) as i64);
+            launch!(self, "matmul_splitk_sum", (grid1(a.m * a.n / 4, 256), 1, 1), 256, 0;
+                pp, splits as i32, a.m as i32, a.n as i32, a.y, a.y_stride as i64);
+            return Ok(());
+        }
+        launch!(self, kernel, (grid_x, grid_y, z as u32), 256, 0;
             a.w, row_bytes as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
             a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32, a.spans,
             a.mat_stride as i64, a.x_mat_stride as i64, a.y_mat_stride as i64);
         Ok(())
+    }
+
+    /// Into how many k chunks a plain first-generation product of `blocks` tiles is split:
+    /// the f32 MoE router of a prefill (512 x 256 x 6144) is 8 tiles on a GPU of 132 SMs.
+    /// Chunks of a whole number of FG_SPLIT_MIN_K values (every type's block divides it).
+    fn first_generation_splits(&self, a: &Matmul, blocks: usize) -> usize {
+        if a.spans != 0 || a.n_spans > 1 || a.transposed || a.k % FG_SPLIT_MIN_K != 0 {
+            return 1;
+        }
+        let most = a.k / FG_SPLIT_MIN_K;
+        let mut splits = self.multiprocessors.div_ceil(blocks).min(most);
+        while a.k % (splits * FG_SPLIT_MIN_K) != 0 {
+            splits -= 1;
+        }
+        splits
     }
 
     /// The product on matmul_cp_<type> (see `matmul_cp_takes`). Plain mode: X rounded to
