@@ -240,6 +240,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_prefill(
     const float* kb, i64 kb_tok, i64 kb_head, int dkb, const float* v, i64 v_tok, i64 v_head,
     int dv, float* out, i64 o_tok, i64 o_head, const u32* mask, int mask_words, int T, int pos0,
     float scale) {
+    pdl_enter();
     AttArgs a = {q,      ka,     kb,      v,     out,     mask,    q_tok,      q_head,
                  ka_tok, ka_head, kb_tok, kb_head, v_tok, v_head, o_tok,      o_head,
                  dka,    dkb,    dv,      mask_words, T,  pos0,    scale};

@@ -12,6 +12,31 @@ typedef unsigned long long u64;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// Programmatic dependent launch (sm_90 and later; device.rs launches every kernel with it
+// there): a kernel may start while the one before it in the stream still runs, so each kernel
+// calls pdl_wait() before it touches memory an earlier kernel writes or reads (only constant
+// weights may be read before), and lets the next one start early with pdl_launch_next(). The
+// next one's blocks then wait on the SMs instead of being launched after this grid ends.
+// Without the launch attribute (or before sm_90) both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+// The usual start of a kernel: wait for the previous one, then let the next one launch.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_launch_next();
+}
+
 // IEEE half -> float (exact).
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

@@ -21,6 +21,7 @@
 extern "C" __global__ void __launch_bounds__(128) dsa_scores(
     const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,
     float scale, float* scores, i64 s_stride) {
+    pdl_enter();
     extern __shared__ __align__(16) float dsmem[];
     __shared__ float ws[64];
     __shared__ float part[4][DSA_KEYS];
@@ -101,6 +102,7 @@ __device__ int block_scan_256(int v, int* scratch, int* total) {
 
 extern "C" __global__ void __launch_bounds__(256) topk_rows(const float* scores, i64 s_stride,
                                                             int pos0, int k, int* out) {
+    pdl_enter();
     __shared__ int hist[256];
     __shared__ int scratch[2][8];
     __shared__ u32 sel_prefix;

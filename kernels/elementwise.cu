@@ -2,6 +2,7 @@
 
 // out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). out may alias gate or up.
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, i64 n) {
+    pdl_enter();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
@@ -11,6 +12,7 @@ extern "C" __global__ void silu_mul(const float* gate, const float* up, float* o
 
 // acc += x (the residual stream).
 extern "C" __global__ void add_inplace(float* acc, const float* x, i64 n) {
+    pdl_enter();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) acc[i] += x[i];
 }
@@ -26,6 +28,7 @@ extern "C" __global__ void add_inplace(float* acc, const float* x, i64 n) {
 
 extern "C" __global__ void __launch_bounds__(128) copy_block(
     const float* src, i64 src_row, i64 src_head, float* dst, i64 dst_row, i64 dst_head, int cols) {
+    pdl_enter();
     const float* s = src + blockIdx.x * src_row + blockIdx.y * src_head;
     float* d = dst + blockIdx.x * dst_row + blockIdx.y * dst_head;
     int c0 = blockIdx.z * COPY_COLS + threadIdx.x;

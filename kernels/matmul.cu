@@ -317,6 +317,7 @@ __device__ __forceinline__ void matmul_body(const u8* w, i64 row_bytes, const fl
         const u8* w, i64 row_bytes, const float* x, i64 x_stride, const int* row_ids, float* y, \
         i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride, i64 x_mat_stride, \
         i64 y_mat_stride) {                                                                   \
+        pdl_enter();                                                                          \
         matmul_body<bm, elems, bytes, dq8_##name, trans>(w, row_bytes, x, x_stride, row_ids, y, \
                                                          y_stride, M, N, K, spans, mat_stride,  \
                                                          x_mat_stride, y_mat_stride);           \
@@ -555,6 +556,7 @@ __device__ __forceinline__ void matmul_small_body(const u8* w, i64 row_bytes, co
         const u8* w, i64 row_bytes, const float* x, i64 x_stride, const int* row_ids, float* y, \
         i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride, i64 x_mat_stride, \
         i64 y_mat_stride) {                                                                   \
+        pdl_enter();                                                                          \
         matmul_small_body<bm, elems, bytes, dq8_##name>(w, row_bytes, x, x_stride, row_ids, y, \
                                                         y_stride, M, N, K, spans, mat_stride,  \
                                                         x_mat_stride, y_mat_stride);           \
@@ -643,6 +645,7 @@ __device__ __forceinline__ int perm32(int L) {
 extern "C" __global__ void matmul_xprep(const float* __restrict__ x, i64 x_stride,
                                         const int* __restrict__ row_ids, int rows, int K,
                                         u16* __restrict__ xb) {
+    pdl_enter();
     int groups = K >> 5;
     i64 id = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (i64)rows * groups) return;
@@ -667,6 +670,7 @@ extern "C" __global__ void matmul_xprep(const float* __restrict__ x, i64 x_strid
 // y[m][n] = sum over the splits of part[split][m][n] (N % 4 == 0), one float4 per thread.
 extern "C" __global__ void matmul_splitk_sum(const float* __restrict__ part, int splits, int M,
                                              int N, float* __restrict__ y, i64 y_stride) {
+    pdl_enter();
     i64 i4 = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i4 >= (i64)M * N / 4) return;
     float4 s = ((const float4*)part)[i4];
@@ -974,6 +978,7 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         kname(const u8* w, i64 row_bytes, const u16* xb, const float* x, i64 x_stride,         \
               const int* row_ids, float* y, i64 y_stride, int M, int N, int K,                 \
               const int* spans, i64 mat_stride, int tiles_m, int ksteps, float* part) {        \
+        pdl_enter();                                                                           \
         matmul_cp_body<qt, xf32, bm, bn, wm, wn, stages, fast>(w, row_bytes, xb, x, x_stride,  \
                                                                row_ids, y, y_stride, M, N, K,  \
                                                                spans, mat_stride, tiles_m,     \

@@ -317,6 +317,7 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
     int t = threadIdx.x % lanes, group = threadIdx.x / lanes;
     int b = blockIdx.y;
     int r0 = (blockIdx.x * per_block + group) * MATVEC_ROWS;
+    if (ids) pdl_wait();  // the MoE choice comes from the router kernel
     i64 m = ids ? ids[b] : b;
     if (m < 0) return;  // a MoE choice held by another rank: no output (uniform per block)
     const float* xb = x + (i64)(b / x_group) * x_stride;
@@ -324,11 +325,18 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++)
         row[r] = w + m * mat_stride + (i64)min(r0 + r, rows - 1) * row_bytes;
+    // The first weights into L2 while the previous kernel finishes (x may not be read yet).
+    int pieces = k / ELEMS * PIECES, p = t % PIECES;
+    if (r0 < rows && t < pieces) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++)
+            prefetch_l2(row[r] + (i64)(t / PIECES) * BYTES + p * (BYTES / PIECES));
+    }
+    pdl_enter();
     float acc[MATVEC_ROWS];
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) acc[r] = 0.0f;
     // PIECES divides 32, so each thread keeps one piece index p and walks the blocks.
-    int pieces = k / ELEMS * PIECES, p = t % PIECES;
     if (r0 < rows) {
 #pragma unroll 4
         for (int q = t; q < pieces; q += lanes) {
@@ -536,6 +544,7 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
     int b = blockIdx.y;
+    if (ids) pdl_wait();  // the MoE choice comes from the router kernel
     i64 mat = ids ? ids[b] : b;
     if (mat < 0) return;  // a MoE choice held by another rank (uniform per block)
     int stride = tc_plane_stride(k), nb = k / 256;
@@ -555,6 +564,7 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
              row_hi + (i64)min(part, nb - 1) * TcQ4k::BYTES, t);
     nxt.load(row_lo + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES,
              row_hi + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES, t);
+    pdl_enter();  // the weight loads above may overlap the previous kernel, x may not
     tc_prepare_x(x + (i64)(b / x_group) * x_stride, k, tc_sm);
     __syncthreads();
 
@@ -692,11 +702,13 @@ __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int
     extern "C" __global__ void __launch_bounds__(128) matvec_t_##name(                       \
         const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,         \
         const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {                 \
+        pdl_enter();                                                                         \
         matvec_t_body<elems, bytes, dq8_##name>(w, mat_stride, ids, rows, k, row_bytes, x,   \
                                                 x_group, x_stride, y, y_stride);             \
     }                                                                                        \
     extern "C" __global__ void embed_##name(const u8* w, i64 row_bytes, const int* ids, int n, \
                                             float* y) {                                      \
+        pdl_enter();                                                                         \
         embed_body<elems, bytes, dq8_##name>(w, row_bytes, ids, n, y);                       \
     }
 

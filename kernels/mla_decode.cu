@@ -136,6 +136,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache, int dl,
     int dr, int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,
     float scale, float* part_acc, float* part_ml) {
+    pdl_enter();
     extern __shared__ __align__(16) unsigned char mla_smem[];
     float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);     // [head tile][c][n][lane]
     int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
@@ -343,6 +344,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
 extern "C" __global__ void __launch_bounds__(128) mla_decode_combine(
     const float* part_acc, const float* part_ml, int n_splits, int n_heads, int dl, float* out,
     i64 out_tok) {
+    pdl_enter();
     __shared__ float w[MLA_MAX_SPLITS];
     __shared__ float red[32];
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;

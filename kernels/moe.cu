@@ -22,6 +22,7 @@
 extern "C" __global__ void __launch_bounds__(32) moe_router(
     const float* logits, const float* bias, int n_exp, int k, int gating, int n_group,
     int group_used, int norm, float scale, int held_lo, int held_hi, int* ids, float* weights) {
+    pdl_enter();
     __shared__ float s[ROUTER_MAX_EXP], choice[ROUTER_MAX_EXP];
     __shared__ int group_keep[32];
     int t = blockIdx.x, lane = threadIdx.x;
@@ -98,13 +99,13 @@ extern "C" __global__ void __launch_bounds__(32) moe_router(
 
 extern "C" __global__ void __launch_bounds__(256) moe_combine(
     const float* rows, const int* slots, const float* weights, int k, int dim, float* out) {
+    pdl_enter();
     int t = blockIdx.y, d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= dim) return;
-    const int* st = slots + (i64)t * k;
     const float* wt = weights + (i64)t * k;
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
-        int r = st[j];
+        int r = slots ? slots[(i64)t * k + j] : t * k + j;
         if (r >= 0 && wt[j] != 0.0f) sum += wt[j] * rows[(i64)r * dim + d];
     }
     out[(i64)t * dim + d] = sum;

@@ -39,6 +39,7 @@ __device__ __forceinline__ void rms_store(const float v[NORM_VALS], const float 
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x_stride,
                                                            const float* w, float* y,
                                                            i64 y_stride, int n, float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     float v[NORM_VALS], wv[NORM_VALS];
     load_row(v, x + blockIdx.x * x_stride, n);
@@ -50,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(const float* x, i64
                                                              const float* w, const float* b,
                                                              float* y, i64 y_stride, int n,
                                                              float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     float* yr = y + blockIdx.x * y_stride;
     float v[NORM_VALS], wv[NORM_VALS], bv[NORM_VALS];
@@ -80,6 +82,7 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(const float* x, i64
 extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
                                                                const float* w, float* y, int n,
                                                                float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     float* xr = x + (i64)blockIdx.x * n;
     const float* rr = r + (i64)blockIdx.x * n;
@@ -105,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
 extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
     const float* kv, const float* w, float* cache, int dl, int dr, int pos0,
     const float* inv_freq, float mscale, float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     const i64 width = dl + dr;
     const float* xr = kv + blockIdx.x * width;

@@ -3,13 +3,14 @@
 // `mscale` (the cos/sin magnitude); the kernel only rotates.
 //
 // x: [T, heads] rows; the rope part of row (t, h) starts at x + t * tok_stride + h * head_stride
-// and is `dims` long. Pair i at position pos[t] turns by angle pos[t] * inv_freq[i] (an f32
-// product, as the CPU twin computes it). grid (T, heads), block >= dims / 2.
+// and is `dims` long. Pair i of token t (position pos0 + t) turns by angle (pos0 + t) *
+// inv_freq[i] (an f32 product, as the CPU twin computes it). grid (T, heads), block >= dims / 2.
 
 extern "C" __global__ void rope_pairs(float* x, i64 tok_stride, i64 head_stride, int dims,
-                                      const int* pos, const float* inv_freq, float mscale) {
+                                      int pos0, const float* inv_freq, float mscale) {
+    pdl_enter();
     int i = threadIdx.x;
     if (i >= dims / 2) return;
     float* p = x + blockIdx.x * tok_stride + blockIdx.y * head_stride + 2 * i;
-    rope_pair(p[0], p[1], (float)pos[blockIdx.x], inv_freq[i], mscale, p);
+    rope_pair(p[0], p[1], (float)(pos0 + (int)blockIdx.x), inv_freq[i], mscale, p);
 }

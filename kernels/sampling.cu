@@ -34,6 +34,7 @@ __device__ int block_argmax(float best, int arg, float* sv, int* si) {
 }
 
 extern "C" __global__ void argmax_rows(const float* x, int n, int* out) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* row = x + (i64)blockIdx.x * n;
@@ -54,6 +55,7 @@ __device__ float mass_at(const float* probs, int n, u32 thr, float* scratch) {
 
 extern "C" __global__ void __launch_bounds__(1024) top_p_sample(
     const float* x, int n, float temperature, float top_p, float u, float* probs, int* out) {
+    pdl_enter();
     __shared__ float scratch[32];
     float mx = NEG_INF;
     for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, x[i]);

@@ -822,17 +822,13 @@ fn rope_rotates_adjacent_pairs_only_in_its_columns() {
     let mut rng = Rng::new("rope");
     let (tokens, heads, head_dim, col0, dims) = (9, 3, 40, 8, 16);
     let x = rng.normals(tokens * heads * head_dim);
-    let pos: Vec<i32> = (0..tokens).map(|_| rng.below(5000) as i32).collect();
+    let pos0 = 4000 + rng.below(1000);
     // YaRN-like spread of frequencies: from 1 down to 1e-4 rad per position.
     let inv_freq: Vec<f32> = (0..dims / 2)
         .map(|i| (10000f64.powf(-((2 * i) as f64) / dims as f64) * (0.5 + rng.uniform())) as f32)
         .collect();
     let mscale = 1.15f32;
-    let (dx, dp, df) = (
-        g.upload(&x).unwrap(),
-        g.upload(&pos).unwrap(),
-        g.upload(&inv_freq).unwrap(),
-    );
+    let (dx, df) = (g.upload(&x).unwrap(), g.upload(&inv_freq).unwrap());
     g.rope_pairs(
         g.ptr(&dx, col0),
         heads * head_dim,
@@ -840,7 +836,7 @@ fn rope_rotates_adjacent_pairs_only_in_its_columns() {
         tokens,
         heads,
         dims,
-        g.ptr(&dp, 0),
+        pos0,
         g.ptr(&df, 0),
         mscale,
     )
@@ -852,7 +848,7 @@ fn rope_rotates_adjacent_pairs_only_in_its_columns() {
             for i in 0..dims / 2 {
                 let o = t * heads * head_dim + h * head_dim + col0 + 2 * i;
                 // The angle is an f32 product in both (the kernel's contract).
-                let angle = (pos[t] as f32 * inv_freq[i]) as f64;
+                let angle = ((pos0 + t) as f32 * inv_freq[i]) as f64;
                 let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
                 let (x0, x1) = (x[o] as f64, x[o + 1] as f64);
                 want[o] = x0 * c - x1 * s;
@@ -1395,6 +1391,28 @@ fn moe_router_and_combine_match() {
         }
     }
     assert_close("moe_combine", &g.download(&dout).unwrap(), &want, F32_OP);
+
+    // Without slots (decode): choice j of token t is row t k + j.
+    let rows = rng.normals(t * k * dim);
+    let dr = g.upload(&rows).unwrap();
+    let dout = poisoned(&g, t * dim);
+    g.moe_combine(g.ptr(&dr, 0), 0, g.ptr(&dw, 0), t, k, dim, g.ptr(&dout, 0))
+        .unwrap();
+    let mut want = vec![0f64; t * dim];
+    for ti in 0..t {
+        for j in 0..k {
+            for d in 0..dim {
+                want[ti * dim + d] +=
+                    weights[ti * k + j] as f64 * rows[(ti * k + j) * dim + d] as f64;
+            }
+        }
+    }
+    assert_close(
+        "moe_combine (no slots)",
+        &g.download(&dout).unwrap(),
+        &want,
+        F32_OP,
+    );
 }
 
 // ----- sampling ----------------------------------------------------------------------------------

@@ -6,8 +6,10 @@
 //! The trait's methods return values, not errors: a failing launch here is a bug or a dead
 //! device, and panics with the kernel's message (shapes come from a validated config).
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use cudarc::driver::CudaSlice;
 
@@ -27,6 +29,10 @@ pub struct Cuda {
     pub gpu: Gpu,
     /// Device bytes held by loaded weights.
     weight_bytes: AtomicUsize,
+    /// Small f32 vectors the model hands over on every call (rope frequencies, router bias),
+    /// uploaded once by content (`constant`): a copy between two kernels costs the stream a
+    /// few microseconds and breaks the chain of dependent launches.
+    constants: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
 }
 
 /// An activation `[rows, cols]`, f32, row-major.
@@ -82,6 +88,7 @@ impl Cuda {
         Ok(Cuda {
             gpu,
             weight_bytes: AtomicUsize::new(0),
+            constants: Mutex::default(),
         })
     }
 
@@ -120,6 +127,17 @@ impl Cuda {
 
     fn upload_i32(&self, v: &[i32]) -> CudaSlice<i32> {
         ok(self.gpu.upload(v), "upload")
+    }
+
+    /// The device address of a copy of `v`, uploaded on its first use and kept (by content)
+    /// for the backend's lifetime.
+    fn constant(&self, v: &[f32]) -> DevicePtrRaw {
+        let key: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
+        let mut kept = self.constants.lock().unwrap();
+        let buf = kept
+            .entry(key)
+            .or_insert_with(|| ok(self.gpu.upload(v), "upload"));
+        self.gpu.ptr(buf, 0)
     }
 
     /// y [n, rows] = W x over `n` inputs for one matrix at `w` (rows of k elements), either
@@ -420,7 +438,6 @@ impl Backend for Cuda {
             cache.rows,
             cache.cols
         );
-        let dfreq = ok(self.gpu.upload(&rope.inv_freq), "upload");
         ok(
             self.gpu.latent_norm_rope(
                 self.p(kv, 0),
@@ -430,7 +447,7 @@ impl Backend for Cuda {
                 kv.cols - dr,
                 dr,
                 row0,
-                self.gpu.ptr(&dfreq, 0),
+                self.constant(&rope.inv_freq),
                 rope.cos_sin_scale,
                 eps,
             ),
@@ -454,11 +471,6 @@ impl Backend for Cuda {
     }
 
     fn rope(&self, x: &mut CudaTensor, heads: usize, col0: usize, pos0: usize, rope: &Rope) {
-        let pos: Vec<i32> = (0..x.rows).map(|r| (pos0 + r) as i32).collect();
-        let (dpos, dfreq) = (
-            self.upload_i32(&pos),
-            ok(self.gpu.upload(&rope.inv_freq), "upload"),
-        );
         let head = x.cols / heads;
         let a = self.p(x, col0);
         ok(
@@ -469,8 +481,8 @@ impl Backend for Cuda {
                 x.rows,
                 heads,
                 rope.rot_dims(),
-                self.gpu.ptr(&dpos, 0),
-                self.gpu.ptr(&dfreq, 0),
+                pos0,
+                self.constant(&rope.inv_freq),
                 rope.cos_sin_scale,
             ),
             "rope",
@@ -796,7 +808,7 @@ impl Backend for Cuda {
             self.upload_i32(&slots),
             ok(self.gpu.upload(weights), "upload"),
         );
-        self.combine(&d_out, &dslots, &dw, n, k)
+        self.combine(&d_out, Some(&dslots), &dw, n, k)
     }
 
     fn argmax_last(&self, logits: &CudaTensor) -> u32 {
@@ -827,12 +839,12 @@ impl Backend for Cuda {
             return None; // a TP rank's prefill: routed and grouped on the host (moe_experts)
         }
         let k = m.n_used;
-        let dbias = bias.map(|b| ok(self.gpu.upload(b), "upload"));
+
         let dids = ok(self.gpu.empty_i32(n * k), "alloc");
         let dw = self.empty(n, k);
         let router = MoeRouter {
             logits: self.p(logits, 0),
-            bias: dbias.as_ref().map_or(0, |b| self.gpu.ptr(b, 0)),
+            bias: bias.map_or(0, |b| self.constant(b)),
             n_exp: m.n_expert,
             k,
             gating: match m.gating {
@@ -861,8 +873,7 @@ impl Backend for Cuda {
         }
         let d_out = self.empty(n * k, x.cols);
         self.experts_per_choice(x, gate, up, down, &dids, k, &d_out);
-        let slots: Vec<i32> = (0..(n * k) as i32).collect();
-        Some(self.combine(&d_out, &self.upload_i32(&slots), &dw.buf, n, k))
+        Some(self.combine(&d_out, None, &dw.buf, n, k))
     }
 }
 
@@ -1020,21 +1031,22 @@ impl Cuda {
         );
     }
 
-    /// out [n, E] = sum_j weights[t, j] * d_out[slots[t, j]] (moe_combine).
+    /// out [n, E] = sum_j weights[t, j] * d_out[slots[t, j]] (moe_combine); no slots: row
+    /// t k + j.
     fn combine(
         &self,
         d_out: &CudaTensor,
-        slots: &CudaSlice<i32>,
+        slots: Option<&CudaSlice<i32>>,
         weights: &CudaSlice<f32>,
         n: usize,
         k: usize,
     ) -> CudaTensor {
         let e = d_out.cols;
-        let out = self.zeros(n, e);
+        let out = self.empty(n, e);
         ok(
             self.gpu.moe_combine(
                 self.p(d_out, 0),
-                self.gpu.ptr(slots, 0),
+                slots.map_or(0, |s| self.gpu.ptr(s, 0)),
                 self.gpu.ptr(weights, 0),
                 n,
                 k,

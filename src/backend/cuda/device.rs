@@ -28,6 +28,9 @@ pub struct Gpu {
     pub multiprocessors: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Whether kernels launch with programmatic dependent launch (`launch_raw`): sm_90 and
+    /// later, unless MLA_PDL=0 (to measure without it, or to rule it out).
+    pub dependent_launch: bool,
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
@@ -57,7 +60,9 @@ impl Gpu {
         let multiprocessors =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let stream = ctx.default_stream();
+        let dependent_launch = major >= 9 && std::env::var("MLA_PDL").map_or(true, |v| v != "0");
         Ok(Gpu {
+            dependent_launch,
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
             multiprocessors,
@@ -173,22 +178,64 @@ impl Gpu {
 /// the arguments in the kernel's order, each by value (scalars, or raw device addresses).
 macro_rules! launch {
     ($gpu:expr, $kernel:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
-        use cudarc::driver::PushKernelArg;
         let f = $gpu.function(&$kernel)?;
-        let mut builder = $gpu.stream.launch_builder(&f);
-        $(
-            let a = $arg;
-            builder.arg(&a);
-        )*
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: $grid,
-            block_dim: ($block, 1, 1),
-            shared_mem_bytes: $smem,
-        };
-        // SAFETY: the wrapper calling this pushed the arguments its kernel declares, in order
-        // and of the declared sizes, after checking shapes; addresses come from the caller's
+        let args: &[&dyn cudarc::driver::DeviceRepr] = &[$(&$arg),*];
+        let mut params: Vec<*mut std::ffi::c_void> = args
+            .iter()
+            .map(|a| *a as *const dyn cudarc::driver::DeviceRepr as *mut std::ffi::c_void)
+            .collect();
+        // SAFETY: the wrapper calling this passes the arguments its kernel declares, in order
+        // and of the declared types, after checking shapes; addresses come from the caller's
         // live buffers.
-        unsafe { builder.launch(cfg) }?;
+        unsafe { $gpu.launch_raw(&f, $grid, $block, $smem, &mut params) }?;
     }};
 }
 pub(crate) use launch;
+
+impl Gpu {
+    /// Queues `f` with `params` (pointers to each argument's value) on the stream; on sm_90 and
+    /// later with programmatic dependent launch allowed (kernels/common.cuh, pdl_enter), so the
+    /// next kernel's blocks are on the SMs when this one ends: decode is a chain of ~115 short
+    /// kernels whose launch gaps are a tenth of its time (docs/performance.md).
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameters in count, order and type.
+    pub(crate) unsafe fn launch_raw(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: a plain C union of integers, all-zero is valid.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.dependent_launch as u32,
+        };
+        // SAFETY: cfg and params outlive the call; the caller vouches for params.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
+        Ok(())
+    }
+}

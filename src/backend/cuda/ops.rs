@@ -518,7 +518,7 @@ impl Gpu {
     }
 
     /// Rotates adjacent pairs of the `dims`-wide rope part of each (token, head) row in place:
-    /// x + t * tok_stride + h * head_stride; pos: [tokens] i32; inv_freq: [dims / 2] f32.
+    /// x + t * tok_stride + h * head_stride, token t at position pos0 + t; inv_freq: [dims / 2].
     #[allow(clippy::too_many_arguments)]
     pub fn rope_pairs(
         &self,
@@ -528,7 +528,7 @@ impl Gpu {
         tokens: usize,
         heads: usize,
         dims: usize,
-        pos: Ptr,
+        pos0: usize,
         inv_freq: Ptr,
         mscale: f32,
     ) -> Result<(), CudaError> {
@@ -537,7 +537,7 @@ impl Gpu {
         })?;
         let block = (dims / 2).div_ceil(32) * 32;
         launch!(self, "rope_pairs", (tokens as u32, heads as u32, 1), block as u32, 0;
-            x, tok_stride as i64, head_stride as i64, dims as i32, pos, inv_freq, mscale);
+            x, tok_stride as i64, head_stride as i64, dims as i32, pos0 as i32, inv_freq, mscale);
         Ok(())
     }
 
@@ -862,7 +862,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] ([T, k] slots and weights).
+    /// out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] ([T, k] slots and weights; slots
+    /// 0: row t k + j).
     pub fn moe_combine(
         &self,
         rows: Ptr,
