@@ -987,5 +987,5 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 
 MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 64, 32, 4, 2, true)
 MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 64, 32, 3, 2, false)
-MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 4, 3, true)
+MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 3, 4, true)
 MATMUL_CP_KERNEL(matmul_cp_spans_q8_0, Q80_T, true, 32, 256, 32, 32, 3, 2, false)

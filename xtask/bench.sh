@@ -7,8 +7,8 @@
 #
 # 1. writes the synthetic files with `xtask synth` (in the background, niced, on local disk),
 # 2. measures the ceilings and every decode / prefill kernel meanwhile (kernels.json),
-# 3. times whole-model decode and prefill, one process per file (model-NAME.json), and again
-#    with MLA_PDL=0 (kernels launched one after the other, model-NAME-no-pdl.json),
+# 3. times whole-model decode and prefill, one process per file: first with MLA_PDL=0 (kernels
+#    launched one after the other, model-NAME-no-pdl.json), then as shipped (model-NAME.json),
 # 4. ncu: one decode token of the first model (launches and kernel time per token,
 #    ncu-token.csv) and the main decode and prefill kernels (ncu-kernels.txt).
 # Everything printed goes to bench.log. Results under $OUT (the device tool's folder), else ./out;
@@ -68,10 +68,10 @@ EOF
   cat "$work/synth.log"
 
   for m in $models; do
-    echo "== model $m"
-    "$x" bench --skip-kernels --model "$work/$m.gguf" --json "$out/model-$m.json"
     echo "== model $m without programmatic dependent launch (MLA_PDL=0)"
     MLA_PDL=0 "$x" bench --skip-kernels --model "$work/$m.gguf" --json "$out/model-$m-no-pdl.json"
+    echo "== model $m"
+    "$x" bench --skip-kernels --model "$work/$m.gguf" --json "$out/model-$m.json"
   done
 
   first=${models%% *}

@@ -187,16 +187,18 @@ macro_rules! launch {
         // SAFETY: the wrapper calling this passes the arguments its kernel declares, in order
         // and of the declared types, after checking shapes; addresses come from the caller's
         // live buffers.
-        unsafe { $gpu.launch_raw(&f, $grid, $block, $smem, &mut params) }?;
+        let dependent = $gpu.dependent_launch
+            && $crate::backend::cuda::kernels::dependent_launch_helps(&$kernel);
+        unsafe { $gpu.launch_raw(&f, $grid, $block, $smem, &mut params, dependent) }?;
     }};
 }
 pub(crate) use launch;
 
 impl Gpu {
-    /// Queues `f` with `params` (pointers to each argument's value) on the stream; on sm_90 and
-    /// later with programmatic dependent launch allowed (kernels/common.cuh, pdl_enter), so the
-    /// next kernel's blocks are on the SMs when this one ends: decode is a chain of ~115 short
-    /// kernels whose launch gaps are a tenth of its time (docs/performance.md).
+    /// Queues `f` with `params` (pointers to each argument's value) on the stream; `dependent`:
+    /// with programmatic dependent launch allowed (kernels/common.cuh, pdl_enter), so that its
+    /// blocks are on the SMs when the kernel before it ends: decode is a chain of ~115 short
+    /// kernels whose launch gaps were a tenth of its time (docs/performance.md).
     ///
     /// # Safety
     /// `params` must match the kernel's parameters in count, order and type.
@@ -207,6 +209,7 @@ impl Gpu {
         block: u32,
         smem: u32,
         params: &mut [*mut std::ffi::c_void],
+        dependent: bool,
     ) -> Result<(), CudaError> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread()?;
@@ -224,7 +227,7 @@ impl Gpu {
             sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: self.dependent_launch as u32,
+            numAttrs: dependent as u32,
         };
         // SAFETY: cfg and params outlive the call; the caller vouches for params.
         unsafe {
