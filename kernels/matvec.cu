@@ -384,13 +384,13 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 // first weight loads are in flight; that costs a pass over x per block, which is why
 // Gpu::matvec uses this kernel only for matrices with many rows and k <= TC_K_MAX.
 //
-// Grid (ceil(tiles / T), batch), a tile = 16 rows, T = 2 or 4 tiles per block (read back from
-// the grid size as in matvec_body); block TC_WARPS warps: 4 / T warps per tile take its
-// 256-blocks in turn and meet in shared memory. Dynamic shared memory tc_smem_bytes(k)
-// (ops.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block
-// on distinct banks), k / 256 scales (rounded up to even), k / 32 sums.
+// Grid (ceil(tiles / T), batch), a tile = 16 rows, T tiles per block (read back from the grid
+// size as in matvec_body); block W = 4 (matvec_tc_q4_k) or 8 (matvec_tc8_q4_k, for the MoE
+// experts: one x prepared for twice the rows) warps, W / T per tile, which take its 256-blocks
+// in turn and meet in shared memory. Dynamic shared memory tc_smem_bytes(k) (ops.rs): 4 planes
+// of k + 32 bytes (the padding puts the 16 lanes reading one sub-block on distinct banks),
+// k / 256 scales (rounded up to even), k / 32 sums.
 
-#define TC_WARPS 4
 
 __device__ __forceinline__ void mma_s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                              u32 b1) {
@@ -538,9 +538,11 @@ struct TcQ4k {
 };
 
 // Same arguments and addressing as matvec_q4_k; rows 16-byte aligned, k a multiple of 256.
-extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
-    const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes, const float* x,
-    int x_group, i64 x_stride, float* y, i64 y_stride) {
+template <int TC_WARPS>
+__device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, i64 mat_stride, const int* ids,
+                                                    int rows, int k, i64 row_bytes,
+                                                    const float* x, int x_group, i64 x_stride,
+                                                    float* y, i64 y_stride) {
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
     int b = blockIdx.y;
@@ -603,6 +605,16 @@ extern "C" __global__ void __launch_bounds__(32 * TC_WARPS) matvec_tc_q4_k(
     }
 }
 
+
+#define DEFINE_MATVEC_TC(kname, warps)                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
+        const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,           \
+        const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {                   \
+        matvec_tc_q4_k_body<warps>(w, mat_stride, ids, rows, k, row_bytes, x, x_group,         \
+                                   x_stride, y, y_stride);                                     \
+    }
+DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
+DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)
 
 // matvec_t_<type>: the transposed product for small batches, y_b[j] = sum_i W_b[i, j] * x_b[i]
 // over the `rows` rows of W_b (each k elements long, so y_b has k values), with the same

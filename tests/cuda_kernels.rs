@@ -292,17 +292,21 @@ fn matvec_every_type_matches_dequantized_dot() {
     }
 }
 
-/// The Q4_K matvec on the integer tensor cores (matvec_tc_q4_k, taken for many rows over the
-/// batch): x with wide and tiny values (the per-block integer planes), a tail tile, shared and
-/// per-item inputs, a MoE choice held elsewhere (id -1: output left alone), and an odd number
-/// of 256-blocks (k = 1280: the shared-memory layout's padding).
+/// The Q4_K matvec on the integer tensor cores (matvec_tc_q4_k / matvec_tc8_q4_k, taken for
+/// many rows over the batch): x with wide and tiny values (the per-block integer planes), a tail
+/// tile, shared and per-item inputs, a MoE choice held elsewhere (id -1: output left alone), an
+/// odd number of 256-blocks (k = 4352: the shared-memory layout's padding), and each block
+/// geometry of ops.rs: 8 warps with 8 and 4 tiles (items), 4 warps with 2 tiles (one matrix).
 #[test]
 fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_tc");
     let t = GgmlType::Q4_K;
-    let cases: [(usize, usize, usize, &[i32]); 2] =
-        [(2100, 1536, 3, &[2, 0, -1, 1, 1]), (8200, 1280, 1, &[0])];
+    let cases: [(usize, usize, usize, &[i32]); 3] = [
+        (2100, 1536, 3, &[2, 0, -1, 1, 1]),
+        (2048, 4608, 2, &[1, 0, -1, 1]),
+        (8200, 4352, 1, &[0]),
+    ];
     for (rows, k, mats, ids) in cases {
         let w = random_rows(&mut rng, t, rows * mats, k);
         let wf = dequant_rows(t, &w, rows * mats, k);
