@@ -538,16 +538,23 @@ struct TcQ4k {
 };
 
 // Same arguments and addressing as matvec_q4_k; rows 16-byte aligned, k a multiple of 256.
+// w2 (or null): items gridDim.y / 2 .. take their matrices from w2 instead, with ids and x
+// counted from gridDim.y / 2 again (the MoE gate and up products of the same choices in one
+// launch); outputs stay item b at y + b y_stride.
 template <int TC_WARPS>
-__device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, i64 mat_stride, const int* ids,
-                                                    int rows, int k, i64 row_bytes,
-                                                    const float* x, int x_group, i64 x_stride,
-                                                    float* y, i64 y_stride) {
+__device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, i64 mat_stride,
+                                                    const int* ids, int rows, int k,
+                                                    i64 row_bytes, const float* x, int x_group,
+                                                    i64 x_stride, float* y, i64 y_stride) {
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
-    int b = blockIdx.y;
+    int b = blockIdx.y, bi = b;  // output item, input item
+    if (w2 && b >= (int)gridDim.y / 2) {
+        w = w2;
+        bi = b - gridDim.y / 2;
+    }
     if (ids) pdl_wait();  // the MoE choice comes from the router kernel
-    i64 mat = ids ? ids[b] : b;
+    i64 mat = ids ? ids[bi] : bi;
     if (mat < 0) return;  // a MoE choice held by another rank (uniform per block)
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
@@ -567,7 +574,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, i64 mat_stride,
     nxt.load(row_lo + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES,
              row_hi + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES, t);
     pdl_enter();  // the weight loads above may overlap the previous kernel, x may not
-    tc_prepare_x(x + (i64)(b / x_group) * x_stride, k, tc_sm);
+    tc_prepare_x(x + (i64)(bi / x_group) * x_stride, k, tc_sm);
     __syncthreads();
 
     // B fragment: this lane's column g holds plane g % 4.
@@ -608,9 +615,9 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, i64 mat_stride,
 
 #define DEFINE_MATVEC_TC(kname, warps)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
-        const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,           \
-        const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {                   \
-        matvec_tc_q4_k_body<warps>(w, mat_stride, ids, rows, k, row_bytes, x, x_group,         \
+        const u8* w, const u8* w2, i64 mat_stride, const int* ids, int rows, int k,            \
+        i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {    \
+        matvec_tc_q4_k_body<warps>(w, w2, mat_stride, ids, rows, k, row_bytes, x, x_group,     \
                                    x_stride, y, y_stride);                                     \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)

@@ -251,6 +251,7 @@ fn expert_matvec(
         y_stride: rows,
         batch: ids.len(),
         transposed: false,
+        pair: 0,
     })
     .unwrap();
     g.download(&dy).unwrap()
@@ -342,6 +343,73 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     }
 }
 
+/// A pair of matrix sets in one launch (`Matvec::pair`, the MoE gate and up): items 4 .. 8
+/// read the second set with the ids and inputs of items 0 .. 4, and equal that set's own
+/// product; a choice held elsewhere is left alone in both halves.
+#[test]
+fn matvec_q4_k_pair_matches_two_products() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_pair");
+    let (t, rows, k, mats) = (GgmlType::Q4_K, 2048, 1024, 3);
+    let (wa, wb) = (
+        random_rows(&mut rng, t, rows * mats, k),
+        random_rows(&mut rng, t, rows * mats, k),
+    );
+    let x = rng.normals(2 * k);
+    let ids = [2i32, 0, -1, 1];
+    let (dwa, dwb, dx, di) = (
+        g.upload(&wa).unwrap(),
+        g.upload(&wb).unwrap(),
+        g.upload(&x).unwrap(),
+        g.upload(&ids).unwrap(),
+    );
+    let dy = poisoned(&g, 2 * ids.len() * rows);
+    let a = Matvec {
+        ty: t,
+        w: g.ptr(&dwa, 0),
+        mat_stride: rows * t.row_bytes(k).unwrap(),
+        ids: g.ptr(&di, 0),
+        rows,
+        k,
+        x: g.ptr(&dx, 0),
+        x_group: 2,
+        x_stride: k,
+        y: g.ptr(&dy, 0),
+        y_stride: rows,
+        batch: 2 * ids.len(),
+        transposed: false,
+        pair: g.ptr(&dwb, 0),
+    };
+    assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
+    g.matvec(&a).unwrap();
+    let y = g.download(&dy).unwrap();
+    let (wfa, wfb) = (
+        dequant_rows(t, &wa, rows * mats, k),
+        dequant_rows(t, &wb, rows * mats, k),
+    );
+    for (half, wf) in [(0, &wfa), (1, &wfb)] {
+        let mut got = Vec::new();
+        for (b, &m) in ids.iter().enumerate() {
+            let yb = &y[(half * ids.len() + b) * rows..][..rows];
+            if m < 0 {
+                assert!(
+                    yb.iter().all(|v| v.is_nan()),
+                    "half {half} item {b} (id -1) was written"
+                );
+            } else {
+                got.extend_from_slice(yb);
+            }
+        }
+        let want = expert_matvec_want(wf, (rows, k), &x, 2, &ids);
+        assert_close(
+            &format!("matvec q4_k pair, half {half}"),
+            &got,
+            &want,
+            F32_OP,
+        );
+    }
+}
+
 #[test]
 fn matvec_transposed_every_type_matches() {
     let Some(g) = gpu() else { return };
@@ -375,6 +443,7 @@ fn matvec_transposed_every_type_matches() {
             y_stride: k,
             batch,
             transposed: true,
+            pair: 0,
         })
         .unwrap();
         let y = g.download(&dy).unwrap();
@@ -1588,6 +1657,7 @@ fn decode_and_prefill_kernel_timings() {
             y_stride: rows,
             batch: 1,
             transposed: false,
+            pair: 0,
         };
         let ms = time_ms(&g, 20, || g.matvec(&a).unwrap());
         let gbs = (rows * t.row_bytes(k).unwrap()) as f64 / ms / 1e6;

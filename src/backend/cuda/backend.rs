@@ -173,6 +173,7 @@ impl Cuda {
                 y_stride,
                 batch: n,
                 transposed: false,
+                pair: 0,
             };
             ok(self.gpu.matvec(&a), "matvec");
         }
@@ -931,6 +932,7 @@ impl Cuda {
                 y_stride: dout,
                 batch: n * heads,
                 transposed: transpose,
+                pair: 0,
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
@@ -973,8 +975,8 @@ impl Cuda {
         let f = gate.dim(1);
         let rows = x.rows * k;
         let (gate_bytes, down_bytes) = (f * gate.row_bytes(), e * down.row_bytes());
-        let g_out = self.empty(rows, f);
-        let u_out = self.empty(rows, f);
+        // Gate outputs in rows 0 .. rows, up outputs after them.
+        let gu_out = self.empty(2 * rows, f);
         let item = |w: &CudaWeight,
                     mat_stride,
                     rows_w,
@@ -996,37 +998,36 @@ impl Cuda {
             y_stride: rows_w,
             batch: rows,
             transposed: false,
+            pair: 0,
         };
+        let gate_item = item(gate, gate_bytes, f, e, self.p(x, 0), k, e, &gu_out);
+        // Gate and up in one launch where the kernel takes the pair (measured on an H200:
+        // GLM-5 experts 2 x 23.7 -> 39.2 us), else one after the other.
+        let both = Matvec {
+            pair: self.w(up),
+            batch: 2 * rows,
+            ..gate_item
+        };
+        if gate.ty == up.ty && self.gpu.takes_pair(&both) {
+            ok(self.gpu.matvec(&both), "moe gate and up");
+        } else {
+            ok(self.gpu.matvec(&gate_item), "moe gate");
+            let up_item = Matvec {
+                w: self.w(up),
+                y: self.p(&gu_out, rows * f),
+                ..gate_item
+            };
+            ok(self.gpu.matvec(&up_item), "moe up");
+        }
+        let g_out = self.p(&gu_out, 0);
         ok(
             self.gpu
-                .matvec(&item(gate, gate_bytes, f, e, self.p(x, 0), k, e, &g_out)),
-            "moe gate",
-        );
-        ok(
-            self.gpu
-                .matvec(&item(up, gate_bytes, f, e, self.p(x, 0), k, e, &u_out)),
-            "moe up",
-        );
-        ok(
-            self.gpu.silu_mul(
-                self.p(&g_out, 0),
-                self.p(&u_out, 0),
-                self.p(&g_out, 0),
-                rows * f,
-            ),
+                .silu_mul(g_out, self.p(&gu_out, rows * f), g_out, rows * f),
             "moe silu",
         );
         ok(
-            self.gpu.matvec(&item(
-                down,
-                down_bytes,
-                e,
-                f,
-                self.p(&g_out, 0),
-                1,
-                f,
-                d_out,
-            )),
+            self.gpu
+                .matvec(&item(down, down_bytes, e, f, g_out, 1, f, d_out)),
             "moe down",
         );
     }

@@ -48,6 +48,10 @@ pub struct Matvec {
     pub batch: usize,
     /// y_b = W_b^T x_b instead: x_b has `rows` values, y_b has `k`.
     pub transposed: bool,
+    /// Second matrices, or 0: items batch / 2 .. take their matrix from here instead of `w`,
+    /// with ids and x counted from batch / 2 again (the MoE gate and up of the same choices in
+    /// one launch). Only the tensor-core kernels take it (`Gpu::takes_pair`).
+    pub pair: Ptr,
 }
 
 // The geometry of matvec (kernels/matvec.cu): blocks of MATVEC_WARPS warps, each row group of
@@ -88,7 +92,7 @@ fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
         && !a.transposed
         && a.k <= TC_K_MAX
         && a.rows * a.batch >= TC_MIN_ROWS
-        && (a.w as usize | a.mat_stride | row_bytes) % 16 == 0
+        && (a.w as usize | a.pair as usize | a.mat_stride | row_bytes) % 16 == 0
 }
 
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
@@ -98,6 +102,14 @@ fn tc_smem_bytes(k: usize) -> usize {
 }
 
 impl Gpu {
+    /// Whether `matvec` takes `a` with a `pair` (the tensor-core kernels, an even batch).
+    pub fn takes_pair(&self, a: &Matvec) -> bool {
+        a.batch % 2 == 0
+            && a.ty
+                .row_bytes(a.k)
+                .is_some_and(|rb| uses_tensor_cores(a, rb))
+    }
+
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
         let kernel = typed_kernel(if a.transposed { "matvec_t" } else { "matvec" }, a.ty)?;
         let row_bytes = a.ty.row_bytes(a.k);
@@ -109,6 +121,9 @@ impl Gpu {
         })?;
         check(a.x_group > 0 && a.batch > 0, "matvec", || {
             "empty batch".into()
+        })?;
+        check(a.pair == 0 || self.takes_pair(a), "matvec", || {
+            "a pair of matrices needs the tensor-core kernel and an even batch".into()
         })?;
         if uses_tensor_cores(a, row_bytes.unwrap()) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
@@ -126,7 +141,7 @@ impl Gpu {
             };
             launch!(self, kernel, (grid1(tiles, per_block), a.batch as u32, 1), 32 * warps,
                 tc_smem_bytes(a.k) as u32;
-                a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32,
+                a.w, a.pair, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32,
                 row_bytes.unwrap() as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
                 a.y_stride as i64);
             return Ok(());
