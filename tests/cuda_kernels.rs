@@ -297,16 +297,18 @@ fn matvec_every_type_matches_dequantized_dot() {
 /// many rows over the batch): x with wide and tiny values (the per-block integer planes), a tail
 /// tile, shared and per-item inputs, a MoE choice held elsewhere (id -1: output left alone), an
 /// odd number of 256-blocks (k = 4352: the shared-memory layout's padding), and each block
-/// geometry of ops.rs: 8 warps with 8 and 4 tiles (items), 4 warps with 2 tiles (one matrix).
+/// geometry of ops.rs: 8 warps with 8 and 4 tiles (items), 4 warps with 2 tiles (one matrix),
+/// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory).
 #[test]
 fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_tc");
     let t = GgmlType::Q4_K;
-    let cases: [(usize, usize, usize, &[i32]); 3] = [
+    let cases: [(usize, usize, usize, &[i32]); 4] = [
         (2100, 1536, 3, &[2, 0, -1, 1, 1]),
         (2048, 4608, 2, &[1, 0, -1, 1]),
         (8200, 4352, 1, &[0]),
+        (7200, 9216, 1, &[0]),
     ];
     for (rows, k, mats, ids) in cases {
         let w = random_rows(&mut rng, t, rows * mats, k);

@@ -150,6 +150,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "dsa_scores" => 4 * (DSA_Q_MAX + 32 * (DSA_DIM_MAX + 4)),
         "mla_decode_split" => mla_decode_smem_bytes(),
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
+        "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         _ => 0,
     }
 }

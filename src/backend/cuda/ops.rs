@@ -76,28 +76,39 @@ fn matvec_groups_per_block(groups: usize, batch: usize, row_bytes: usize) -> usi
     MATVEC_WARPS / split
 }
 
-/// matvec_tc_q4_k (kernels/matvec.cu), the Q4_K product on the integer tensor cores, serves
-/// matrices with at least TC_MIN_ROWS rows over the batch and k <= TC_K_MAX: each of its
-/// thread blocks first turns x into integer planes (a pass over k), which pays off only when
-/// a block has many rows to amortize it over. Measured on an H200 (docs/performance.md): the
-/// GLM-5 expert up x16 (2048 x 6144 each) 54 -> 43 us, a 24576 x 1536 q_b 16.4 -> 11.8 us;
-/// the CUDA-core kernel stays ahead on 576-1536 rows and on k = 16384, also when this kernel
-/// splits k over more blocks to fill the GPU (tried: q_a 6.7 -> 9.7 us, kv_a 5.5 -> 7.3 us,
-/// attn_output 33.8 -> 39.3 us).
+/// matvec_tc_q4_k / matvec_tc8_q4_k (kernels/matvec.cu), the Q4_K product on the integer
+/// tensor cores, serves matrices with at least TC_MIN_ROWS rows over the batch and k <=
+/// TC_K_MAX (longer k: below): each of its thread blocks first turns x into integer planes (a
+/// pass over k), which pays off only when a block has many rows to amortize it over. Measured
+/// on an H200 (docs/performance.md): the GLM-5 expert up x16 (2048 x 6144 each) 54 -> 43 us,
+/// a 24576 x 1536 q_b 16.4 -> 11.8 us; the CUDA-core kernel stays ahead on 576-2048 rows,
+/// also when this kernel splits k over more blocks to fill the GPU (tried: q_a 6.7 -> 9.7 us,
+/// kv_a 5.5 -> 7.3 us, attn_output 33.8 -> 39.3 us).
 const TC_MIN_ROWS: usize = 8192;
 const TC_K_MAX: usize = 8192;
+/// Longer k (DeepSeek-V3's attn_output, k = 16384, and dense ffn_down, 18432) goes to the
+/// 8-warp kernel from TC_LONG_MIN_ROWS rows on (lab, H200: 34.9 -> 30.6 us and 40.1 -> 33.7
+/// us; at GLM-5's 6144 rows it only tied the CUDA-core kernel), up to TC_LONG_K_MAX (its x
+/// planes fill 85 KiB of shared memory).
+const TC_LONG_MIN_ROWS: usize = 7168;
+pub(super) const TC_LONG_K_MAX: usize = 20480;
 
 fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
+    let rows = a.rows * a.batch;
+    let shape_pays = if a.k <= TC_K_MAX {
+        rows >= TC_MIN_ROWS
+    } else {
+        a.k <= TC_LONG_K_MAX && rows >= TC_LONG_MIN_ROWS
+    };
     a.ty == GgmlType::Q4_K
         && !a.transposed
-        && a.k <= TC_K_MAX
-        && a.rows * a.batch >= TC_MIN_ROWS
+        && shape_pays
         && (a.w as usize | a.pair as usize | a.mat_stride | row_bytes) % 16 == 0
 }
 
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
 /// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
-fn tc_smem_bytes(k: usize) -> usize {
+pub(super) fn tc_smem_bytes(k: usize) -> usize {
     4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
 }
 
@@ -129,11 +140,13 @@ impl Gpu {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
             // each, all of k) on large grids or short rows, else 2 (two warps each, half of k).
             // Several items (the MoE experts): blocks of 8 warps, 8 tiles, or 4 where k is long
-            // and the grid small (expert gate / up). The faster choices in the lab runs (H200:
-            // 8 warps took 10-12% off the expert products, and lost 9% on ffn_up).
+            // and the grid small (expert gate / up). k beyond TC_K_MAX: 8 warps, 2 tiles. The
+            // faster choices in the lab runs (H200: 8 warps took 10-12% off the expert
+            // products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
             let long_k = a.k >= 4096;
             let (kernel, warps, per_block) = match (a.batch > 1, tiles * a.batch) {
+                _ if a.k > TC_K_MAX => ("matvec_tc8_q4_k", 8, 2),
                 (false, t) if t >= 2048 || !long_k => ("matvec_tc_q4_k", 4, 4),
                 (false, _) => ("matvec_tc_q4_k", 4, 2),
                 (true, t) if t <= 1024 && long_k => ("matvec_tc8_q4_k", 8, 4),
