@@ -1,6 +1,7 @@
 //! The CUDA backend: kernels in `kernels/*.cu`, compiled by NVRTC at run time for the exact
-//! `sm_XX` of the device (cached on disk), launched through cudarc's driver API with the
-//! libraries loaded at run time, so building needs no CUDA at all.
+//! `sm_XX` of the device (cached on disk), launched through the driver API (cudarc, libraries
+//! loaded at run time, so building needs no CUDA at all); on sm_90 and later with programmatic
+//! dependent launch, so each kernel's blocks are waiting on the SMs when the one before ends.
 //!
 //! [`Cuda`] implements the model's `Backend` trait on top of them. [`device::Gpu`] is one device with its stream and compiled kernels; [`ops`] has one
 //! function per kernel; [`nvrtc`] compiles and caches; [`kernels`] lists the families and
