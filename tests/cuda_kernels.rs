@@ -293,6 +293,24 @@ fn matvec_every_type_matches_dequantized_dot() {
     }
 }
 
+/// The outputs of the items whose id is a held matrix, in order, after checking that the items
+/// of a choice held elsewhere (id -1) were left alone (still the poison NaN).
+fn chosen_outputs(y: &[f32], rows: usize, ids: &[i32], what: &str) -> Vec<f32> {
+    let mut got = Vec::new();
+    for (b, &m) in ids.iter().enumerate() {
+        let yb = &y[b * rows..][..rows];
+        if m < 0 {
+            assert!(
+                yb.iter().all(|v| v.is_nan()),
+                "{what}item {b} (id -1) was written"
+            );
+        } else {
+            got.extend_from_slice(yb);
+        }
+    }
+    got
+}
+
 /// The Q4_K matvec on the integer tensor cores (matvec_tc_q4_k / matvec_tc8_q4_k, taken for
 /// many rows over the batch): x with wide and tiny values (the per-block integer planes), a tail
 /// tile, shared and per-item inputs, a MoE choice held elsewhere (id -1: output left alone), an
@@ -323,18 +341,7 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
             }
         }
         let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, ids);
-        let mut got = Vec::new();
-        for (b, &m) in ids.iter().enumerate() {
-            let yb = &y[b * rows..][..rows];
-            if m < 0 {
-                assert!(
-                    yb.iter().all(|v| v.is_nan()),
-                    "item {b} (id -1) was written"
-                );
-            } else {
-                got.extend_from_slice(yb);
-            }
-        }
+        let got = chosen_outputs(&y, rows, ids, "");
         let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
         assert_close(
             &format!("matvec q4_k (tensor cores) {rows}x{k}"),
@@ -390,18 +397,8 @@ fn matvec_q4_k_pair_matches_two_products() {
         dequant_rows(t, &wb, rows * mats, k),
     );
     for (half, wf) in [(0, &wfa), (1, &wfb)] {
-        let mut got = Vec::new();
-        for (b, &m) in ids.iter().enumerate() {
-            let yb = &y[(half * ids.len() + b) * rows..][..rows];
-            if m < 0 {
-                assert!(
-                    yb.iter().all(|v| v.is_nan()),
-                    "half {half} item {b} (id -1) was written"
-                );
-            } else {
-                got.extend_from_slice(yb);
-            }
-        }
+        let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
+        let got = chosen_outputs(yh, rows, &ids, &format!("half {half} "));
         let want = expert_matvec_want(wf, (rows, k), &x, 2, &ids);
         assert_close(
             &format!("matvec q4_k pair, half {half}"),
