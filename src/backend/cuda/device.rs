@@ -184,11 +184,11 @@ macro_rules! launch {
             .iter()
             .map(|a| *a as *const dyn cudarc::driver::DeviceRepr as *mut std::ffi::c_void)
             .collect();
+        let dependent = $gpu.dependent_launch
+            && $crate::backend::cuda::kernels::dependent_launch_helps(&$kernel);
         // SAFETY: the wrapper calling this passes the arguments its kernel declares, in order
         // and of the declared types, after checking shapes; addresses come from the caller's
         // live buffers.
-        let dependent = $gpu.dependent_launch
-            && $crate::backend::cuda::kernels::dependent_launch_helps(&$kernel);
         unsafe { $gpu.launch_raw(&f, $grid, $block, $smem, &mut params, dependent) }?;
     }};
 }
@@ -197,7 +197,7 @@ pub(crate) use launch;
 impl Gpu {
     /// Queues `f` with `params` (pointers to each argument's value) on the stream; `dependent`:
     /// with programmatic dependent launch allowed (kernels/common.cuh, pdl_enter), so that its
-    /// blocks are on the SMs when the kernel before it ends: decode is a chain of ~115 short
+    /// blocks are on the SMs when the kernel before it ends: decode is a chain of ~112 short
     /// kernels whose launch gaps were a tenth of its time (docs/performance.md).
     ///
     /// # Safety

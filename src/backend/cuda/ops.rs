@@ -385,9 +385,11 @@ impl Gpu {
 
     /// Into how many k chunks a plain first-generation product of `blocks` tiles is split:
     /// the f32 MoE router of a prefill (512 x 256 x 6144) is 8 tiles on a GPU of 132 SMs.
-    /// Chunks of a whole number of FG_SPLIT_MIN_K values (every type's block divides it).
+    /// Chunks of a whole number of FG_SPLIT_MIN_K values (every type's block divides it); Y
+    /// 16-byte aligned rows (matmul_splitk_sum stores float4).
     fn first_generation_splits(&self, a: &Matmul, blocks: usize) -> usize {
-        if a.spans != 0 || a.n_spans > 1 || a.transposed || a.k % FG_SPLIT_MIN_K != 0 {
+        let plain = a.spans == 0 && a.n_spans <= 1 && !a.transposed;
+        if !plain || a.k % FG_SPLIT_MIN_K != 0 || a.y % 16 != 0 || a.y_stride % 4 != 0 {
             return 1;
         }
         let most = a.k / FG_SPLIT_MIN_K;
