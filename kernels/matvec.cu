@@ -382,7 +382,7 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 //
 // Each thread block turns its x into planes in shared memory first (tc_prepare_x) while the
 // first weight loads are in flight; that costs a pass over x per block, which is why
-// Gpu::matvec uses this kernel only for matrices with many rows and k <= TC_K_MAX.
+// Gpu::matvec uses this kernel only for matrices with many rows (ops.rs, uses_tensor_cores).
 //
 // Grid (ceil(tiles / T), batch), a tile = 16 rows, T tiles per block (read back from the grid
 // size as in matvec_body); block W = 4 (matvec_tc_q4_k) or 8 (matvec_tc8_q4_k, for the MoE

@@ -840,7 +840,6 @@ impl Backend for Cuda {
             return None; // a TP rank's prefill: routed and grouped on the host (moe_experts)
         }
         let k = m.n_used;
-
         let dids = ok(self.gpu.empty_i32(n * k), "alloc");
         let dw = self.empty(n, k);
         let router = MoeRouter {

@@ -372,9 +372,7 @@ impl Gpu {
                 a.w, row_bytes as i64, a.x, a.x_stride as i64, a.row_ids, pp, a.n as i64,
                 a.m as i32, a.n as i32, chunk as i32, 0u64,
                 a.ty.row_bytes(chunk).unwrap() as i64, chunk as i64, (a.m * a.n) as i64);
-            launch!(self, "matmul_splitk_sum", (grid1(a.m * a.n / 4, 256), 1, 1), 256, 0;
-                pp, splits as i32, a.m as i32, a.n as i32, a.y, a.y_stride as i64);
-            return Ok(());
+            return self.matmul_splitk_sum(a, pp, splits);
         }
         launch!(self, kernel, (grid_x, grid_y, z as u32), 256, 0;
             a.w, row_bytes as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
@@ -458,9 +456,16 @@ impl Gpu {
             a.w, row_bytes as i64, xb, 0u64, 0i64, 0u64, a.y, a.y_stride as i64, a.m as i32,
             a.n as i32, a.k as i32, 0u64, 0i64, tiles_m as i32, ksteps as i32, part);
         if splits > 1 {
-            launch!(self, "matmul_splitk_sum", (grid1(a.m * a.n / 4, 256), 1, 1), 256, 0;
-                part, splits as i32, a.m as i32, a.n as i32, a.y, a.y_stride as i64);
+            return self.matmul_splitk_sum(a, part, splits);
         }
+        Ok(())
+    }
+
+    /// Y of `a` = the sum of `splits` partials [splits, m, n] at `part`, in split order
+    /// (float4 stores: Y rows 16-byte aligned).
+    fn matmul_splitk_sum(&self, a: &Matmul, part: Ptr, splits: usize) -> Result<(), CudaError> {
+        launch!(self, "matmul_splitk_sum", (grid1(a.m * a.n / 4, 256), 1, 1), 256, 0;
+            part, splits as i32, a.m as i32, a.n as i32, a.y, a.y_stride as i64);
         Ok(())
     }
 
