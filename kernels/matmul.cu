@@ -136,8 +136,9 @@ struct MmUnit<dq8_q6_k> {
 // Grouped mode: block z takes span z = (expert, first row r0, count). Moves w to the
 // expert's matrix, row_ids (gathered rows) or x (consecutive rows) and y to row r0, and
 // returns the span's row count.
+template <typename X>
 __device__ __forceinline__ int enter_span(const int* spans, i64 mat_stride, const u8*& w,
-                                          const int*& row_ids, const float*& x, i64 x_stride,
+                                          const int*& row_ids, const X*& x, i64 x_stride,
                                           float*& y, i64 y_stride) {
     const int* sp = spans + 3 * blockIdx.z;
     int r0 = sp[1];
@@ -589,12 +590,12 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 // Q8_0: block 0 for s < 2, block 1 for s >= 2). The product is a sum over k, so any common
 // permutation of X and W columns gives the same result.
 //
-// X, plain mode: matmul_xprep writes X (rows gathered through row_ids) as bf16 in that order
-// once per product into scratch (ops.rs allocates it), tiles load it by cp.async into 128-byte
-// rows with 16-byte chunks XOR-swizzled (ldmatrix conflict-free). Grouped mode reads X f32
-// straight from its rows (the host does not know the total row count to size a copy): rows of
-// 64 + 4 floats (the pad makes the float4 reads below conflict-free), and the A fragment of
-// logical k (2c, 2c+1, 2c+8, 2c+9) is one float4 at physical 8c + 4(s&1), rounded to bf16.
+// X: matmul_xprep writes X as bf16 in that order once per product into scratch (ops.rs
+// allocates it; plain mode gathers the rows through row_ids there, grouped mode converts X's
+// rows as they are and the tiles gather them), tiles load it by cp.async into 128-byte rows
+// with 16-byte chunks XOR-swizzled, A fragments come by ldmatrix (conflict-free). An m16 tile
+// with no row of the product (a span of 16 rows or fewer in a 32-row tile) skips its
+// fragments and MMAs (warp-uniform).
 //
 // Dense tiles are numbered with M fastest, so the blocks of one wave share W tiles (each W
 // tile read from DRAM about once) while the bf16 X stays in L2. Split-K (plain mode, when the
@@ -684,12 +685,11 @@ extern "C" __global__ void matmul_splitk_sum(const float* __restrict__ part, int
 }
 
 // Shared-memory layout of one configuration (mirrored by matmul_cp_smem in kernels.rs).
-template <int QT, bool XF32, int BM, int BN, int WM, int WN, int STAGES>
+template <int QT, int BM, int BN, int WM, int WN, int STAGES>
 struct CpCfg {
     static constexpr int THREADS = 32 * (BM / WM) * (BN / WN);
     static constexpr int MI = WM / 16, NJ = WN / 8;
-    static constexpr int XROW = XF32 ? 4 * (64 + 4) : 128;  // bytes per X row per stage
-    static constexpr int XB = BM * XROW;
+    static constexpr int XB = BM * 128;  // BM rows of 64 bf16 per stage
     static constexpr int WQ = QT == Q4K_T ? 32 : 80;        // raw bytes per W row per stage
     static constexpr int WHB = QT == Q4K_T ? 16 : 0;        // Q4_K block header per W row
     static constexpr int STAGE = XB + BN * (WQ + WHB);
@@ -699,23 +699,22 @@ struct CpCfg {
     static_assert(STAGES >= 3, "one barrier per step needs 3 stages");
 };
 
-// XF32 = grouped mode (X f32 from its rows, spans); else plain mode (X bf16 from xprep; part
-// != null: split-K partials, ksteps k steps per split).
-template <int QT, bool XF32, int BM, int BN, int WM, int WN, int STAGES, bool FAST>
+// GROUPED: spans (the X rows gathered through row_ids); else plain mode (part != null:
+// split-K partials, ksteps k steps per split). xb: bf16 X from matmul_xprep, K per row.
+template <int QT, bool GROUPED, int BM, int BN, int WM, int WN, int STAGES, bool FAST>
 __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const u16* xb,
-                                               const float* x, i64 x_stride,
                                                const int* row_ids, float* y, i64 y_stride, int M,
                                                int N, int K, const int* spans, i64 mat_stride,
                                                int tiles_m, int ksteps, float* part) {
-    using C = CpCfg<QT, XF32, BM, BN, WM, WN, STAGES>;
+    using C = CpCfg<QT, BM, BN, WM, WN, STAGES>;
     constexpr int T = C::THREADS, MI = C::MI, NJ = C::NJ;
     extern __shared__ __align__(128) u8 smem[];
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
 
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int m0, n0, kb0 = 0, kb1 = K >> 6;
-    if (XF32) {
-        M = enter_span(spans, mat_stride, w, row_ids, x, x_stride, y, y_stride);
+    if (GROUPED) {
+        M = enter_span(spans, mat_stride, w, row_ids, xb, (i64)K, y, y_stride);
         m0 = blockIdx.y * BM;
         if (m0 >= M) return;  // whole block: before any barrier
         n0 = blockIdx.x * BN;
@@ -731,41 +730,29 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
     }
     const int nk = kb1 - kb0;
 
-    // Grouped X loader: 16 float4 chunks per row; this thread's rows, fixed, gathered once.
-    constexpr int XI = XF32 ? (BM * 16 + T - 1) / T : 1;
-    const float* xsrc[XI];
-    if (XF32) {
+    // X loader: 8 chunks of 16 bytes per row and stage; this thread's rows, found once.
+    constexpr int XI = (BM * 8 + T - 1) / T;
+    const u16* xsrc[XI];
 #pragma unroll
-        for (int i = 0; i < XI; i++) {
-            int f = tid + i * T, r = f >> 4;
-            xsrc[i] = nullptr;
-            if (f < BM * 16 && m0 + r < M)
-                xsrc[i] = x + (row_ids ? (i64)row_ids[m0 + r] : (i64)(m0 + r)) * x_stride +
-                          4 * (f & 15);
+    for (int i = 0; i < XI; i++) {
+        int f = tid + i * T, r = f >> 3;
+        xsrc[i] = nullptr;
+        if (f < BM * 8 && m0 + r < M) {
+            i64 src = GROUPED && row_ids ? row_ids[m0 + r] : m0 + r;
+            xsrc[i] = xb + src * K + 8 * (f & 7);
         }
     }
 
     auto load_stage = [&](int slot, int kb) {
         u32 st = sbase + slot * C::STAGE;
         int k0 = kb << 6;
-        if (XF32) {
 #pragma unroll
-            for (int i = 0; i < XI; i++) {
-                int f = tid + i * T;
-                if (f < BM * 16)
-                    cp16(st + (f >> 4) * C::XROW + 16 * (f & 15),
-                         xsrc[i] ? xsrc[i] + k0 : x, xsrc[i] != nullptr);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < (BM * 8 + T - 1) / T; i++) {
-                int f = tid + i * T;
-                if (BM * 8 % T == 0 || f < BM * 8) {
-                    int r = f >> 3, ch = f & 7;
-                    bool ok = m0 + r < M;
-                    const u16* src = xb + (ok ? (i64)(m0 + r) * K + k0 + 8 * ch : 0);
-                    cp16(st + r * 128 + ((ch ^ (r & 7)) << 4), src, ok);
-                }
+        for (int i = 0; i < XI; i++) {
+            int f = tid + i * T;
+            if (BM * 8 % T == 0 || f < BM * 8) {
+                int r = f >> 3, ch = f & 7;
+                cp16(st + r * 128 + ((ch ^ (r & 7)) << 4), xsrc[i] ? xsrc[i] + k0 : xb,
+                     xsrc[i] != nullptr);
             }
         }
         u32 wq = st + C::XB;
@@ -859,20 +846,9 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         for (int kk = 0; kk < 4; kk++) {
             u32 a[MI][4];
 #pragma unroll
-            for (int i = 0; i < MI; i++) {
-                if (XF32) {
-                    const float* xr = (const float*)(smem + slot * C::STAGE) +
-                                      (wm + 16 * i + g) * (C::XROW / 4) + 32 * (kk >> 1) +
-                                      8 * c4 + 4 * (kk & 1);
-                    float4 lo = *(const float4*)xr, hi = *(const float4*)(xr + 8 * C::XROW / 4);
-                    a[i][0] = pack_bf16x2(lo.x, lo.z);
-                    a[i][1] = pack_bf16x2(hi.x, hi.z);
-                    a[i][2] = pack_bf16x2(lo.y, lo.w);
-                    a[i][3] = pack_bf16x2(hi.y, hi.w);
-                } else {
+            for (int i = 0; i < MI; i++)
+                if (m0 + wm + 16 * i < M)
                     ldsm_x4(a[i], xs + (a_row + 16 * i) * 128 + (((2 * kk + a_hi) ^ a_sw) << 4));
-                }
-            }
 #pragma unroll
             for (int j = 0; j < NJ; j++) {
                 const int r = wn + 8 * j + g;
@@ -927,7 +903,8 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                 }
                 u32 bb[2] = {b0, b1};
 #pragma unroll
-                for (int i = 0; i < MI; i++) mma_bf16_16816(acc[i][j], a[i], bb);
+                for (int i = 0; i < MI; i++)
+                    if (m0 + wm + 16 * i < M) mma_bf16_16816(acc[i][j], a[i], bb);
             }
         }
     };
@@ -970,19 +947,18 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 // Configurations measured on an H200 (lab: 2048 x 18432 x 7168 q4_k 4.4 -> 2.0 ms, q8_0
 // 5.3 -> 2.2 ms; grouped MoE q8_0 10.2 -> 1.9 ms). Plain: 128 x 128 tiles, 8 warps of 64 x 32,
 // two blocks per SM (Q4_K 4 stages, 92 KiB; Q8_0 3 stages, 78 KiB). Grouped (spans of ~16-32
-// rows): 32-row tiles, warps of 32 x 32 side by side along N (Q4_K 128 columns, 4 stages,
-// 62 KiB, three blocks per SM; Q8_0 256 columns, 3 stages, 85.5 KiB).
-#define MATMUL_CP_KERNEL(kname, qt, xf32, bm, bn, wm, wn, stages, minb, fast)                  \
+// rows): 32-row tiles, warps of 32 x 32 side by side along N (Q4_K 128 columns, 3 stages,
+// 34 KiB, four blocks per SM; Q8_0 256 columns, 3 stages, 72 KiB).
+#define MATMUL_CP_KERNEL(kname, qt, grouped, bm, bn, wm, wn, stages, minb, fast)               \
     extern "C" __global__ void __launch_bounds__(                                              \
-        CpCfg<qt, xf32, bm, bn, wm, wn, stages>::THREADS, minb)                                 \
-        kname(const u8* w, i64 row_bytes, const u16* xb, const float* x, i64 x_stride,         \
-              const int* row_ids, float* y, i64 y_stride, int M, int N, int K,                 \
-              const int* spans, i64 mat_stride, int tiles_m, int ksteps, float* part) {        \
+        CpCfg<qt, bm, bn, wm, wn, stages>::THREADS, minb)                                       \
+        kname(const u8* w, i64 row_bytes, const u16* xb, const int* row_ids, float* y,         \
+              i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride,             \
+              int tiles_m, int ksteps, float* part) {                                          \
         pdl_enter();                                                                           \
-        matmul_cp_body<qt, xf32, bm, bn, wm, wn, stages, fast>(w, row_bytes, xb, x, x_stride,  \
-                                                               row_ids, y, y_stride, M, N, K,  \
-                                                               spans, mat_stride, tiles_m,     \
-                                                               ksteps, part);                  \
+        matmul_cp_body<qt, grouped, bm, bn, wm, wn, stages, fast>(                             \
+            w, row_bytes, xb, row_ids, y, y_stride, M, N, K, spans, mat_stride, tiles_m,       \
+            ksteps, part);                                                                     \
     }
 
 MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 64, 32, 4, 2, true)

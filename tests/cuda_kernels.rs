@@ -572,6 +572,7 @@ fn matmul_grouped_experts_match_per_expert_products() {
             for gathered in [true, false] {
                 let y = matmul_poisoned(&g, rows * n, |dy| Matmul {
                     row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
+                    x_rows: 146,
                     spans: g.ptr(&ds, 0),
                     n_spans: spans.len(),
                     mat_stride,
@@ -619,6 +620,7 @@ fn matmul_cp_split_k_and_spans_match_f64() {
             let rows_m = if grouped { 75 } else { m };
             let y = matmul_poisoned(&g, m * n, |dy| Matmul {
                 row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
+                x_rows: 320,
                 spans: if grouped { g.ptr(&ds, 0) } else { 0 },
                 n_spans: if grouped { spans.len() } else { 1 },
                 mat_stride,

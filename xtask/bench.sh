@@ -10,7 +10,8 @@
 # 3. times whole-model decode and prefill, one process per file: first with MLA_PDL=0 (kernels
 #    launched one after the other, model-NAME-no-pdl.json), then as shipped (model-NAME.json),
 # 4. ncu: one decode token of the first model (launches and kernel time per token,
-#    ncu-token.csv) and the main decode and prefill kernels (ncu-kernels.txt).
+#    ncu-token.csv), one 512-token prefill of each (ncu-prefill-MODEL.csv) and the main decode
+#    and prefill kernels (ncu-kernels.txt).
 # Everything printed goes to bench.log. Results under $OUT (the device tool's folder), else ./out;
 # the synthetic files under $BENCH_WORK (default /tmp/mla-bench).
 set -uo pipefail
@@ -81,11 +82,15 @@ EOF
   echo "ncu token: exit $?, $(grep -c '"gpu__time_duration.sum"' "$out/ncu-token.csv") kernel launches"
   tail -n 3 "$work/ncu-token.err"
 
-  echo "== ncu: one 512-token prefill of $first"
-  ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-    "$x" bench --profile-prefill 512 --model "$work/$first.gguf" >"$out/ncu-prefill.csv" 2>"$work/ncu-prefill.err"
-  echo "ncu prefill: exit $?"
-  for f in ncu-token ncu-prefill; do
+  profiles=ncu-token
+  for m in $models; do
+    echo "== ncu: one 512-token prefill of $m"
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      "$x" bench --profile-prefill 512 --model "$work/$m.gguf" >"$out/ncu-prefill-$m.csv" 2>"$work/ncu-prefill-$m.err"
+    echo "ncu prefill $m: exit $?"
+    profiles="$profiles ncu-prefill-$m"
+  done
+  for f in $profiles; do
     echo "-- $f: device time per kernel"
     python3 - "$out/$f.csv" <<'EOF'
 import collections, csv, sys

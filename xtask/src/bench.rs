@@ -673,6 +673,81 @@ impl Bench {
         Ok(())
     }
 
+    /// The MoE prefill's grouped product (one launch for all experts, as moe_experts runs it):
+    /// T tokens routed to 8 of 256 experts at random, the gate product of every expert's
+    /// tokens. Bytes: the weights of the experts with tokens, X once, Y once.
+    fn moe_prefill(&mut self, arena: &CudaSlice<u8>, xbuf: u64, ybuf: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        for fam in families() {
+            for &ty in PREFILL_TYPES {
+                for &m in PREFILL_TOKENS {
+                    let name = format!(
+                        "moe gate {} {} {m} tokens x 8 of 256 experts",
+                        tname(ty),
+                        fam.name
+                    );
+                    if !self.wanted(&name) {
+                        continue;
+                    }
+                    let (e, f) = (fam.hidden, fam.ff_expert);
+                    let mat_stride = f * ty.row_bytes(e).context("whole blocks")?;
+                    let mut s = 0x9E3779B97F4A7C15u64 ^ m as u64;
+                    let mut by_expert = vec![Vec::new(); MOE_EXPERTS];
+                    for t in 0..m {
+                        let mut set: Vec<usize> = Vec::new();
+                        while set.len() < MOE_USED {
+                            s ^= s << 13;
+                            s ^= s >> 7;
+                            s ^= s << 17;
+                            let ex = (s % MOE_EXPERTS as u64) as usize;
+                            if !set.contains(&ex) {
+                                set.push(ex);
+                                by_expert[ex].push(t as i32);
+                            }
+                        }
+                    }
+                    let (mut spans, mut tokens): (Vec<i32>, Vec<i32>) = (Vec::new(), Vec::new());
+                    for (ex, list) in by_expert.iter().enumerate() {
+                        if !list.is_empty() {
+                            spans.extend([ex as i32, tokens.len() as i32, list.len() as i32]);
+                            tokens.extend(list);
+                        }
+                    }
+                    let used = spans.len() / 3;
+                    let largest = by_expert.iter().map(Vec::len).max().unwrap_or(0);
+                    let (dspans, dtok) = (self.gpu.upload(&spans)?, self.gpu.upload(&tokens)?);
+                    let mm = Matmul {
+                        row_ids: self.gpu.ptr(&dtok, 0),
+                        x_rows: m,
+                        spans: self.gpu.ptr(&dspans, 0),
+                        n_spans: used,
+                        mat_stride,
+                        ..Matmul::plain(ty, base, (xbuf, e), (ybuf, f), (largest, f, e))
+                    };
+                    let gpu = self.gpu.clone();
+                    let timed = self.time(|_| Ok(gpu.matmul(&mm)?));
+                    let Some((secs, host)) = self.ok_or_report("prefill", &name, timed) else {
+                        continue;
+                    };
+                    let rows = m * MOE_USED;
+                    let flops = 2.0 * (rows * f * e) as f64;
+                    let moved = (used * mat_stride + 4 * m * e + 4 * rows * f) as f64;
+                    self.push(json!({
+                        "section": "prefill", "name": name, "us": secs * 1e6,
+                        "host_us": host * 1e6,
+                        "flops": flops, "tflop_s": flops / secs / 1e12,
+                        "of_mma": flops / secs / self.mma_rate,
+                        "bytes": moved, "gb_s": moved / secs / 1e9,
+                        "of_copy": moved / secs / self.copy_bw,
+                        "type": tname(ty), "m": m, "n": f, "k": e, "family": fam.name,
+                        "experts": used,
+                    }));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn kernels(&mut self) -> Result<()> {
         let stream = self.gpu.stream.clone();
         let mut arena = stream.alloc_zeros::<u8>(ARENA_BYTES)?;
@@ -689,6 +764,7 @@ impl Bench {
         self.moe(&arena, x)?;
         self.mla(&arena, y)?;
         self.prefill(&arena, x, y)?;
+        self.moe_prefill(&arena, x, y)?;
         Ok(())
     }
 

@@ -747,11 +747,11 @@ impl Backend for Cuda {
                            bytes: usize,
                            nn,
                            kk,
-                           x: DevicePtrRaw,
-                           x_stride,
+                           (x, x_stride, x_rows): (DevicePtrRaw, usize, usize),
                            row_ids,
                            y: &CudaTensor| Matmul {
                 row_ids,
+                x_rows,
                 spans: self.gpu.ptr(&dspans, 0),
                 n_spans: spans.len(),
                 mat_stride: bytes,
@@ -770,8 +770,7 @@ impl Backend for Cuda {
                     gate_bytes,
                     f,
                     e,
-                    self.p(x, 0),
-                    e,
+                    (self.p(x, 0), e, n),
                     tok,
                     &g_out,
                 )),
@@ -779,7 +778,7 @@ impl Backend for Cuda {
             );
             ok(
                 self.gpu
-                    .matmul(&grouped(up, gate_bytes, f, e, self.p(x, 0), e, tok, &u_out)),
+                    .matmul(&grouped(up, gate_bytes, f, e, (self.p(x, 0), e, n), tok, &u_out)),
                 "moe up",
             );
             ok(
@@ -797,8 +796,7 @@ impl Backend for Cuda {
                     down_bytes,
                     e,
                     f,
-                    self.p(&g_out, 0),
-                    f,
+                    (self.p(&g_out, 0), f, rows),
                     0,
                     &d_out,
                 )),

@@ -214,7 +214,8 @@ fn norm_block(n: usize, kernel: &str) -> Result<u32, CudaError> {
 /// Grouped mode (`spans` != 0, the MoE prefill in one launch): `spans` is `n_spans` i32
 /// triples (expert, first row r0, count); span s multiplies the matrix at
 /// `w + expert * mat_stride` bytes for global rows r = r0 .. r0 + count, reading X row
-/// row_ids[r] (or r) and writing Y row r; `m` is then the largest count (it sizes the grid);
+/// row_ids[r] (or r) and writing Y row r; `m` is then the largest count (it sizes the grid),
+/// `x_rows` the number of X rows (the cp.async kernels round them to bf16 once);
 /// `x_mat_stride`, `y_mat_stride` are unused.
 pub struct Matmul {
     pub ty: GgmlType,
@@ -226,6 +227,8 @@ pub struct Matmul {
     pub x_stride: usize,
     /// [m] i32 or 0.
     pub row_ids: Ptr,
+    /// Grouped mode: rows of X (row_ids index them; without row_ids, the spans' rows).
+    pub x_rows: usize,
     /// [m, n] f32 with y_stride.
     pub y: Ptr,
     pub y_stride: usize,
@@ -259,6 +262,7 @@ impl Matmul {
             x,
             x_stride,
             row_ids: 0,
+            x_rows: 0,
             y,
             y_stride,
             m,
@@ -398,50 +402,48 @@ impl Gpu {
         splits
     }
 
-    /// The product on matmul_cp_<type> (see `matmul_cp_takes`). Plain mode: X rounded to
-    /// bf16 once by matmul_xprep, then the tiles, split over k when they do not fill the GPU
-    /// (partials summed by matmul_splitk_sum). Grouped mode reads X f32 directly: the host
-    /// does not know the total row count (only the largest span) to size a copy.
+    /// The product on matmul_cp_<type> (see `matmul_cp_takes`): X rounded to bf16 once by
+    /// matmul_xprep (plain mode: the rows gathered through row_ids; grouped mode: X's rows as
+    /// they are, gathered by the tiles), then the tiles; plain products split over k when they
+    /// do not fill the GPU (partials summed by matmul_splitk_sum).
     fn matmul_cp(&self, a: &Matmul, row_bytes: usize) -> Result<(), CudaError> {
         let ty = a.ty.name().to_lowercase();
-        if a.spans != 0 {
-            let kernel = format!("matmul_cp_spans_{ty}");
-            let (bn, threads) = if a.ty == GgmlType::Q4_K {
-                (128, 128)
-            } else {
-                (256, 256)
-            };
-            let smem = super::kernels::matmul_cp_smem_bytes(&kernel) as u32;
-            let grid = (grid1(a.n, bn), grid1(a.m, CP_SPANS_BM), a.n_spans as u32);
-            launch!(self, kernel, grid, threads, smem;
-                a.w, row_bytes as i64, 0u64, a.x, a.x_stride as i64, a.row_ids, a.y,
-                a.y_stride as i64, a.m as i32, a.n as i32, a.k as i32, a.spans,
-                a.mat_stride as i64, 0i32, 0i32, 0u64);
-            return Ok(());
-        }
-        let kernel = format!("matmul_cp_{ty}");
+        let grouped = a.spans != 0;
+        let kernel = if grouped {
+            format!("matmul_cp_spans_{ty}")
+        } else {
+            format!("matmul_cp_{ty}")
+        };
         let smem = super::kernels::matmul_cp_smem_bytes(&kernel);
         // Split-K: enough blocks for one full wave, each split CP_MIN_SPLIT_STEPS k steps or
         // more; then as few splits as that many steps per split needs.
         let tiles_m = a.m.div_ceil(CP_BM);
         let tiles = tiles_m * a.n.div_ceil(CP_BN);
         let steps = a.k / 64;
-        let per_sm = self
-            .function(&kernel)?
-            .occupancy_max_active_blocks_per_multiprocessor(CP_THREADS, smem, None)?;
-        let wave = self.multiprocessors * (per_sm as usize).max(1);
         let mut ksteps = steps;
-        if tiles < wave {
-            let splits = (steps / CP_MIN_SPLIT_STEPS)
-                .max(1)
-                .min(wave.div_ceil(tiles));
-            ksteps = steps.div_ceil(splits);
+        if !grouped {
+            let per_sm = self
+                .function(&kernel)?
+                .occupancy_max_active_blocks_per_multiprocessor(CP_THREADS, smem, None)?;
+            let wave = self.multiprocessors * (per_sm as usize).max(1);
+            if tiles < wave {
+                let splits = (steps / CP_MIN_SPLIT_STEPS)
+                    .max(1)
+                    .min(wave.div_ceil(tiles));
+                ksteps = steps.div_ceil(splits);
+            }
         }
         let splits = steps.div_ceil(ksteps);
         // Scratch, like the backend's temporaries: one stream-ordered allocation, freed in
         // stream order (after the kernels below) when it drops at the end of this function.
-        // bf16 X [m, k], then the partials [splits, m, n] f32 from a 256-byte boundary.
-        let xb_floats = (a.m * a.k / 2).next_multiple_of(64);
+        // bf16 X [rows, k], then the partials [splits, m, n] f32 from a 256-byte boundary.
+        let (x_rows, gather) = if grouped {
+            check(a.x_rows > 0, "matmul", || "grouped mode needs x_rows".into())?;
+            (a.x_rows, 0)
+        } else {
+            (a.m, a.row_ids)
+        };
+        let xb_floats = (x_rows * a.k / 2).next_multiple_of(64);
         let part_floats = if splits > 1 { splits * a.m * a.n } else { 0 };
         let scratch = self.empty(xb_floats + part_floats)?;
         let xb = self.ptr(&scratch, 0);
@@ -450,10 +452,22 @@ impl Gpu {
         } else {
             0
         };
-        launch!(self, "matmul_xprep", (grid1(a.m * a.k / 32, 256), 1, 1), 256, 0;
-            a.x, a.x_stride as i64, a.row_ids, a.m as i32, a.k as i32, xb);
+        launch!(self, "matmul_xprep", (grid1(x_rows * a.k / 32, 256), 1, 1), 256, 0;
+            a.x, a.x_stride as i64, gather, x_rows as i32, a.k as i32, xb);
+        if grouped {
+            let (bn, threads) = if a.ty == GgmlType::Q4_K {
+                (128, 128)
+            } else {
+                (256, 256)
+            };
+            let grid = (grid1(a.n, bn), grid1(a.m, CP_SPANS_BM), a.n_spans as u32);
+            launch!(self, kernel, grid, threads, smem as u32;
+                a.w, row_bytes as i64, xb, a.row_ids, a.y, a.y_stride as i64, a.m as i32,
+                a.n as i32, a.k as i32, a.spans, a.mat_stride as i64, 0i32, 0i32, 0u64);
+            return Ok(());
+        }
         launch!(self, kernel, (tiles as u32, splits as u32, 1), CP_THREADS, smem as u32;
-            a.w, row_bytes as i64, xb, 0u64, 0i64, 0u64, a.y, a.y_stride as i64, a.m as i32,
+            a.w, row_bytes as i64, xb, 0u64, a.y, a.y_stride as i64, a.m as i32,
             a.n as i32, a.k as i32, 0u64, 0i64, tiles_m as i32, ksteps as i32, part);
         if splits > 1 {
             return self.matmul_splitk_sum(a, part, splits);
