@@ -576,8 +576,10 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 // and matrices 16-byte aligned, Y rows 16-byte aligned (ops.rs checks; else the kernels above).
 //
 // Ring: STAGES shared-memory stages per k step of 64, each the X tile and the RAW weight bytes
-// of the BN x 64 W tile (Q4_K: the row's 32 qs bytes of this 64-chunk + the 16-byte block
-// header; Q8_0: the 80-byte 16-aligned window holding the row's two 34-byte blocks), all
+// of the BN x 64 W tile (Q4_K: the row's 32 qs bytes of this 64-chunk, and with a block's first
+// chunk its 16-byte header into one of two header slots outside the ring: re-reading it every
+// step cost 40% of the grouped product's L2 sectors; Q8_0: the 80-byte 16-aligned window
+// holding the row's two 34-byte blocks), all
 // copied by cp.async with prefetch distance STAGES - 2, so one barrier per k step suffices
 // (the slot being refilled was read two steps ago). Q4_K sub-block scale and min of the next
 // stage are decoded once per (row, sub-block) into a small double buffer, not per fragment.
@@ -691,10 +693,12 @@ struct CpCfg {
     static constexpr int MI = WM / 16, NJ = WN / 8;
     static constexpr int XB = BM * 128;  // BM rows of 64 bf16 per stage
     static constexpr int WQ = QT == Q4K_T ? 32 : 80;        // raw bytes per W row per stage
-    static constexpr int WHB = QT == Q4K_T ? 16 : 0;        // Q4_K block header per W row
-    static constexpr int STAGE = XB + BN * (WQ + WHB);
-    static constexpr int SB = QT == Q4K_T ? 2 * BN * 16 : 0;  // decoded scales, 2 buffers
-    static constexpr int SMEM = STAGES * STAGE + SB;
+    static constexpr int STAGE = XB + BN * WQ;
+    // Q4_K: the rows' 16-byte block headers, loaded once per 256-block (every fourth k step)
+    // into one of 2 slots; decoded scales, 2 buffers.
+    static constexpr int HB = QT == Q4K_T ? 2 * BN * 16 : 0;
+    static constexpr int SB = QT == Q4K_T ? 2 * BN * 16 : 0;
+    static constexpr int SMEM = STAGES * STAGE + HB + SB;
     static_assert(SMEM <= 99 * 1024, "SM120: at most 99 KiB of shared memory per block");
     static_assert(STAGES >= 3, "one barrier per step needs 3 stages");
 };
@@ -757,12 +761,16 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         }
         u32 wq = st + C::XB;
         if (QT == Q4K_T) {
-            u32 wh = wq + BN * 32;
             const int blk = kb >> 2, c = kb & 3;
+            u32 wh = sbase + STAGES * C::STAGE + (blk & 1) * BN * 16;
+            // The header of a block comes with its first step (or a split's first step): its
+            // slot is read by the decodes of the block's 4 steps, the last of which comes
+            // before the block after next is loaded (STAGES - 1 steps ahead, fewer than 6).
+            const int parts = c == 0 || kb == kb0 ? 3 : 2;
 #pragma unroll
             for (int i = 0; i < (BN * 3 + T - 1) / T; i++) {
                 int f = tid + i * T;
-                if (BN * 3 % T == 0 || f < BN * 3) {
+                if ((BN * 3 % T == 0 || f < BN * 3) && f < BN * parts) {
                     // f < 2 BN: half f & 1 of row f / 2's qs; else the header of row f - 2 BN.
                     int r = f < 2 * BN ? f >> 1 : f - 2 * BN;
                     bool ok = n0 + r < N;
@@ -791,8 +799,8 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
     // (FAST: bf16x2 (d sc, d sc) and (-dmin mn, -dmin mn); else f32 d sc and dmin mn).
     auto decode = [&](int slot, int kb, int buf) {
         if (QT != Q4K_T) return;
-        const u8* wh = smem + slot * C::STAGE + C::XB + BN * 32;
-        uint2* sb = (uint2*)(smem + STAGES * C::STAGE + buf * BN * 16);
+        const u8* wh = smem + STAGES * C::STAGE + ((kb >> 2) & 1) * BN * 16;
+        uint2* sb = (uint2*)(smem + STAGES * C::STAGE + C::HB + buf * BN * 16);
         const int c = kb & 3;
 #pragma unroll
         for (int i = 0; i < (2 * BN + T - 1) / T; i++) {
@@ -855,7 +863,7 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                 u32 b0, b1;
                 if (QT == Q4K_T) {
                     u32 wv = *(const u32*)(wq + r * 32 + 8 * c4 + 4 * (kk & 1));
-                    uint2 sc = *(const uint2*)(smem + STAGES * C::STAGE + sel * BN * 16 +
+                    uint2 sc = *(const uint2*)(smem + STAGES * C::STAGE + C::HB + sel * BN * 16 +
                                                r * 16 + 8 * (kk >> 1));
                     if (kk >= 2) wv >>= 4;
                     if (FAST) {
@@ -947,8 +955,11 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 // Configurations measured on an H200 (lab: 2048 x 18432 x 7168 q4_k 4.4 -> 2.0 ms, q8_0
 // 5.3 -> 2.2 ms; grouped MoE q8_0 10.2 -> 1.9 ms). Plain: 128 x 128 tiles, 8 warps of 64 x 32,
 // two blocks per SM (Q4_K 4 stages, 92 KiB; Q8_0 3 stages, 78 KiB). Grouped (spans of ~16-32
-// rows): 32-row tiles, warps of 32 x 32 side by side along N (Q4_K 128 columns, 3 stages,
-// 34 KiB, four blocks per SM; Q8_0 256 columns, 3 stages, 72 KiB).
+// rows): 32-row tiles, warps of 32 x 32 side by side along N (Q4_K 128 columns, 4 stages,
+// 40 KiB, five blocks per SM; Q8_0 256 columns, 3 stages, 72 KiB). Grouped Q4_K lab (H200, DS3
+// gate, 512 tokens x 8 of 256 experts): 3 stages / 4 blocks 1359 us, 256 columns or 64 x 32
+// warps 7-15% slower, headers once per block 1251 us, then 4 stages / 5 blocks 1192 us (41%
+// of copy on the experts' weights; ncu: L2 82% busy); an L2::128B prefetch hint: no change.
 #define MATMUL_CP_KERNEL(kname, qt, grouped, bm, bn, wm, wn, stages, minb, fast)               \
     extern "C" __global__ void __launch_bounds__(                                              \
         CpCfg<qt, bm, bn, wm, wn, stages>::THREADS, minb)                                       \
@@ -963,5 +974,5 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 
 MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 64, 32, 4, 2, true)
 MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 64, 32, 3, 2, false)
-MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 3, 4, true)
+MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 4, 5, true)
 MATMUL_CP_KERNEL(matmul_cp_spans_q8_0, Q80_T, true, 32, 256, 32, 32, 3, 2, false)

@@ -117,20 +117,20 @@ pub fn dsa_scores_smem_bytes(heads: usize, dim: usize) -> usize {
 
 /// Dynamic shared memory of the cp.async matmul kernels (CpCfg in kernels/matmul.cu, whose
 /// static_assert keeps each under 99 KiB): STAGES stages of the X tile (bf16 rows of 128
-/// bytes) and the raw weight bytes (Q4_K: 32 qs + 16 header bytes per row, Q8_0: an 80-byte
-/// window), plus Q4_K's two scale buffers.
+/// bytes) and the raw weight bytes (Q4_K: 32 qs bytes per row, Q8_0: an 80-byte window), plus
+/// Q4_K's two slots of 16-byte block headers and two scale buffers.
 pub fn matmul_cp_smem_bytes(kernel: &str) -> usize {
     // (rows, columns, stages, Q4_K) of each kernel, as instantiated in matmul.cu.
     let (bm, bn, stages, q4) = match kernel {
         "matmul_cp_q4_k" => (128, 128, 4, true),
         "matmul_cp_q8_0" => (128, 128, 3, false),
-        "matmul_cp_spans_q4_k" => (32, 128, 3, true),
+        "matmul_cp_spans_q4_k" => (32, 128, 4, true),
         "matmul_cp_spans_q8_0" => (32, 256, 3, false),
         _ => return 0,
     };
-    let w_row = if q4 { 32 + 16 } else { 80 };
-    let scales = if q4 { 2 * bn * 16 } else { 0 };
-    stages * (bm * 128 + bn * w_row) + scales
+    let w_row = if q4 { 32 } else { 80 };
+    let headers_and_scales = if q4 { 2 * (2 * bn * 16) } else { 0 };
+    stages * (bm * 128 + bn * w_row) + headers_and_scales
 }
 
 /// Whether `kernel` launches with programmatic dependent launch where the GPU has it
