@@ -595,9 +595,9 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 // X: matmul_xprep writes X as bf16 in that order once per product into scratch (ops.rs
 // allocates it; plain mode gathers the rows through row_ids there, grouped mode converts X's
 // rows as they are and the tiles gather them), tiles load it by cp.async into 128-byte rows
-// with 16-byte chunks XOR-swizzled, A fragments come by ldmatrix (conflict-free). An m16 tile
-// with no row of the product (a span of 16 rows or fewer in a 32-row tile) skips its
-// fragments and MMAs (warp-uniform).
+// with 16-byte chunks XOR-swizzled, A fragments come by ldmatrix (conflict-free). Grouped: an
+// m16 tile with no row of the span (16 rows or fewer in a 32-row tile) skips its fragments
+// and MMAs (warp-uniform).
 //
 // Dense tiles are numbered with M fastest, so the blocks of one wave share W tiles (each W
 // tile read from DRAM about once) while the bf16 X stays in L2. Split-K (plain mode, when the
@@ -734,16 +734,17 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
     }
     const int nk = kb1 - kb0;
 
-    // X loader: 8 chunks of 16 bytes per row and stage; this thread's rows, found once.
+    // X loader: 8 chunks of 16 bytes per row and stage. Grouped: this thread's gathered rows,
+    // found once.
     constexpr int XI = (BM * 8 + T - 1) / T;
-    const u16* xsrc[XI];
+    const u16* xsrc[GROUPED ? XI : 1];
+    if (GROUPED) {
 #pragma unroll
-    for (int i = 0; i < XI; i++) {
-        int f = tid + i * T, r = f >> 3;
-        xsrc[i] = nullptr;
-        if (f < BM * 8 && m0 + r < M) {
-            i64 src = GROUPED && row_ids ? row_ids[m0 + r] : m0 + r;
-            xsrc[i] = xb + src * K + 8 * (f & 7);
+        for (int i = 0; i < XI; i++) {
+            int f = tid + i * T, r = f >> 3;
+            xsrc[i] = nullptr;
+            if (f < BM * 8 && m0 + r < M)
+                xsrc[i] = xb + (row_ids ? (i64)row_ids[m0 + r] : (i64)(m0 + r)) * K + 8 * (f & 7);
         }
     }
 
@@ -755,8 +756,13 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
             int f = tid + i * T;
             if (BM * 8 % T == 0 || f < BM * 8) {
                 int r = f >> 3, ch = f & 7;
-                cp16(st + r * 128 + ((ch ^ (r & 7)) << 4), xsrc[i] ? xsrc[i] + k0 : xb,
-                     xsrc[i] != nullptr);
+                u32 dst = st + r * 128 + ((ch ^ (r & 7)) << 4);
+                if (GROUPED) {
+                    cp16(dst, xsrc[i] ? xsrc[i] + k0 : xb, xsrc[i] != nullptr);
+                } else {
+                    bool ok = m0 + r < M;
+                    cp16(dst, xb + (ok ? (i64)(m0 + r) * K + k0 + 8 * ch : 0), ok);
+                }
             }
         }
         u32 wq = st + C::XB;
@@ -855,7 +861,7 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
             u32 a[MI][4];
 #pragma unroll
             for (int i = 0; i < MI; i++)
-                if (m0 + wm + 16 * i < M)
+                if (!GROUPED || m0 + wm + 16 * i < M)
                     ldsm_x4(a[i], xs + (a_row + 16 * i) * 128 + (((2 * kk + a_hi) ^ a_sw) << 4));
 #pragma unroll
             for (int j = 0; j < NJ; j++) {
@@ -912,7 +918,7 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                 u32 bb[2] = {b0, b1};
 #pragma unroll
                 for (int i = 0; i < MI; i++)
-                    if (m0 + wm + 16 * i < M) mma_bf16_16816(acc[i][j], a[i], bb);
+                    if (!GROUPED || m0 + wm + 16 * i < M) mma_bf16_16816(acc[i][j], a[i], bb);
             }
         }
     };
