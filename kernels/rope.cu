@@ -4,13 +4,16 @@
 //
 // x: [T, heads] rows; the rope part of row (t, h) starts at x + t * tok_stride + h * head_stride
 // and is `dims` long. Pair i of token t (position pos0 + t) turns by angle (pos0 + t) *
-// inv_freq[i] (an f32 product, as the CPU twin computes it). grid (T, heads), block >= dims / 2.
+// inv_freq[i] (an f32 product, as the CPU twin computes it). grid (T, ceil(heads / HB)),
+// block HB * lanes: `lanes` (dims / 2 rounded up to 32) threads per head, HB heads per block (a
+// block per head and token left the prefill's 65536 one-warp blocks bound by block launches).
 
 extern "C" __global__ void rope_pairs(float* x, i64 tok_stride, i64 head_stride, int dims,
-                                      int pos0, const float* inv_freq, float mscale) {
+                                      int heads, int lanes, int pos0, const float* inv_freq,
+                                      float mscale) {
     pdl_enter();
-    int i = threadIdx.x;
-    if (i >= dims / 2) return;
-    float* p = x + blockIdx.x * tok_stride + blockIdx.y * head_stride + 2 * i;
+    int i = threadIdx.x % lanes, h = blockIdx.y * (blockDim.x / lanes) + threadIdx.x / lanes;
+    if (i >= dims / 2 || h >= heads) return;
+    float* p = x + blockIdx.x * tok_stride + h * head_stride + 2 * i;
     rope_pair(p[0], p[1], (float)(pos0 + (int)blockIdx.x), inv_freq[i], mscale, p);
 }

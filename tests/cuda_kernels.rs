@@ -894,7 +894,8 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
 fn rope_rotates_adjacent_pairs_only_in_its_columns() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("rope");
-    let (tokens, heads, head_dim, col0, dims) = (9, 3, 40, 8, 16);
+    // 11 heads: a block of 8 heads and a partial one.
+    let (tokens, heads, head_dim, col0, dims) = (9, 11, 40, 8, 16);
     let x = rng.normals(tokens * heads * head_dim);
     let pos0 = 4000 + rng.below(1000);
     // YaRN-like spread of frequencies: from 1 down to 1e-4 rad per position.

@@ -589,9 +589,13 @@ impl Gpu {
         check(dims % 2 == 0 && dims <= 2048, "rope_pairs", || {
             format!("rope width {dims}")
         })?;
-        let block = (dims / 2).div_ceil(32) * 32;
-        launch!(self, "rope_pairs", (tokens as u32, heads as u32, 1), block as u32, 0;
-            x, tok_stride as i64, head_stride as i64, dims as i32, pos0 as i32, inv_freq, mscale);
+        // Up to 256 threads per block: whole heads of `lanes` threads each.
+        let lanes = (dims / 2).div_ceil(32) * 32;
+        let per_block = (256 / lanes).clamp(1, heads.max(1));
+        launch!(self, "rope_pairs", (tokens as u32, grid1(heads, per_block), 1),
+            (lanes * per_block) as u32, 0;
+            x, tok_stride as i64, head_stride as i64, dims as i32, heads as i32, lanes as i32,
+            pos0 as i32, inv_freq, mscale);
         Ok(())
     }
 
