@@ -407,6 +407,36 @@ fn matvec_q4_k_pair_matches_two_products() {
             F32_OP,
         );
     }
+    // The dense FFN's form (Cuda::swiglu_linear): no ids, one matrix each; item t is the gate
+    // product of token t, item tokens + t its up product.
+    let tokens = 2;
+    let dy = poisoned(&g, 2 * tokens * rows);
+    let dense = Matvec {
+        mat_stride: 0,
+        ids: 0,
+        x_group: 1,
+        batch: 2 * tokens,
+        y: g.ptr(&dy, 0),
+        ..a
+    };
+    assert!(
+        g.takes_pair(&dense),
+        "the tensor-core kernel takes this pair"
+    );
+    g.matvec(&dense).unwrap();
+    let y = g.download(&dy).unwrap();
+    for (half, wf) in [(0, &wfa), (1, &wfb)] {
+        let x = &x;
+        let want: Vec<f64> = (0..tokens)
+            .flat_map(|t| (0..rows).map(move |r| dot64(&wf[r * k..][..k], &x[t * k..][..k])))
+            .collect();
+        assert_close(
+            &format!("matvec q4_k dense pair, half {half}"),
+            &y[half * tokens * rows..][..tokens * rows],
+            &want,
+            F32_OP,
+        );
+    }
 }
 
 #[test]

@@ -180,6 +180,17 @@ pub trait Backend: Send + Sync {
     /// `x` [n, in] times a weight {in, out} -> [n, out] (`y[t] = W x[t]`).
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
 
+    /// The gated FFN's first half, `swiglu(linear(x, gate), linear(x, up))` -> [n, f]; a
+    /// backend may run the two products as one.
+    fn swiglu_linear(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+    ) -> Self::Tensor {
+        self.swiglu(&self.linear(x, gate), &self.linear(x, up))
+    }
+
     /// Per-head products with a `Heads` weight {a, b, H}: head `h` is a matrix `M_h` of `b`
     /// rows and `a` columns.
     /// - `transpose == false`: `x` [n, H*a] (or [n, a], shared by all heads) -> [n, H*b],

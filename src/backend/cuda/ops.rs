@@ -438,7 +438,9 @@ impl Gpu {
         // stream order (after the kernels below) when it drops at the end of this function.
         // bf16 X [rows, k], then the partials [splits, m, n] f32 from a 256-byte boundary.
         let (x_rows, gather) = if grouped {
-            check(a.x_rows > 0, "matmul", || "grouped mode needs x_rows".into())?;
+            check(a.x_rows > 0, "matmul", || {
+                "grouped mode needs x_rows".into()
+            })?;
             (a.x_rows, 0)
         } else {
             (a.m, a.row_ids)
