@@ -421,49 +421,69 @@ __device__ __forceinline__ int tc_plane_stride(int k) { return k + 32; }
 // The sums of x follow the k / 256 scales, from an 8-byte boundary (lanes read them in pairs).
 __device__ __forceinline__ int tc_scales_len(int k) { return (k / 256 + 1) & ~1; }
 
+// One warp's share of x's 256-element block blk as digit planes (lane l owns elements
+// 8l .. 8l + 7): the block's scale s (0 for a zero block), the sum of the lane's 4-lane group
+// (32 values), and the lane's 8 digits of each plane p as bytes (words[p]) with their sum.
+struct XDigits {
+    float s, sum;
+    uint2 words[4];
+    int dsum[4];
+};
+__device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int lane) {
+    XDigits r;
+    const float4* xp = (const float4*)(x + 256 * blk + 8 * lane);
+    float4 u = xp[0], v = xp[1];
+    float e[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+    float mx = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        mx = fmaxf(mx, fabsf(e[i]));
+        sum += e[i];
+    }
+    mx = warp_max(mx);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    r.sum = sum + __shfl_xor_sync(0xffffffffu, sum, 2);
+    float inv = mx > 0.0f ? (127.0f * 2097152.0f) / mx : 0.0f;
+    r.s = mx > 0.0f ? 1.0f / inv : 0.0f;
+    u32 digit[4][8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int n = __float2int_rn(e[i] * inv);
+#pragma unroll
+        for (int p = 3; p > 0; p--) {
+            int d = ((n + 64) & 127) - 64;
+            digit[p][i] = (u32)d;
+            n = (n - d) >> 7;
+        }
+        digit[0][i] = (u32)n;
+    }
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        u32 lo = __byte_perm(__byte_perm(digit[p][0], digit[p][1], 0x0040),
+                             __byte_perm(digit[p][2], digit[p][3], 0x0040), 0x5410);
+        u32 hi = __byte_perm(__byte_perm(digit[p][4], digit[p][5], 0x0040),
+                             __byte_perm(digit[p][6], digit[p][7], 0x0040), 0x5410);
+        r.words[p] = make_uint2(lo, hi);
+        r.dsum[p] = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) r.dsum[p] += (int)digit[p][i];
+    }
+    return r;
+}
+
 // Planes, scales and sums of x[0, k) into shared memory, one warp per 256-element block at a
-// time (lane l owns elements 8l .. 8l + 7).
+// time.
 __device__ void tc_prepare_x(const float* x, int k, u8* sm) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
     float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     for (int blk = warp; blk < k / 256; blk += nwarps) {
-        const float4* xp = (const float4*)(x + 256 * blk + 8 * lane);
-        float4 u = xp[0], v = xp[1];
-        float e[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
-        float mx = 0.0f, sum = 0.0f;
+        XDigits xd = x_block_digits(x, blk, lane);
+        if (lane == 0) scales[blk] = xd.s;
+        if ((lane & 3) == 0) sums[8 * blk + lane / 4] = xd.sum;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            mx = fmaxf(mx, fabsf(e[i]));
-            sum += e[i];
-        }
-        mx = warp_max(mx);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        float inv = mx > 0.0f ? (127.0f * 2097152.0f) / mx : 0.0f;
-        if (lane == 0) scales[blk] = mx > 0.0f ? 1.0f / inv : 0.0f;
-        if ((lane & 3) == 0) sums[8 * blk + lane / 4] = sum;
-        u32 digit[4][8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int n = __float2int_rn(e[i] * inv);
-#pragma unroll
-            for (int p = 3; p > 0; p--) {
-                int d = ((n + 64) & 127) - 64;
-                digit[p][i] = (u32)d;
-                n = (n - d) >> 7;
-            }
-            digit[0][i] = (u32)n;
-        }
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            u32 lo = __byte_perm(__byte_perm(digit[p][0], digit[p][1], 0x0040),
-                                 __byte_perm(digit[p][2], digit[p][3], 0x0040), 0x5410);
-            u32 hi = __byte_perm(__byte_perm(digit[p][4], digit[p][5], 0x0040),
-                                 __byte_perm(digit[p][6], digit[p][7], 0x0040), 0x5410);
-            *(uint2*)(sm + p * stride + 256 * blk + 8 * lane) = make_uint2(lo, hi);
-        }
+        for (int p = 0; p < 4; p++) *(uint2*)(sm + p * stride + 256 * blk + 8 * lane) = xd.words[p];
     }
 }
 
@@ -622,6 +642,123 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, i
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)
+
+// ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
+//
+// The Q6_K CUDA-core piece above spends ~5 instructions per weight and row (the byte into a
+// float, the bias, the FMA, the 6-bit assembly) and is issue-bound near 55% of the copy
+// bandwidth on the lm head. Here x is made integer once per product, as for the tensor cores:
+// matvec_x_digits writes four base-128 digit planes of every 256-block (28 bits of its largest
+// value) to global memory, and each thread multiplies 4 weights (q, 0..63) by 4 digits of a
+// plane with one dp4a. The -32 offset starts each sum (-32 times the sub-block's digit sum),
+// the sub-block scales multiply the int32 sums, and per piece they become floats. Result: the
+// f32 product to f32 rounding (nmse ~1e-14 against f64, like the kernel above), with ~3
+// instructions per weight and row. Lab, H200: lm head 154880 x 6144 328 -> 280 us; shapes of
+// fewer rows tie (ops.rs uses it from INT_Q6_MIN_ROWS rows on).
+//
+// Digits layout (k / 256 blocks): planes [4][k] s8, then digit sums [k / 16][4] i32 (-32 x the
+// sum of the 16 digits of each plane), then scales [k / 256] f32. One warp per 256-block.
+extern "C" __global__ void matvec_x_digits(const float* x, int k, u8* digits) {
+    pdl_enter();
+    int lane = threadIdx.x & 31, blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= k / 256) return;
+    int* dsums = (int*)(digits + 4 * (i64)k);
+    float* scales = (float*)(digits + 5 * (i64)k);
+    XDigits xd = x_block_digits(x, blk, lane);
+    if (lane == 0) scales[blk] = xd.s;
+    int ds[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        *(uint2*)(digits + p * (i64)k + 256 * blk + 8 * lane) = xd.words[p];
+        ds[p] = -32 * (xd.dsum[p] + __shfl_xor_sync(0xffffffffu, xd.dsum[p], 1));
+    }
+    if ((lane & 1) == 0)
+        *(int4*)(dsums + 4 * (16 * blk + lane / 2)) = make_int4(ds[0], ds[1], ds[2], ds[3]);
+}
+
+__device__ __forceinline__ int dp4a_u8s8(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Rows per group (lab: 8 rows 280 us on the lm head, 4 rows 294, 2 rows 305).
+#define INT_Q6_ROWS 8
+
+// y[r] = row r of the Q6_K matrix w . x, x as digits (matvec_x_digits). Geometry of
+// matvec_body with groups of INT_Q6_ROWS rows; a thread takes pieces as piece_q6_k does (16 ql
+// bytes: 16 values of quarter j and 16 of quarter j + 2 of half h) for all rows of its group.
+extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
+    matvec_int_q6_k(const u8* w, int rows, int k, i64 row_bytes, const u8* digits, float* y) {
+    __shared__ float partial[MATVEC_WARPS][INT_Q6_ROWS];
+    int groups = (rows + INT_Q6_ROWS - 1) / INT_Q6_ROWS, per_block = 1;
+    while (per_block < MATVEC_WARPS && (int)gridDim.x * per_block < groups) per_block *= 2;
+    int lanes = blockDim.x / per_block, t = threadIdx.x % lanes, group = threadIdx.x / lanes;
+    int r0 = (blockIdx.x * per_block + group) * INT_Q6_ROWS;
+    const u8* row[INT_Q6_ROWS];
+#pragma unroll
+    for (int r = 0; r < INT_Q6_ROWS; r++) row[r] = w + (i64)min(r0 + r, rows - 1) * row_bytes;
+    const int* dsums = (const int*)(digits + 4 * (i64)k);
+    const float* scales = (const float*)(digits + 5 * (i64)k);
+    const float pf[4] = {2097152.0f, 16384.0f, 128.0f, 1.0f};  // plane weights 2^(21 - 7p)
+    pdl_enter();
+    float acc[INT_Q6_ROWS];
+#pragma unroll
+    for (int r = 0; r < INT_Q6_ROWS; r++) acc[r] = 0.0f;
+    if (r0 < rows) {
+        for (int q = t; q < k / 256 * 8; q += lanes) {
+            int blk = q >> 3, p = q & 7, h = p >> 2, j = (p >> 1) & 1, l0 = 16 * (p & 1);
+            int e = 256 * blk + 128 * h + 32 * j + l0;  // quarter j; quarter j + 2 at e + 64
+            uint4 xa[4], xb[4];
+#pragma unroll
+            for (int pl = 0; pl < 4; pl++) {
+                xa[pl] = __ldg((const uint4*)(digits + pl * (i64)k + e));
+                xb[pl] = __ldg((const uint4*)(digits + pl * (i64)k + e + 64));
+            }
+            int sa = 16 * blk + 8 * h + 2 * j + (l0 >> 4);  // sub-block of quarter j
+            int4 da = __ldg((const int4*)(dsums + 4 * sa)), db = __ldg((const int4*)(dsums + 4 * (sa + 4)));
+            float sx = __ldg(scales + blk);
+#pragma unroll
+            for (int r = 0; r < INT_Q6_ROWS; r++) {
+                const u8* b = row[r] + (i64)blk * 210;
+                u32 ql[4], qh[4];
+                ld_words<4>(b + 64 * h + 32 * j + l0, ql);
+                ld_words<4>(b + 128 + 32 * h + l0, qh);
+                const signed char* sc = (const signed char*)(b + 192 + sa - 16 * blk);
+                int ia[4] = {da.x, da.y, da.z, da.w}, ib[4] = {db.x, db.y, db.z, db.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    u32 qa = (ql[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * j)) & 0x03030303u) << 4);
+                    u32 qb = ((ql[i] >> 4) & 0x0F0F0F0Fu) |
+                             (((qh[i] >> (2 * j + 4)) & 0x03030303u) << 4);
+#pragma unroll
+                    for (int pl = 0; pl < 4; pl++) {
+                        ia[pl] = dp4a_u8s8(qa, (&xa[pl].x)[i], ia[pl]);
+                        ib[pl] = dp4a_u8s8(qb, (&xb[pl].x)[i], ib[pl]);
+                    }
+                }
+                int sca = sc[0], scb = sc[4];
+                float f = 0.0f;
+#pragma unroll
+                for (int pl = 0; pl < 4; pl++) f += pf[pl] * (float)(sca * ia[pl] + scb * ib[pl]);
+                acc[r] += f16_to_f32(ld_nc16(b + 208)) * sx * f;
+            }
+        }
+    }
+    int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < INT_Q6_ROWS; r++) {
+        float sum = warp_sum(acc[r]);
+        if ((threadIdx.x & 31) == 0) partial[warp][r] = sum;
+    }
+    __syncthreads();
+    if (t < INT_Q6_ROWS && r0 + t < rows) {
+        int first = group * (lanes >> 5);
+        float sum = 0.0f;
+        for (int i = 0; i < (lanes >> 5); i++) sum += partial[first + i][t];
+        y[r0 + t] = sum;
+    }
+}
 
 // matvec_t_<type>: the transposed product for small batches, y_b[j] = sum_i W_b[i, j] * x_b[i]
 // over the `rows` rows of W_b (each k elements long, so y_b has k values), with the same

@@ -352,6 +352,51 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     }
 }
 
+/// Q6_K matrices of lm-head size take the integer kernel (x as digit planes, dp4a): equal to
+/// the dequantized f64 product like every f32 matvec, with a partial group of rows, blocks
+/// whose largest value dwarfs the rest and blocks of tiny values.
+#[test]
+fn matvec_q6_k_integer_path_matches_dequantized_dot() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_int_q6_k");
+    let (t, rows, k) = (GgmlType::Q6_K, 32771, 768);
+    let w = random_rows(&mut rng, t, rows, k);
+    let wf = dequant_rows(t, &w, rows, k);
+    let mut x = rng.normals(k);
+    for (i, v) in x.iter_mut().enumerate() {
+        match i / 256 {
+            0 => *v *= if i % 97 == 0 { 1e4 } else { 1.0 },
+            1 => *v *= 1e-6,
+            _ => {}
+        }
+    }
+    let (dw, dx, dy) = (
+        g.upload(&w).unwrap(),
+        g.upload(&x).unwrap(),
+        poisoned(&g, rows),
+    );
+    let a = Matvec {
+        ty: t,
+        w: g.ptr(&dw, 0),
+        mat_stride: 0,
+        ids: 0,
+        rows,
+        k,
+        x: g.ptr(&dx, 0),
+        x_group: 1,
+        x_stride: k,
+        y: g.ptr(&dy, 0),
+        y_stride: rows,
+        batch: 1,
+        transposed: false,
+        pair: 0,
+    };
+    g.matvec(&a).unwrap();
+    let y = g.download(&dy).unwrap();
+    let want: Vec<f64> = (0..rows).map(|r| dot64(&wf[r * k..][..k], &x)).collect();
+    assert_close("matvec q6_k (integer) 32771x768", &y, &want, F32_OP);
+}
+
 /// A pair of matrix sets in one launch (`Matvec::pair`, the MoE gate and up): items 4 .. 8
 /// read the second set with the ids and inputs of items 0 .. 4, and equal that set's own
 /// product; a choice held elsewhere is left alone in both halves.

@@ -58,6 +58,8 @@ pub struct Matvec {
 // MATVEC_ROWS rows shared by 1, 2 or 4 of them.
 const MATVEC_WARPS: usize = 4;
 const MATVEC_ROWS: usize = 4;
+/// INT_Q6_ROWS of kernels/matvec.cu.
+const INT_Q6_ROWS: usize = 8;
 /// About as many warps as an H200 holds at once (132 SMs x 64): a grid with fewer leaves
 /// memory bandwidth unused, so short matrices split each row group over more warps.
 const MATVEC_FILL_WARPS: usize = 8192;
@@ -105,6 +107,11 @@ fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
         && shape_pays
         && (a.w as usize | a.pair as usize | a.mat_stride | row_bytes) % 16 == 0
 }
+
+/// matvec_int_q6_k (x as digit planes, dp4a; kernels/matvec.cu) takes a single Q6_K matrix of
+/// at least this many rows (lab, H200: lm head 154880 x 6144 328 -> 280 us; 6144-24576 rows
+/// tie with the CUDA-core kernel, which needs no digit planes first).
+const INT_Q6_MIN_ROWS: usize = 32768;
 
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
 /// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
@@ -159,6 +166,14 @@ impl Gpu {
                 a.y_stride as i64);
             return Ok(());
         }
+        if a.ty == GgmlType::Q6_K
+            && !a.transposed
+            && a.batch == 1
+            && a.ids == 0
+            && a.rows >= INT_Q6_MIN_ROWS
+        {
+            return self.matvec_int_q6_k(a, row_bytes.unwrap());
+        }
         // Non-transposed: row groups sharing blocks; transposed: one thread per 8 columns.
         let (grid_x, block) = if a.transposed {
             (grid1(a.k / 8, 128), 128)
@@ -170,6 +185,22 @@ impl Gpu {
         launch!(self, kernel, (grid_x, a.batch as u32, 1), block, 0;
             a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, row_bytes.unwrap() as i64,
             a.x, a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64);
+        Ok(())
+    }
+
+    /// One Q6_K matrix times x on integer dot products: matvec_x_digits writes x's digits
+    /// (planes [4][k] bytes, digit sums [k / 16][4] i32, scales [k / 256] f32) into scratch,
+    /// matvec_int_q6_k reads them (kernels/matvec.cu).
+    fn matvec_int_q6_k(&self, a: &Matvec, row_bytes: usize) -> Result<(), CudaError> {
+        let digits = self.empty((5 * a.k + 4 * (a.k / 256)).div_ceil(4))?;
+        let dp = self.ptr(&digits, 0);
+        launch!(self, "matvec_x_digits", (grid1(a.k / 256, 4), 1, 1), 128, 0;
+            a.x, a.k as i32, dp);
+        let groups = a.rows.div_ceil(INT_Q6_ROWS);
+        let per_block = matvec_groups_per_block(groups, 1, row_bytes);
+        launch!(self, "matvec_int_q6_k", (grid1(groups, per_block), 1, 1),
+            32 * MATVEC_WARPS as u32, 0;
+            a.w, a.rows as i32, a.k as i32, row_bytes as i64, dp, a.y);
         Ok(())
     }
 
