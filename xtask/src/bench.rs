@@ -200,6 +200,26 @@ const MLA_CONTEXTS: &[usize] = &[1024, 8192, 32768];
 const MOE_USED: usize = 8;
 const MOE_EXPERTS: usize = 256;
 
+/// `count` sets of MOE_USED distinct random experts (xorshift from `seed`), as a router picks
+/// them for `count` tokens.
+fn expert_sets(mut seed: u64, count: usize) -> Vec<Vec<usize>> {
+    (0..count)
+        .map(|_| {
+            let mut set = Vec::new();
+            while set.len() < MOE_USED {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let e = (seed % MOE_EXPERTS as u64) as usize;
+                if !set.contains(&e) {
+                    set.push(e);
+                }
+            }
+            set
+        })
+        .collect()
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -489,21 +509,11 @@ impl Bench {
     fn moe(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
         // 64 sets of 8 distinct experts, so consecutive tokens read different experts.
-        let mut s = 0x2545F4914F6CDD1Du64;
-        let mut sets: Vec<i32> = Vec::new();
-        for _ in 0..64 {
-            let mut set: Vec<i32> = Vec::new();
-            while set.len() < MOE_USED {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let e = (s % MOE_EXPERTS as u64) as i32;
-                if !set.contains(&e) {
-                    set.push(e);
-                }
-            }
-            sets.extend(set);
-        }
+        let sets: Vec<i32> = expert_sets(0x2545F4914F6CDD1D, 64)
+            .into_iter()
+            .flatten()
+            .map(|e| e as i32)
+            .collect();
         let ids = self.gpu.upload(&sets)?;
         let ids_ptr = self.gpu.ptr(&ids, 0);
         for fam in families() {
@@ -691,19 +701,13 @@ impl Bench {
                     }
                     let (e, f) = (fam.hidden, fam.ff_expert);
                     let mat_stride = f * ty.row_bytes(e).context("whole blocks")?;
-                    let mut s = 0x9E3779B97F4A7C15u64 ^ m as u64;
                     let mut by_expert = vec![Vec::new(); MOE_EXPERTS];
-                    for t in 0..m {
-                        let mut set: Vec<usize> = Vec::new();
-                        while set.len() < MOE_USED {
-                            s ^= s << 13;
-                            s ^= s >> 7;
-                            s ^= s << 17;
-                            let ex = (s % MOE_EXPERTS as u64) as usize;
-                            if !set.contains(&ex) {
-                                set.push(ex);
-                                by_expert[ex].push(t as i32);
-                            }
+                    for (t, set) in expert_sets(0x9E3779B97F4A7C15 ^ m as u64, m)
+                        .into_iter()
+                        .enumerate()
+                    {
+                        for ex in set {
+                            by_expert[ex].push(t as i32);
                         }
                     }
                     let (mut spans, mut tokens): (Vec<i32>, Vec<i32>) = (Vec::new(), Vec::new());
