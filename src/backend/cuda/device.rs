@@ -178,18 +178,23 @@ impl Gpu {
 /// the arguments in the kernel's order, each by value (scalars, or raw device addresses).
 macro_rules! launch {
     ($gpu:expr, $kernel:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
+        let dependent = $gpu.dependent_launch
+            && $crate::backend::cuda::kernels::dependent_launch_helps(&$kernel);
+        launch!(@dependent dependent, $gpu, $kernel, $grid, $block, $smem; $($arg),*)
+    }};
+    // `dependent` chosen by the caller (what it knows of the grid).
+    (@dependent $dependent:expr, $gpu:expr, $kernel:expr, $grid:expr, $block:expr, $smem:expr;
+     $($arg:expr),* $(,)?) => {{
         let f = $gpu.function(&$kernel)?;
         let args: &[&dyn cudarc::driver::DeviceRepr] = &[$(&$arg),*];
         let mut params: Vec<*mut std::ffi::c_void> = args
             .iter()
             .map(|a| *a as *const dyn cudarc::driver::DeviceRepr as *mut std::ffi::c_void)
             .collect();
-        let dependent = $gpu.dependent_launch
-            && $crate::backend::cuda::kernels::dependent_launch_helps(&$kernel);
         // SAFETY: the wrapper calling this passes the arguments its kernel declares, in order
         // and of the declared types, after checking shapes; addresses come from the caller's
         // live buffers.
-        unsafe { $gpu.launch_raw(&f, $grid, $block, $smem, &mut params, dependent) }?;
+        unsafe { $gpu.launch_raw(&f, $grid, $block, $smem, &mut params, $dependent) }?;
     }};
 }
 pub(crate) use launch;

@@ -134,9 +134,10 @@ pub fn matmul_cp_smem_bytes(kernel: &str) -> usize {
 }
 
 /// Whether `kernel` launches with programmatic dependent launch where the GPU has it
-/// (`Gpu::launch_raw`). Not the MLA decode pair: one split block fills an SM's registers, and
-/// both kernels measured 11-49% slower with it on an H200 (1K-32K contexts), while the
-/// matrix-vector products gained 11-28%.
+/// (`Gpu::launch_raw`). Not the MLA decode pair (except on the few blocks of a short context,
+/// see `Gpu::mla_decode_with`): one split block fills an SM's registers, and both kernels
+/// measured 11-49% slower with it on an H200 (1K-32K contexts), while the matrix-vector
+/// products gained 11-28%.
 pub fn dependent_launch_helps(kernel: &str) -> bool {
     !kernel.starts_with("mla_decode")
 }

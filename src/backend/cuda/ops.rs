@@ -756,6 +756,11 @@ pub struct MlaDecode {
 
 use super::kernels::{mla_decode_smem_bytes, MLA_BK, MLA_HB, MLA_MAX_SPLITS, MLA_THREADS};
 
+/// The MLA decode pair takes programmatic dependent launch up to this many split blocks (a
+/// short context: 2-8 blocks at DeepSeek-V3 / GLM-5 widths), where blocks waiting early on the
+/// SMs take nothing from anyone.
+const MLA_PDL_MAX_BLOCKS: u32 = 32;
+
 /// The most floats of split partials `mla_decode` keeps between calls (64 MiB; one decode
 /// token needs about multiprocessors * 32 * dl, 8.6 MB on an H200); a larger call (many
 /// tokens) allocates its own for the call.
@@ -853,10 +858,15 @@ impl Gpu {
         };
         let (pa, pm) = (self.ptr(buf, 0), self.ptr(buf, n_acc));
         let grid = (grid1(a.heads, MLA_HB), splits as u32, a.tokens as u32);
-        launch!(self, "mla_decode_split", grid, MLA_THREADS, mla_decode_smem_bytes() as u32;
+        // Programmatic launch only for a short context's few blocks (kernels.rs,
+        // dependent_launch_helps: the pair measured slower with it on a full GPU).
+        let pdl = self.dependent_launch && grid.0 * grid.1 * grid.2 <= MLA_PDL_MAX_BLOCKS;
+        launch!(@dependent pdl, self, "mla_decode_split", grid, MLA_THREADS,
+            mla_decode_smem_bytes() as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
             a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
-        launch!(self, "mla_decode_combine", (a.heads as u32, a.tokens as u32, 1), 128, 0;
+        launch!(@dependent pdl, self, "mla_decode_combine", (a.heads as u32, a.tokens as u32, 1),
+            128, 0;
             pa, pm, splits as i32, a.heads as i32, a.dl as i32, a.out, a.out_tok as i64);
         Ok(())
     }
