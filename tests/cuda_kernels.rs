@@ -352,26 +352,6 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     }
 }
 
-/// One `rows` x `k` matrix of type `t` times one x into y: (w, x, y) device addresses.
-fn single_matvec(t: GgmlType, (w, x, y): (u64, u64, u64), (rows, k): (usize, usize)) -> Matvec {
-    Matvec {
-        ty: t,
-        w,
-        mat_stride: 0,
-        ids: 0,
-        rows,
-        k,
-        x,
-        x_group: 1,
-        x_stride: k,
-        y,
-        y_stride: rows,
-        batch: 1,
-        transposed: false,
-        pair: 0,
-    }
-}
-
 /// Q6_K matrices of lm-head size take the integer kernel (x as digit planes, dp4a): equal to
 /// the dequantized f64 product like every f32 matvec, with a partial group of rows, blocks
 /// whose largest value dwarfs the rest and blocks of tiny values.
@@ -395,7 +375,7 @@ fn matvec_q6_k_integer_path_matches_dequantized_dot() {
         g.upload(&x).unwrap(),
         poisoned(&g, rows),
     );
-    let a = single_matvec(t, (g.ptr(&dw, 0), g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
+    let a = Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
     g.matvec(&a).unwrap();
     let y = g.download(&dy).unwrap();
     let want: Vec<f64> = (0..rows).map(|r| dot64(&wf[r * k..][..k], &x)).collect();
@@ -1725,7 +1705,7 @@ fn decode_and_prefill_kernel_timings() {
         GgmlType::IQ4_XS,
     ] {
         let w = g.upload(&random_rows(&mut rng, t, rows, k)).unwrap();
-        let a = single_matvec(t, (g.ptr(&w, 0), g.ptr(&x, 0), g.ptr(&y, 0)), (rows, k));
+        let a = Matvec::single(t, g.ptr(&w, 0), (g.ptr(&x, 0), g.ptr(&y, 0)), (rows, k));
         let ms = time_ms(&g, 20, || g.matvec(&a).unwrap());
         let gbs = (rows * t.row_bytes(k).unwrap()) as f64 / ms / 1e6;
         println!(

@@ -384,6 +384,26 @@ impl Bench {
         self.push(row);
     }
 
+    /// A prefill product's row: TFLOP/s and its ratio to the mma rate beside GB/s.
+    fn push_product(
+        &mut self,
+        name: String,
+        flops: f64,
+        bytes: f64,
+        secs: f64,
+        host: f64,
+        extra: Value,
+    ) {
+        let mut row = json!({
+            "section": "prefill", "name": name, "us": secs * 1e6, "host_us": host * 1e6,
+            "flops": flops, "tflop_s": flops / secs / 1e12,
+            "of_mma": flops / secs / self.mma_rate,
+            "bytes": bytes, "gb_s": bytes / secs / 1e9,
+        });
+        merge(&mut row, extra);
+        self.push(row);
+    }
+
     fn ceilings(&mut self) -> Result<()> {
         let stream = self.gpu.stream.clone();
         let n = 1usize << 30;
@@ -469,22 +489,8 @@ impl Bench {
                     let (copies, step) = rotation(bytes, ARENA_BYTES);
                     let gpu = self.gpu.clone();
                     let timed = self.time(|i| {
-                        Ok(gpu.matvec(&Matvec {
-                            ty,
-                            w: base + ((i % copies) * step) as u64,
-                            mat_stride: 0,
-                            transposed: false,
-                            pair: 0,
-                            ids: 0,
-                            rows,
-                            k,
-                            x,
-                            x_group: 1,
-                            x_stride: k,
-                            y,
-                            y_stride: rows,
-                            batch: 1,
-                        })?)
+                        let w = base + ((i % copies) * step) as u64;
+                        Ok(gpu.matvec(&Matvec::single(ty, w, (x, y), (rows, k)))?)
                     });
                     let Some((secs, host)) = self.ok_or_report("matvec", &name, timed) else {
                         continue;
@@ -668,14 +674,16 @@ impl Bench {
                         };
                         let flops = 2.0 * (m * n * k) as f64;
                         let moved = (bytes + 4 * m * k + 4 * m * n) as f64;
-                        self.push(json!({
-                            "section": "prefill", "name": name, "us": secs * 1e6,
-                            "host_us": host * 1e6,
-                            "flops": flops, "tflop_s": flops / secs / 1e12,
-                            "of_mma": flops / secs / self.mma_rate,
-                            "bytes": moved, "gb_s": moved / secs / 1e9,
-                            "type": tname(ty), "m": m, "n": n, "k": k, "family": fam.name,
-                        }));
+                        self.push_product(
+                            name,
+                            flops,
+                            moved,
+                            secs,
+                            host,
+                            json!({
+                                "type": tname(ty), "m": m, "n": n, "k": k, "family": fam.name,
+                            }),
+                        );
                     }
                 }
             }
@@ -736,16 +744,19 @@ impl Bench {
                     let rows = m * MOE_USED;
                     let flops = 2.0 * (rows * f * e) as f64;
                     let moved = (used * mat_stride + 4 * m * e + 4 * rows * f) as f64;
-                    self.push(json!({
-                        "section": "prefill", "name": name, "us": secs * 1e6,
-                        "host_us": host * 1e6,
-                        "flops": flops, "tflop_s": flops / secs / 1e12,
-                        "of_mma": flops / secs / self.mma_rate,
-                        "bytes": moved, "gb_s": moved / secs / 1e9,
-                        "of_copy": moved / secs / self.copy_bw,
-                        "type": tname(ty), "m": m, "n": f, "k": e, "family": fam.name,
-                        "experts": used,
-                    }));
+                    let of_copy = moved / secs / self.copy_bw;
+                    self.push_product(
+                        name,
+                        flops,
+                        moved,
+                        secs,
+                        host,
+                        json!({
+                            "of_copy": of_copy,
+                            "type": tname(ty), "m": m, "n": f, "k": e, "family": fam.name,
+                            "experts": used,
+                        }),
+                    );
                 }
             }
         }

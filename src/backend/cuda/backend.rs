@@ -160,20 +160,10 @@ impl Cuda {
             ok(self.gpu.matmul(&a), "matmul");
         } else {
             let a = Matvec {
-                ty,
-                w,
-                mat_stride: 0,
-                ids: 0,
-                rows,
-                k,
-                x,
-                x_group: 1,
                 x_stride,
-                y,
                 y_stride,
                 batch: n,
-                transposed: false,
-                pair: 0,
+                ..Matvec::single(ty, w, (x, y), (rows, k))
             };
             ok(self.gpu.matvec(&a), "matvec");
         }
@@ -514,20 +504,9 @@ impl Backend for Cuda {
         // Decode: gate and up in one launch where the kernel takes the pair (item t: gate for
         // token t, item n + t: up; lab, H200: GLM-5 dense 2 x 22.4 -> 34.6 us).
         let mut both = Matvec {
-            ty: gate.ty,
-            w: self.w(gate),
-            mat_stride: 0,
-            ids: 0,
-            rows: f,
-            k,
-            x: self.p(x, 0),
-            x_group: 1,
-            x_stride: k,
-            y: 0,
-            y_stride: f,
             batch: 2 * n,
-            transposed: false,
             pair: self.w(up),
+            ..Matvec::single(gate.ty, self.w(gate), (self.p(x, 0), 0), (f, k))
         };
         let same = gate.ty == up.ty && (up.ne[0], up.dim(1)) == (k, f);
         if n >= MATMUL_MIN_ROWS || !same || !self.gpu.takes_pair(&both) {

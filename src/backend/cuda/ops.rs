@@ -54,6 +54,28 @@ pub struct Matvec {
     pub pair: Ptr,
 }
 
+impl Matvec {
+    /// One `rows` x `k` matrix times one x into y: no ids, no pair, not transposed.
+    pub fn single(ty: GgmlType, w: Ptr, (x, y): (Ptr, Ptr), (rows, k): (usize, usize)) -> Matvec {
+        Matvec {
+            ty,
+            w,
+            mat_stride: 0,
+            ids: 0,
+            rows,
+            k,
+            x,
+            x_group: 1,
+            x_stride: k,
+            y,
+            y_stride: rows,
+            batch: 1,
+            transposed: false,
+            pair: 0,
+        }
+    }
+}
+
 // The geometry of matvec (kernels/matvec.cu): blocks of MATVEC_WARPS warps, each row group of
 // MATVEC_ROWS rows shared by 1, 2 or 4 of them.
 const MATVEC_WARPS: usize = 4;
