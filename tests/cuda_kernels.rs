@@ -331,15 +331,7 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     for (rows, k, mats, ids) in cases {
         let w = random_rows(&mut rng, t, rows * mats, k);
         let wf = dequant_rows(t, &w, rows * mats, k);
-        let mut x = rng.normals(2 * k);
-        for (i, v) in x.iter_mut().enumerate() {
-            // Blocks whose largest value dwarfs the rest, and blocks of tiny values.
-            match (i / 256) % 3 {
-                0 => *v *= if i % 97 == 0 { 1e4 } else { 1.0 },
-                1 => *v *= 1e-6,
-                _ => {}
-            }
-        }
+        let x = hard_x(&mut rng, 2 * k);
         let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, ids);
         let got = chosen_outputs(&y, rows, ids, "");
         let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
@@ -352,6 +344,20 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     }
 }
 
+/// `n` normal values in 256-blocks that are hard for the integer paths (x as digit planes per
+/// block), in turn: blocks whose largest value dwarfs the rest, blocks of tiny values, plain.
+fn hard_x(rng: &mut Rng, n: usize) -> Vec<f32> {
+    let mut x = rng.normals(n);
+    for (i, v) in x.iter_mut().enumerate() {
+        match (i / 256) % 3 {
+            0 => *v *= if i % 97 == 0 { 1e4 } else { 1.0 },
+            1 => *v *= 1e-6,
+            _ => {}
+        }
+    }
+    x
+}
+
 /// Q6_K matrices of lm-head size take the integer kernel (x as digit planes, dp4a): equal to
 /// the dequantized f64 product like every f32 matvec, with a partial group of rows, blocks
 /// whose largest value dwarfs the rest and blocks of tiny values.
@@ -362,14 +368,7 @@ fn matvec_q6_k_integer_path_matches_dequantized_dot() {
     let (t, rows, k) = (GgmlType::Q6_K, 32771, 768);
     let w = random_rows(&mut rng, t, rows, k);
     let wf = dequant_rows(t, &w, rows, k);
-    let mut x = rng.normals(k);
-    for (i, v) in x.iter_mut().enumerate() {
-        match i / 256 {
-            0 => *v *= if i % 97 == 0 { 1e4 } else { 1.0 },
-            1 => *v *= 1e-6,
-            _ => {}
-        }
-    }
+    let x = hard_x(&mut rng, k);
     let (dw, dx, dy) = (
         g.upload(&w).unwrap(),
         g.upload(&x).unwrap(),
