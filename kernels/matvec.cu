@@ -6,12 +6,16 @@
 //   x_b = x + (b / x_group) * x_stride                    (shared or per-item input)
 //   y_b = y + b * y_stride
 // W rows are `row_bytes` apart and `k` elements long (a whole number of blocks).
+// A parts launch (w1 not null, grid.y 2 or 3, no ids): item 1 is instead y1 = W1 x (rows1
+// rows), item 2 y2 = W2 x, the same type, k and x as item 0: the projections of one activation
+// in one launch (Gpu::matvec_parts).
 
-// Launch geometry (Gpu::matvec): blocks of MATVEC_WARPS warps, grid (ceil(groups / G), batch)
-// where a group is MATVEC_ROWS consecutive rows and G (1, 2 or 4) groups share a block. The
-// MATVEC_WARPS / G warps of a group split the rows' k range and meet in shared memory; more
-// warps per group give short matrices (kv_a's 576 rows, the router's 256) enough warps to keep
-// every SM's loads in flight. The kernel reads G back from the grid size (matvec_body).
+// Launch geometry (Gpu::matvec): blocks of MATVEC_WARPS warps (f32: up to MATVEC_WIDE_WARPS),
+// grid (ceil(groups / G), batch) where a group is MATVEC_ROWS consecutive rows and G (1, 2 or
+// 4) groups share a block. The block's warps / G warps of a group split the rows' k range and
+// meet in shared memory; more warps per group give short matrices (kv_a's 576 rows, the
+// router's 256) enough warps to keep every SM's loads in flight. The kernel reads G back from
+// the grid and block sizes (matvec_body).
 //
 // Speed comes from bytes per instruction: decode reads each weight byte once, so the SMs must
 // turn ~16 bytes per clock each into products. Each thread owns one "piece" of a quant block
@@ -21,10 +25,21 @@
 // Types without such a piece walk 8-element units through dq8_<type> (generic_piece).
 
 #define MATVEC_WARPS 4
+// Scalar (f32) matrices take blocks of up to 16 warps per row group (MatvecWarps below): the
+// only ones in decode are MoE routers, 256 rows of 24-28 KiB, whose 64 groups on 4-warp blocks
+// left half of an H200's SMs idle and the rest with few loads in flight.
+#define MATVEC_WIDE_WARPS 16
 // Four rows share each x load (x comes from L1). Rows per thread and how lanes share x loads
 // were measured not to matter (2, 4 or 8 rows; 1-8 row sets per warp): the kernel is issue-bound
 // at ~6 instructions per weight and row (ncu), which is what matvec_tc_q4_k below avoids.
 #define MATVEC_ROWS 4
+
+// Items 1 and 2 of a parts launch (see the top), or w1 null.
+struct MatvecParts {
+    const u8 *w1, *w2;
+    int rows1, rows2;
+    float *y1, *y2;
+};
 
 // A piece function: acc[r] += (piece p of block blk[r]) . (the x values of that piece), for
 // the MATVEC_ROWS rows; xb points at x for the block's first element.
@@ -308,14 +323,22 @@ __device__ __forceinline__ void generic_piece(const u8* const* blk, int p, const
 template <int ELEMS, int BYTES, int PIECES, PieceFn PIECE>
 __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
                             i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y,
-                            i64 y_stride) {
-    __shared__ float partial[MATVEC_WARPS][MATVEC_ROWS];
+                            i64 y_stride, const MatvecParts& parts) {
+    __shared__ float partial[MATVEC_WIDE_WARPS][MATVEC_ROWS];
+    int b = blockIdx.y;
+    if (parts.w1) {
+        if (b > 0) {
+            w = b == 1 ? parts.w1 : parts.w2;
+            rows = b == 1 ? parts.rows1 : parts.rows2;
+            y = b == 1 ? parts.y1 : parts.y2;
+        }
+        b = 0;
+    }
     // Groups per block: the fewest (so the most warps per group) that still cover every row.
-    int groups = (rows + MATVEC_ROWS - 1) / MATVEC_ROWS, per_block = 1;
-    while (per_block < MATVEC_WARPS && (int)gridDim.x * per_block < groups) per_block *= 2;
+    int groups = (rows + MATVEC_ROWS - 1) / MATVEC_ROWS, per_block = 1, warps = blockDim.x >> 5;
+    while (per_block < warps && (int)gridDim.x * per_block < groups) per_block *= 2;
     int lanes = blockDim.x / per_block;  // threads per group, a multiple of 32
     int t = threadIdx.x % lanes, group = threadIdx.x / lanes;
-    int b = blockIdx.y;
     int r0 = (blockIdx.x * per_block + group) * MATVEC_ROWS;
     if (ids) pdl_wait();  // the MoE choice comes from the router kernel
     i64 m = ids ? ids[b] : b;
@@ -653,8 +676,9 @@ DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)
 // plane with one dp4a. The -32 offset starts each sum (-32 times the sub-block's digit sum),
 // the sub-block scales multiply the int32 sums, and per piece they become floats. Result: the
 // f32 product to f32 rounding (nmse ~1e-14 against f64, like the kernel above), with ~3
-// instructions per weight and row. Lab, H200: lm head 154880 x 6144 328 -> 280 us; shapes of
-// fewer rows tie (ops.rs uses it from INT_Q6_MIN_ROWS rows on).
+// instructions per weight and row. Lab, H200: lm head 154880 x 6144 328 -> 280 us, and 324 ->
+// 248 us with the weights staged through shared memory (matvec_int_q6_k below); shapes of
+// fewer rows tied (ops.rs uses it from INT_Q6_MIN_ROWS rows on).
 //
 // Digits layout (k / 256 blocks): planes [4][k] s8, then digit sums [k / 16][4] i32 (-32 x the
 // sum of the 16 digits of each plane), then scales [k / 256] f32. One warp per 256-block.
@@ -684,79 +708,139 @@ __device__ __forceinline__ int dp4a_u8s8(u32 a, u32 b, int c) {
 
 // Rows per group (lab: 8 rows 280 us on the lm head, 4 rows 294, 2 rows 305).
 #define INT_Q6_ROWS 8
+// A warp's stretch of each row per step: 4 blocks (its 32 lanes take one piece each), 840
+// bytes, as 16-byte chunks from the aligned address below its start.
+#define INT_Q6_STRETCH 840
+#define INT_Q6_CHUNKS 54
 
-// y[r] = row r of the Q6_K matrix w . x, x as digits (matvec_x_digits). Geometry of
-// matvec_body with groups of INT_Q6_ROWS rows; a thread takes pieces as piece_q6_k does (16 ql
-// bytes: 16 values of quarter j and 16 of quarter j + 2 of half h) for all rows of its group.
+// 4 words from 2-byte aligned shared memory.
+__device__ __forceinline__ void lds_words4(const u8* p, u32* out) {
+    const u32* base = (const u32*)((unsigned long long)p & ~3ull);
+    u32 sh = 8 * (u32)((unsigned long long)p & 3);
+    u32 a[5];
+#pragma unroll
+    for (int i = 0; i < 5; i++) a[i] = base[i];
+#pragma unroll
+    for (int i = 0; i < 4; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
+}
+
+// The 16 bytes at p (16-byte aligned); where the chunk straddles `end` (the matrix's last
+// chunk: its end is only 2-byte aligned) the bytes before `end` and zeros, out of line so that
+// the rare case takes no registers from the kernel.
+__device__ __noinline__ uint4 ld_chunk_tail(const u8* p, const u8* end) {
+    u32 v[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        if (p + i < end) v[i / 4] |= (u32)p[i] << (8 * (i % 4));
+    return make_uint4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ uint4 ld_chunk(const u8* p, const u8* end) {
+    return p + 16 <= end ? ld_stream16(p) : ld_chunk_tail(p, end);
+}
+
+// y[r] = row r of the Q6_K matrix w . x, x as digits (matvec_x_digits). One warp per group of
+// INT_Q6_ROWS rows, grid ceil(groups / MATVEC_WARPS); each step covers 4 blocks of its rows,
+// a piece per lane as piece_q6_k takes them (16 ql bytes: 16 values of quarter j and 16 of
+// quarter j + 2 of half h).
+//
+// Q6_K blocks are 210 bytes, so a piece's 16 ql and 16 qh bytes sit at 2-byte alignment: read
+// from global memory as 4-byte words (ld_words) every load of a warp touched ~8 L1 wavefronts,
+// and the lm head ran at 55% of the copy bandwidth on L1 throughput. So the warp first copies
+// each row's 840-byte stretch with aligned, coalesced 16-byte loads (lanes take chunks j and
+// j + 32), one step ahead in registers, into its shared memory, and the pieces are read from
+// there (lab, H200, lm head 154880 x 6144: 324 -> 248 us).
 extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
     matvec_int_q6_k(const u8* w, int rows, int k, i64 row_bytes, const u8* digits, float* y) {
-    __shared__ float partial[MATVEC_WARPS][INT_Q6_ROWS];
-    int groups = (rows + INT_Q6_ROWS - 1) / INT_Q6_ROWS, per_block = 1;
-    while (per_block < MATVEC_WARPS && (int)gridDim.x * per_block < groups) per_block *= 2;
-    int lanes = blockDim.x / per_block, t = threadIdx.x % lanes, group = threadIdx.x / lanes;
-    int r0 = (blockIdx.x * per_block + group) * INT_Q6_ROWS;
+    __shared__ __align__(16) u8 stage[MATVEC_WARPS][INT_Q6_ROWS][INT_Q6_CHUNKS * 16];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int r0 = (blockIdx.x * MATVEC_WARPS + warp) * INT_Q6_ROWS;
     const u8* row[INT_Q6_ROWS];
 #pragma unroll
     for (int r = 0; r < INT_Q6_ROWS; r++) row[r] = w + (i64)min(r0 + r, rows - 1) * row_bytes;
+    const u8* end = w + (i64)rows * row_bytes;
     const int* dsums = (const int*)(digits + 4 * (i64)k);
     const float* scales = (const float*)(digits + 5 * (i64)k);
     const float pf[4] = {2097152.0f, 16384.0f, 128.0f, 1.0f};  // plane weights 2^(21 - 7p)
+    int nb = k / 256, steps = (nb + 3) / 4;
+    // Step s's chunks of every row, in registers until the step before is done with the stage.
+    uint4 next[INT_Q6_ROWS][2];
+    auto fetch = [&](int s) {
+#pragma unroll
+        for (int r = 0; r < INT_Q6_ROWS; r++) {
+            const u8* start = row[r] + (i64)s * INT_Q6_STRETCH;
+            const u8* a = (const u8*)((unsigned long long)start & ~15ull);
+            const u8* row_end = row[r] + row_bytes;
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const u8* p = a + 16 * (lane + 32 * c);
+                bool in = lane + 32 * c < INT_Q6_CHUNKS && p < row_end;
+                next[r][c] = in ? ld_chunk(p, end) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+    if (r0 < rows) fetch(0);
     pdl_enter();
     float acc[INT_Q6_ROWS];
 #pragma unroll
     for (int r = 0; r < INT_Q6_ROWS; r++) acc[r] = 0.0f;
-    if (r0 < rows) {
-        for (int q = t; q < k / 256 * 8; q += lanes) {
-            int blk = q >> 3, p = q & 7, h = p >> 2, j = (p >> 1) & 1, l0 = 16 * (p & 1);
-            int e = 256 * blk + 128 * h + 32 * j + l0;  // quarter j; quarter j + 2 at e + 64
-            uint4 xa[4], xb[4];
+    u8* sm = &stage[warp][0][0];
+    for (int s = 0; s < steps && r0 < rows; s++) {
+        __syncwarp();
 #pragma unroll
-            for (int pl = 0; pl < 4; pl++) {
-                xa[pl] = __ldg((const uint4*)(digits + pl * (i64)k + e));
-                xb[pl] = __ldg((const uint4*)(digits + pl * (i64)k + e + 64));
-            }
-            int sa = 16 * blk + 8 * h + 2 * j + (l0 >> 4);  // sub-block of quarter j
-            int4 da = __ldg((const int4*)(dsums + 4 * sa)), db = __ldg((const int4*)(dsums + 4 * (sa + 4)));
-            float sx = __ldg(scales + blk);
+        for (int r = 0; r < INT_Q6_ROWS; r++) {
 #pragma unroll
-            for (int r = 0; r < INT_Q6_ROWS; r++) {
-                const u8* b = row[r] + (i64)blk * 210;
-                u32 ql[4], qh[4];
-                ld_words<4>(b + 64 * h + 32 * j + l0, ql);
-                ld_words<4>(b + 128 + 32 * h + l0, qh);
-                const signed char* sc = (const signed char*)(b + 192 + sa - 16 * blk);
-                int ia[4] = {da.x, da.y, da.z, da.w}, ib[4] = {db.x, db.y, db.z, db.w};
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    u32 qa = (ql[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * j)) & 0x03030303u) << 4);
-                    u32 qb = ((ql[i] >> 4) & 0x0F0F0F0Fu) |
-                             (((qh[i] >> (2 * j + 4)) & 0x03030303u) << 4);
-#pragma unroll
-                    for (int pl = 0; pl < 4; pl++) {
-                        ia[pl] = dp4a_u8s8(qa, (&xa[pl].x)[i], ia[pl]);
-                        ib[pl] = dp4a_u8s8(qb, (&xb[pl].x)[i], ib[pl]);
-                    }
-                }
-                int sca = sc[0], scb = sc[4];
-                float f = 0.0f;
-#pragma unroll
-                for (int pl = 0; pl < 4; pl++) f += pf[pl] * (float)(sca * ia[pl] + scb * ib[pl]);
-                acc[r] += f16_to_f32(ld_nc16(b + 208)) * sx * f;
+            for (int c = 0; c < 2; c++) {
+                int j = lane + 32 * c;
+                if (j < INT_Q6_CHUNKS) *(uint4*)(sm + r * INT_Q6_CHUNKS * 16 + 16 * j) = next[r][c];
             }
         }
+        __syncwarp();
+        if (s + 1 < steps) fetch(s + 1);
+        int q = 32 * s + lane;
+        if (q >= nb * 8) continue;
+        int blk = q >> 3, p = q & 7, h = p >> 2, j = (p >> 1) & 1, l0 = 16 * (p & 1);
+        int e = 256 * blk + 128 * h + 32 * j + l0;  // quarter j; quarter j + 2 at e + 64
+        uint4 xa[4], xb[4];
+#pragma unroll
+        for (int pl = 0; pl < 4; pl++) {
+            xa[pl] = __ldg((const uint4*)(digits + pl * (i64)k + e));
+            xb[pl] = __ldg((const uint4*)(digits + pl * (i64)k + e + 64));
+        }
+        int sa = 8 * h + 2 * j + (l0 >> 4);  // sub-block of quarter j in the block
+        int4 da = __ldg((const int4*)(dsums + 4 * (16 * blk + sa)));
+        int4 db = __ldg((const int4*)(dsums + 4 * (16 * blk + sa + 4)));
+        float sx = __ldg(scales + blk);
+#pragma unroll
+        for (int r = 0; r < INT_Q6_ROWS; r++) {
+            // The block in the stage: past the stretch start's offset from its chunk.
+            int skew = (int)((unsigned long long)(row[r] + (i64)s * INT_Q6_STRETCH) & 15);
+            const u8* b = sm + r * INT_Q6_CHUNKS * 16 + skew + 210 * (blk & 3);
+            u32 ql[4], qh[4];
+            lds_words4(b + 64 * h + 32 * j + l0, ql);
+            lds_words4(b + 128 + 32 * h + l0, qh);
+            int ia[4] = {da.x, da.y, da.z, da.w}, ib[4] = {db.x, db.y, db.z, db.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                u32 qa = (ql[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * j)) & 0x03030303u) << 4);
+                u32 qb = ((ql[i] >> 4) & 0x0F0F0F0Fu) |
+                         (((qh[i] >> (2 * j + 4)) & 0x03030303u) << 4);
+#pragma unroll
+                for (int pl = 0; pl < 4; pl++) {
+                    ia[pl] = dp4a_u8s8(qa, (&xa[pl].x)[i], ia[pl]);
+                    ib[pl] = dp4a_u8s8(qb, (&xb[pl].x)[i], ib[pl]);
+                }
+            }
+            int sca = (signed char)b[192 + sa], scb = (signed char)b[196 + sa];
+            float f = 0.0f;
+#pragma unroll
+            for (int pl = 0; pl < 4; pl++) f += pf[pl] * (float)(sca * ia[pl] + scb * ib[pl]);
+            acc[r] += f16_to_f32((u16)(b[208] | (b[209] << 8))) * sx * f;
+        }
     }
-    int warp = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < INT_Q6_ROWS; r++) {
         float sum = warp_sum(acc[r]);
-        if ((threadIdx.x & 31) == 0) partial[warp][r] = sum;
-    }
-    __syncthreads();
-    if (t < INT_Q6_ROWS && r0 + t < rows) {
-        int first = group * (lanes >> 5);
-        float sum = 0.0f;
-        for (int i = 0; i < (lanes >> 5); i++) sum += partial[first + i][t];
-        y[r0 + t] = sum;
+        if (lane == 0 && r0 + r < rows) y[r0 + r] = sum;
     }
 }
 
@@ -804,6 +888,16 @@ __device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int n, fl
     }
 }
 
+// The most warps a matvec_<type> block may have (see MATVEC_WIDE_WARPS).
+template <void (*DQ8)(const u8*, int, float*)>
+struct MatvecWarps {
+    static const int MAX = MATVEC_WARPS;
+};
+template <>
+struct MatvecWarps<dq8_f32> {
+    static const int MAX = MATVEC_WIDE_WARPS;
+};
+
 // The piece function of each type that has one: PIECES per block (0: none, use
 // generic_piece) and whether its loads need 16-byte aligned blocks.
 template <void (*DQ8)(const u8*, int, float*)>
@@ -830,30 +924,32 @@ FAST_PIECE(iq4_xs, 8, false)
 template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
 __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
                                 i64 row_bytes, const float* x, int x_group, i64 x_stride,
-                                float* y, i64 y_stride) {
+                                float* y, i64 y_stride, const MatvecParts& parts) {
     typedef FastPiece<DQ8> F;
+    u64 addresses = (u64)w | (u64)parts.w1 | (u64)parts.w2;
     if constexpr (F::PIECES == 0) {
         matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>>(
-            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride);
+            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride, parts);
     } else if constexpr (!F::ALIGN16) {
         matvec_body<ELEMS, BYTES, F::PIECES, F::FN>(w, mat_stride, ids, rows, k, row_bytes, x,
-                                                    x_group, x_stride, y, y_stride);
-    } else if ((((unsigned long long)w | mat_stride | row_bytes) & 15) == 0) {
+                                                    x_group, x_stride, y, y_stride, parts);
+    } else if (((addresses | mat_stride | row_bytes) & 15) == 0) {
         matvec_body<ELEMS, BYTES, F::PIECES, F::FN>(w, mat_stride, ids, rows, k, row_bytes, x,
-                                                    x_group, x_stride, y, y_stride);
+                                                    x_group, x_stride, y, y_stride, parts);
     } else {
         // A 16-byte piece type at an odd address (never seen in practice): the unit walk.
         matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>>(
-            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride);
+            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride, parts);
     }
 }
 
 #define DEFINE_MATVEC(name, elems, bytes)                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS) matvec_##name(           \
-        const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,         \
-        const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {                 \
+    extern "C" __global__ void __launch_bounds__(32 * MatvecWarps<dq8_##name>::MAX)         \
+        matvec_##name(const u8* w, i64 mat_stride, const int* ids, int rows, int k,          \
+                      i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y,    \
+                      i64 y_stride, MatvecParts parts) {                                     \
         matvec_dispatch<elems, bytes, dq8_##name>(w, mat_stride, ids, rows, k, row_bytes, x, \
-                                                  x_group, x_stride, y, y_stride);           \
+                                                  x_group, x_stride, y, y_stride, parts);    \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_t_##name(                       \
         const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,         \

@@ -8,7 +8,7 @@
 //! Without a GPU every test prints `SKIPPED: no CUDA device` and passes.
 
 use mla_engine::backend::cuda::ops::{
-    AttentionPrefill, Matmul, Matvec, MlaDecode, MoeRouter, KERNEL_TYPES,
+    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, KERNEL_TYPES,
 };
 use mla_engine::backend::cuda::{CudaError, Gpu};
 use mla_engine::gguf::ggml_type::GgmlType;
@@ -358,14 +358,100 @@ fn hard_x(rng: &mut Rng, n: usize) -> Vec<f32> {
     x
 }
 
-/// Q6_K matrices of lm-head size take the integer kernel (x as digit planes, dp4a): equal to
-/// the dequantized f64 product like every f32 matvec, with a partial group of rows, blocks
-/// whose largest value dwarfs the rest and blocks of tiny values.
+/// Two or three matrices of one type times one x in one launch (`Gpu::matvec_parts`, MLA's q_a,
+/// kv_a and indexer key): each output equals its own dequantized f64 product, for parts of
+/// different lengths (the first neither the longest nor the shortest) and a type of unaligned
+/// blocks.
+#[test]
+fn matvec_parts_match_dequantized_dot() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_parts");
+    let k = 1536;
+    for (t, rows) in [
+        (GgmlType::Q4_K, &[67usize, 513, 5][..]),
+        (GgmlType::Q8_0, &[130, 9][..]),
+    ] {
+        let x = rng.normals(k);
+        let dx = g.upload(&x).unwrap();
+        let ws: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&r| random_rows(&mut rng, t, r, k))
+            .collect();
+        let dws: Vec<_> = ws.iter().map(|w| g.upload(w).unwrap()).collect();
+        let dys: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
+        let parts: Vec<MatvecPart> = rows
+            .iter()
+            .zip(dws.iter().zip(&dys))
+            .map(|(&rows, (dw, dy))| MatvecPart {
+                w: g.ptr(dw, 0),
+                rows,
+                y: g.ptr(dy, 0),
+            })
+            .collect();
+        g.matvec_parts(t, k, g.ptr(&dx, 0), &parts).unwrap();
+        for (i, (&r, w)) in rows.iter().zip(&ws).enumerate() {
+            let wf = dequant_rows(t, w, r, k);
+            let want: Vec<f64> = (0..r).map(|j| dot64(&wf[j * k..][..k], &x)).collect();
+            let y = g.download(&dys[i]).unwrap();
+            assert_close(
+                &format!("matvec_parts {t} part {i} ({r} rows)"),
+                &y,
+                &want,
+                F32_OP,
+            );
+        }
+    }
+}
+
+/// Short f32 matrices of long rows (the MoE router: 256 x 6144) take blocks of 16 warps per row
+/// group: equal to the f64 product, also with a partial group (70 rows) and two items.
+#[test]
+fn matvec_f32_wide_blocks_match_dot() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_f32_wide");
+    for (rows, k, batch) in [(256, 6144, 1), (70, 4096, 2)] {
+        let w = rng.normals(rows * k);
+        let x = rng.normals(batch * k);
+        let (dw, dx, dy) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            poisoned(&g, batch * rows),
+        );
+        let a = Matvec {
+            x_stride: k,
+            y_stride: rows,
+            batch,
+            ..Matvec::single(
+                GgmlType::F32,
+                g.ptr(&dw, 0),
+                (g.ptr(&dx, 0), g.ptr(&dy, 0)),
+                (rows, k),
+            )
+        };
+        g.matvec(&a).unwrap();
+        let y = g.download(&dy).unwrap();
+        let want: Vec<f64> = (0..batch * rows)
+            .map(|i| dot64(&w[(i % rows) * k..][..k], &x[(i / rows) * k..][..k]))
+            .collect();
+        assert_close(
+            &format!("matvec f32 {rows}x{k} x{batch}"),
+            &y,
+            &want,
+            F32_OP,
+        );
+    }
+}
+
+/// Q6_K matrices of lm-head size take the integer kernel (x as digit planes, dp4a, rows staged
+/// through shared memory 4 blocks at a time): equal to the dequantized f64 product like every
+/// f32 matvec, with a partial group of rows, a partial last stretch (5 blocks), rows at every
+/// 2-byte offset from 16-byte alignment (1050-byte rows), a matrix end that is not 16-byte
+/// aligned, blocks whose largest value dwarfs the rest and blocks of tiny values.
 #[test]
 fn matvec_q6_k_integer_path_matches_dequantized_dot() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_int_q6_k");
-    let (t, rows, k) = (GgmlType::Q6_K, 32771, 768);
+    let (t, rows, k) = (GgmlType::Q6_K, 32771, 1280);
     let w = random_rows(&mut rng, t, rows, k);
     let wf = dequant_rows(t, &w, rows, k);
     let x = hard_x(&mut rng, k);
@@ -378,7 +464,7 @@ fn matvec_q6_k_integer_path_matches_dequantized_dot() {
     g.matvec(&a).unwrap();
     let y = g.download(&dy).unwrap();
     let want: Vec<f64> = (0..rows).map(|r| dot64(&wf[r * k..][..k], &x)).collect();
-    assert_close("matvec q6_k (integer) 32771x768", &y, &want, F32_OP);
+    assert_close("matvec q6_k (integer) 32771x1280", &y, &want, F32_OP);
 }
 
 /// A pair of matrix sets in one launch (`Matvec::pair`, the MoE gate and up): items 4 .. 8
@@ -1385,7 +1471,8 @@ fn router_twin(
             .map(|gi| {
                 let mut v: Vec<f64> = choice[gi * per..(gi + 1) * per].to_vec();
                 v.sort_by(|a, b| b.total_cmp(a));
-                (v[0] + v[1], gi)
+                // softmax (V2, group-limited greedy): the best one; sigmoid (V3): the best two.
+                (if gating == 1 { v[0] } else { v[0] + v[1] }, gi)
             })
             .collect();
         gs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -1413,13 +1500,17 @@ fn moe_router_and_combine_match() {
     let mut rng = Rng::new("moe");
     let tokens = 7;
     // (experts, k, gating, groups, groups used, norm, scale, held): V3-like sigmoid with groups
-    // and bias, GLM-5-like sigmoid without groups (all experts, and a TP rank's middle half),
-    // V2-like softmax.
+    // and bias (and its real 256 x 8 of 8 groups, 4 used), GLM-5-like sigmoid without groups
+    // (all experts, and a TP rank's middle half), V2-Lite-like softmax, V2-like softmax with
+    // groups, and more experts than the kernel has threads.
     for (n_exp, k, gating, n_group, group_used, norm, scale, held) in [
         (64, 6, 2u32, 8, 3, true, 2.5f32, 0..64),
+        (256, 8, 2, 8, 4, true, 2.5, 0..256),
         (256, 8, 2, 1, 1, true, 2.5, 0..256),
         (256, 8, 2, 1, 1, true, 2.5, 64..192),
         (64, 6, 1, 1, 1, false, 1.0, 0..64),
+        (160, 6, 1, 8, 3, false, 16.0, 0..160),
+        (1024, 32, 2, 32, 8, true, 1.0, 0..1024),
     ] {
         let logits: Vec<f32> = rng
             .normals(tokens * n_exp)

@@ -180,6 +180,12 @@ pub trait Backend: Send + Sync {
     /// `x` [n, in] times a weight {in, out} -> [n, out] (`y[t] = W x[t]`).
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
 
+    /// `linear(x, w)` for each of `ws`: the projections of one activation, which a backend may
+    /// run as one launch.
+    fn linears(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {
+        ws.iter().map(|w| self.linear(x, w)).collect()
+    }
+
     /// The gated FFN's first half, `swiglu(linear(x, gate), linear(x, up))` -> [n, f]; a
     /// backend may run the two products as one.
     fn swiglu_linear(

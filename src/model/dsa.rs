@@ -45,20 +45,23 @@ impl Selection {
     }
 }
 
-/// Appends this batch's indexer keys to `keys` and returns the selection. While no query sees
-/// more than `top_k` keys the selection is every causal key whatever the scores, so they are
-/// not computed (the keys still are: later queries rank them).
+/// Appends this batch's indexer keys (from `x_k` = indexer.attn_k x, [n, d], computed with
+/// the layer's other projections of x) to `keys` and returns the selection. While no query
+/// sees more than `top_k` keys the selection is every causal key whatever the scores, so they
+/// are not computed (the keys still are: later queries rank them).
+#[allow(clippy::too_many_arguments)]
 pub fn select<B: Backend>(
     m: &Model<B>,
     w: &Indexer<B::Weight>,
     ix: &IndexerConfig,
     x: &B::Tensor,
+    x_k: B::Tensor,
     q_a: &B::Tensor,
     keys: &mut B::Tensor,
     pos0: usize,
 ) -> Selection {
     let b = &m.backend;
-    let mut k = b.layer_norm(&b.linear(x, &w.k), &w.k_norm, &w.k_norm_bias, K_NORM_EPS); // [n, d]
+    let mut k = b.layer_norm(&x_k, &w.k_norm, &w.k_norm_bias, K_NORM_EPS); // [n, d]
     b.rope(&mut k, 1, 0, pos0, &m.rope);
     b.write_block(keys, pos0, 0, &k);
     if pos0 + b.shape(x).0 <= ix.top_k {

@@ -37,14 +37,26 @@ pub fn attention<B: Backend>(
         cfg.kv_lora,
     );
     let (n, _) = b.shape(x);
+    let indexer = m.weights.layers[il].indexer.as_ref();
+
+    // The projections of x, one launch on a GPU: the query's (q-LoRA's a, or all of q), the
+    // latent's [n, kv_lora + dr] and, in DSA layers with an indexer, the indexer key's [n, d].
+    let q_x = match &w.q {
+        QueryProj::Lora { a, .. } => a,
+        QueryProj::Direct(wq) => wq,
+    };
+    let mut of_x: Vec<&B::Weight> = vec![q_x, &w.kv_a_mqa];
+    of_x.extend(indexer.map(|ix| &ix.k));
+    let mut of_x = b.linears(x, &of_x).into_iter();
+    let (x_q, kv, x_index_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
 
     // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a (the q-LoRA latent) feeds DSA.
     let (mut q, q_a) = match &w.q {
-        QueryProj::Lora { a, norm, b: q_b } => {
-            let q_a = b.rms_norm(&b.linear(x, a), norm, LATENT_NORM_EPS); // [n, q_lora]
+        QueryProj::Lora { norm, b: q_b, .. } => {
+            let q_a = b.rms_norm(&x_q, norm, LATENT_NORM_EPS); // [n, q_lora]
             (b.linear(&q_a, q_b), Some(q_a))
         }
-        QueryProj::Direct(wq) => (b.linear(x, wq), None),
+        QueryProj::Direct(_) => (x_q, None),
     };
     taps.tensor(b, || format!("L{il}.q"), &q);
     b.rope(&mut q, h, dn, pos0, &m.rope);
@@ -53,7 +65,6 @@ pub fn attention<B: Backend>(
 
     // The latent of these positions, straight into the cache: c_kv [n, kv_lora] normed,
     // k_pe [n, dr] roped.
-    let kv = b.linear(x, &w.kv_a_mqa); // [n, kv_lora + dr]
     let latent = &mut cache.latent[il];
     b.latent_append(latent, pos0, &kv, &w.kv_a_norm, LATENT_NORM_EPS, &m.rope);
     if taps.on() {
@@ -67,12 +78,12 @@ pub fn attention<B: Backend>(
     // DSA: which keys each query may see (None: all causal keys, the dense path).
     let mut keep = None;
     if let Some(ix) = &cfg.indexer {
-        if let Some(indexer) = &m.weights.layers[il].indexer {
+        if let (Some(indexer), Some(x_k)) = (indexer, x_index_k) {
             let q_a = q_a.as_ref().expect("validated: DSA needs q-LoRA");
             let keys = cache.index_keys[il]
                 .as_mut()
                 .expect("allocated for full indexer layers");
-            *topk = Some(dsa::select(m, indexer, ix, x, q_a, keys, pos0));
+            *topk = Some(dsa::select(m, indexer, ix, x, x_k, q_a, keys, pos0));
         }
         let selection = topk
             .as_ref()

@@ -15,7 +15,9 @@ use cudarc::driver::CudaSlice;
 
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
-use super::ops::{AttentionPrefill, Matmul, Matvec, MlaDecode, MoeRouter, KERNEL_TYPES};
+use super::ops::{
+    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, KERNEL_TYPES,
+};
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
@@ -498,23 +500,60 @@ impl Backend for Cuda {
         y
     }
 
+    fn linears(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Vec<CudaTensor> {
+        if !self.takes_parts(x, ws) {
+            return ws.iter().map(|w| self.linear(x, w)).collect();
+        }
+        let ys: Vec<CudaTensor> = ws.iter().map(|w| self.empty(1, w.dim(1))).collect();
+        let parts: Vec<MatvecPart> = ws
+            .iter()
+            .zip(&ys)
+            .map(|(w, y)| MatvecPart {
+                w: self.w(w),
+                rows: w.dim(1),
+                y: self.p(y, 0),
+            })
+            .collect();
+        ok(
+            self.gpu
+                .matvec_parts(ws[0].ty, x.cols, self.p(x, 0), &parts),
+            "linears",
+        );
+        ys
+    }
+
     fn swiglu_linear(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> CudaTensor {
         let (n, k, f) = (x.rows, gate.ne[0], gate.dim(1));
         assert_eq!(x.cols, k, "linear {}: x has {} columns", gate.name, x.cols);
-        // Decode: gate and up in one launch where the kernel takes the pair (item t: gate for
-        // token t, item n + t: up; lab, H200: GLM-5 dense 2 x 22.4 -> 34.6 us).
+        // Decode: gate and up in one launch where the tensor-core kernel takes the pair (item
+        // t: gate for token t, item n + t: up; lab, H200: GLM-5 dense 2 x 22.4 -> 34.6 us), or
+        // as the two parts of one CUDA-core launch (the shared expert).
         let mut both = Matvec {
             batch: 2 * n,
             pair: self.w(up),
             ..Matvec::single(gate.ty, self.w(gate), (self.p(x, 0), 0), (f, k))
         };
         let same = gate.ty == up.ty && (up.ne[0], up.dim(1)) == (k, f);
-        if n >= MATMUL_MIN_ROWS || !same || !self.gpu.takes_pair(&both) {
+        let as_pair = n < MATMUL_MIN_ROWS && same && self.gpu.takes_pair(&both);
+        let as_parts = same && self.takes_parts(x, &[gate, up]);
+        if !(as_pair || as_parts) {
             return self.swiglu(&self.linear(x, gate), &self.linear(x, up));
         }
         let gu = self.empty(2 * n, f);
-        both.y = self.p(&gu, 0);
-        ok(self.gpu.matvec(&both), "gate and up");
+        if as_pair {
+            both.y = self.p(&gu, 0);
+            ok(self.gpu.matvec(&both), "gate and up");
+        } else {
+            let parts = [(gate, 0), (up, f)].map(|(w, at)| MatvecPart {
+                w: self.w(w),
+                rows: f,
+                y: self.p(&gu, at),
+            });
+            ok(
+                self.gpu.matvec_parts(gate.ty, k, self.p(x, 0), &parts),
+                "gate and up",
+            );
+        }
         let y = self.empty(n, f);
         let (g, u) = (self.p(&gu, 0), self.p(&gu, n * f));
         ok(self.gpu.silu_mul(g, u, self.p(&y, 0), n * f), "silu_mul");
@@ -896,6 +935,17 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// Whether `linears(x, ws)` runs as one parts launch (`Gpu::matvec_parts`): one token, two
+    /// or three matrices of one type and row length that each run on the CUDA-core kernel.
+    fn takes_parts(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> bool {
+        x.rows == 1
+            && (2..=3).contains(&ws.len())
+            && ws.iter().all(|w| {
+                let a = Matvec::single(w.ty, self.w(w), (0, 0), (w.dim(1), w.ne[0]));
+                w.ty == ws[0].ty && w.ne[0] == x.cols && self.gpu.on_cuda_cores(&a)
+            })
+    }
+
     /// Per-head products (`Backend::head_matmul`) where head h reads its input row at
     /// `x[t, col0 + h * head_stride ..]` (`head_stride` 0: one input shared by every head).
     /// x's rows must hold `heads * head_stride` columns for the matrix-vector path's item

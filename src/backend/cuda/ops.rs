@@ -76,9 +76,32 @@ impl Matvec {
     }
 }
 
-// The geometry of matvec (kernels/matvec.cu): blocks of MATVEC_WARPS warps, each row group of
-// MATVEC_ROWS rows shared by 1, 2 or 4 of them.
+/// The kernel's MatvecParts (kernels/matvec.cu): items 1 and 2 of a parts launch, or all 0.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MatvecParts {
+    w1: Ptr,
+    w2: Ptr,
+    rows1: i32,
+    rows2: i32,
+    y1: Ptr,
+    y2: Ptr,
+}
+// SAFETY: plain integers in the kernel's C layout (8-byte addresses, 4-byte ints).
+unsafe impl cudarc::driver::DeviceRepr for MatvecParts {}
+
+/// One matrix of a parts launch (`Gpu::matvec_parts`): y = W x.
+#[derive(Clone, Copy)]
+pub struct MatvecPart {
+    pub w: Ptr,
+    pub rows: usize,
+    pub y: Ptr,
+}
+
+// The geometry of matvec (kernels/matvec.cu): blocks of MATVEC_WARPS warps (f32: up to
+// MATVEC_WIDE_WARPS), each row group of MATVEC_ROWS rows shared by 1, 2 or 4 of them.
 const MATVEC_WARPS: usize = 4;
+const MATVEC_WIDE_WARPS: usize = 16;
 const MATVEC_ROWS: usize = 4;
 /// INT_Q6_ROWS of kernels/matvec.cu.
 const INT_Q6_ROWS: usize = 8;
@@ -86,18 +109,37 @@ const INT_Q6_ROWS: usize = 8;
 /// memory bandwidth unused, so short matrices split each row group over more warps.
 const MATVEC_FILL_WARPS: usize = 8192;
 
-/// Row groups per block of matvec: more warps per group (fewer groups per block) until the
-/// grid has about MATVEC_FILL_WARPS warps, as long as each thread still gets 16 bytes (a
-/// piece) or more of each row. The kernel reads the choice back from the grid size.
-fn matvec_groups_per_block(groups: usize, batch: usize, row_bytes: usize) -> usize {
+/// (warps per block, row groups per block) of matvec: more warps per group (fewer groups per
+/// block, then, up to `max_warps`, larger blocks) until the grid has about MATVEC_FILL_WARPS
+/// warps, as long as each thread still gets 16 bytes (a piece) or more of each row. The kernel
+/// reads the choice back from the grid and block sizes.
+fn matvec_blocks(
+    groups: usize,
+    batch: usize,
+    row_bytes: usize,
+    max_warps: usize,
+) -> (usize, usize) {
     let mut split = 1;
-    while split < MATVEC_WARPS
+    while split < max_warps
         && groups * batch * split < MATVEC_FILL_WARPS
         && row_bytes >= 2 * split * 32 * 16
     {
         split *= 2;
     }
-    MATVEC_WARPS / split
+    (split.max(MATVEC_WARPS), MATVEC_WARPS.div_ceil(split))
+}
+
+/// (grid x, block) of matvec_<type> for `batch` items of `rows` rows: row groups sharing
+/// blocks.
+fn matvec_geometry(ty: GgmlType, rows: usize, batch: usize, row_bytes: usize) -> (u32, u32) {
+    let groups = rows.div_ceil(MATVEC_ROWS);
+    let max_warps = if ty == GgmlType::F32 {
+        MATVEC_WIDE_WARPS
+    } else {
+        MATVEC_WARPS
+    };
+    let (warps, per_block) = matvec_blocks(groups, batch, row_bytes, max_warps);
+    (grid1(groups, per_block), 32 * warps as u32)
 }
 
 /// matvec_tc_q4_k / matvec_tc8_q4_k (kernels/matvec.cu), the Q4_K product on the integer
@@ -134,6 +176,14 @@ fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
 /// at least this many rows (lab, H200: lm head 154880 x 6144 328 -> 280 us; 6144-24576 rows
 /// tie with the CUDA-core kernel, which needs no digit planes first).
 const INT_Q6_MIN_ROWS: usize = 32768;
+
+fn uses_int_q6_k(a: &Matvec) -> bool {
+    a.ty == GgmlType::Q6_K
+        && !a.transposed
+        && a.batch == 1
+        && a.ids == 0
+        && a.rows >= INT_Q6_MIN_ROWS
+}
 
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
 /// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
@@ -188,25 +238,73 @@ impl Gpu {
                 a.y_stride as i64);
             return Ok(());
         }
-        if a.ty == GgmlType::Q6_K
-            && !a.transposed
-            && a.batch == 1
-            && a.ids == 0
-            && a.rows >= INT_Q6_MIN_ROWS
-        {
+        if uses_int_q6_k(a) {
             return self.matvec_int_q6_k(a, row_bytes.unwrap());
         }
-        // Non-transposed: row groups sharing blocks; transposed: one thread per 8 columns.
-        let (grid_x, block) = if a.transposed {
-            (grid1(a.k / 8, 128), 128)
-        } else {
-            let groups = a.rows.div_ceil(MATVEC_ROWS);
-            let per_block = matvec_groups_per_block(groups, a.batch, row_bytes.unwrap());
-            (grid1(groups, per_block), 32 * MATVEC_WARPS as u32)
-        };
+        let rb = row_bytes.unwrap() as i64;
+        if a.transposed {
+            // One thread per 8 columns.
+            launch!(self, kernel, (grid1(a.k / 8, 128), a.batch as u32, 1), 128, 0;
+                a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, rb, a.x,
+                a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64);
+            return Ok(());
+        }
+        let (grid_x, block) = matvec_geometry(a.ty, a.rows, a.batch, rb as usize);
         launch!(self, kernel, (grid_x, a.batch as u32, 1), block, 0;
-            a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, row_bytes.unwrap() as i64,
-            a.x, a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64);
+            a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, rb, a.x,
+            a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, MatvecParts::default());
+        Ok(())
+    }
+
+    /// Whether `a` runs on the CUDA-core matvec kernel, the one `matvec_parts` launches.
+    pub fn on_cuda_cores(&self, a: &Matvec) -> bool {
+        let rb = a.ty.row_bytes(a.k);
+        !a.transposed && !uses_int_q6_k(a) && rb.is_some_and(|rb| !uses_tensor_cores(a, rb))
+    }
+
+    /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
+    /// projections of one activation (MLA's q_a, kv_a and the indexer key; a shared expert's
+    /// gate and up) in one launch of the CUDA-core kernel instead of one each.
+    pub fn matvec_parts(
+        &self,
+        ty: GgmlType,
+        k: usize,
+        x: Ptr,
+        parts: &[MatvecPart],
+    ) -> Result<(), CudaError> {
+        let kernel = typed_kernel("matvec", ty)?;
+        let row_bytes = ty.row_bytes(k);
+        check(row_bytes.is_some() && k % 8 == 0, "matvec_parts", || {
+            format!("k = {k} is not a whole number of {ty} blocks")
+        })?;
+        check(
+            (2..=3).contains(&parts.len()) && x % 16 == 0,
+            "matvec_parts",
+            || format!("{} parts (2 or 3), x 16-byte aligned", parts.len()),
+        )?;
+        let rb = row_bytes.unwrap();
+        let part = |i: usize| {
+            parts.get(i).copied().unwrap_or(MatvecPart {
+                w: 0,
+                rows: 0,
+                y: 0,
+            })
+        };
+        let (p0, p1, p2) = (part(0), part(1), part(2));
+        let extra = MatvecParts {
+            w1: p1.w,
+            w2: p2.w,
+            rows1: p1.rows as i32,
+            rows2: p2.rows as i32,
+            y1: p1.y,
+            y2: p2.y,
+        };
+        // The grid of the longest part; the others' surplus blocks find no rows and return.
+        let rows = parts.iter().map(|p| p.rows).max().unwrap();
+        let (grid_x, block) = matvec_geometry(ty, rows, 1, rb);
+        launch!(self, kernel, (grid_x, parts.len() as u32, 1), block, 0;
+            p0.w, 0i64, 0 as Ptr, p0.rows as i32, k as i32, rb as i64, x, 1i32, 0i64, p0.y, 0i64,
+            extra);
         Ok(())
     }
 
@@ -218,9 +316,9 @@ impl Gpu {
         let dp = self.ptr(&digits, 0);
         launch!(self, "matvec_x_digits", (grid1(a.k / 256, 4), 1, 1), 128, 0;
             a.x, a.k as i32, dp);
+        // One warp per group of rows (at least 4096 groups: enough warps for any GPU).
         let groups = a.rows.div_ceil(INT_Q6_ROWS);
-        let per_block = matvec_groups_per_block(groups, 1, row_bytes);
-        launch!(self, "matvec_int_q6_k", (grid1(groups, per_block), 1, 1),
+        launch!(self, "matvec_int_q6_k", (grid1(groups, MATVEC_WARPS), 1, 1),
             32 * MATVEC_WARPS as u32, 0;
             a.w, a.rows as i32, a.k as i32, row_bytes as i64, dp, a.y);
         Ok(())
@@ -942,6 +1040,9 @@ impl Gpu {
     }
 }
 
+/// ROUTER_THREADS of kernels/moe.cu: one block per token.
+const ROUTER_THREADS: u32 = 256;
+
 /// The MoE router's choice for T tokens (see kernels/moe.cu).
 pub struct MoeRouter {
     /// [T, n_exp] f32.
@@ -978,7 +1079,7 @@ impl Gpu {
         check(a.gating == 1 || a.gating == 2, "moe_router", || {
             format!("gating function {}", a.gating)
         })?;
-        launch!(self, "moe_router", (a.tokens as u32, 1, 1), 32, 0;
+        launch!(self, "moe_router", (a.tokens as u32, 1, 1), ROUTER_THREADS, 0;
             a.logits, a.bias, a.n_exp as i32, a.k as i32, a.gating as i32, a.n_group as i32,
             a.group_used as i32, a.norm as i32, a.scale, a.held.start as i32, a.held.end as i32,
             a.ids, a.weights);
