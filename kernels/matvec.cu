@@ -201,6 +201,29 @@ __device__ __forceinline__ void piece_q8_0(const u8* const* blk, int p, const fl
     for (int r = 0; r < MATVEC_ROWS; r++) acc[r] += d[r] * s[r];
 }
 
+// The 4 bits of h (bits 0-3) as bit 4 of four bytes: the shifted copies of h do not overlap,
+// so the product carries nothing.
+__device__ __forceinline__ u32 bits_to_byte4(u32 h) { return ((h * 0x00204081u) & 0x01010101u) << 4; }
+
+// Q5_0 piece p (4 per block; blocks 2-byte aligned): f16 d, u32 qh, 16 qs bytes; the piece
+// is qs word p: elements 4p .. 4p + 3 in its low nibbles, 16 + 4p .. in its high ones, their
+// fifth bits at the same positions of qh; value = d * (q - 16). (The unit walk read each block
+// byte by byte, 14 loads per 8 values and row; one piece per block left 26 of 32 lanes idle
+// on MLA's k_b, whose rows are 6 blocks long.)
+__device__ __forceinline__ void piece_q5_0(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    float4 x0 = *(const float4*)(xb + 4 * p), x1 = *(const float4*)(xb + 16 + 4 * p);
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        u32 qs;
+        ld_words<1>(blk[r] + 6 + 4 * p, &qs);
+        u32 qh = (u32)ld_nc16(blk[r] + 2) | ((u32)ld_nc16(blk[r] + 4) << 16);
+        u32 lo = (qs & 0x0F0F0F0Fu) | bits_to_byte4((qh >> (4 * p)) & 15u);
+        u32 hi = ((qs >> 4) & 0x0F0F0F0Fu) | bits_to_byte4((qh >> (16 + 4 * p)) & 15u);
+        acc[r] += f16_to_f32(ld_nc16(blk[r])) * dot4(hi, x1, 16.0f, dot4(lo, x0, 16.0f, 0.0f));
+    }
+}
+
 // The IQ4 code book (IQ4_VALUES) plus 128, so that it fits unsigned bytes; entry i is byte
 // i % 4 of word i / 4.
 #define IQ4_B0 0x3F2D1801u // -127 -104  -83  -65
@@ -725,23 +748,44 @@ __device__ __forceinline__ void lds_words4(const u8* p, u32* out) {
 }
 
 // The 16 bytes at p (16-byte aligned); where the chunk straddles `end` (the matrix's last
-// chunk: its end is only 2-byte aligned) the bytes before `end` and zeros, out of line so that
-// the rare case takes no registers from the kernel.
-__device__ __noinline__ uint4 ld_chunk_tail(const u8* p, const u8* end) {
-    u32 v[4] = {0u, 0u, 0u, 0u};
+// chunk: its end is only 2-byte aligned) the bytes before `end` and zeros, by 4- and 2-byte
+// loads that stay before it.
+__device__ __forceinline__ uint4 ld_chunk(const u8* p, const u8* end) {
+    if (p + 16 <= end) return ld_stream16(p);
+    u32 v[4];
 #pragma unroll
-    for (int i = 0; i < 16; i++)
-        if (p + i < end) v[i / 4] |= (u32)p[i] << (8 * (i % 4));
+    for (int i = 0; i < 4; i++) {
+        const u8* q = p + 4 * i;
+        v[i] = q + 4 <= end ? __ldg((const u32*)q) : q + 2 <= end ? (u32)ld_nc16(q) : 0u;
+    }
     return make_uint4(v[0], v[1], v[2], v[3]);
 }
-__device__ __forceinline__ uint4 ld_chunk(const u8* p, const u8* end) {
-    return p + 16 <= end ? ld_stream16(p) : ld_chunk_tail(p, end);
+
+// Stretch s of each row (matvec_int_q6_k below) into registers: lanes take chunks lane and
+// lane + 32 of the 16-byte aligned span that holds it; chunks past a row's end are zeros.
+// Chunks may reach up to 15 bytes past a row's end into the next row, and only the last group
+// (AT_END) has a row whose chunk can reach past the matrix's end, so only it checks that
+// (checking in every group cost the lab 20%).
+template <bool AT_END>
+__device__ __forceinline__ void int_q6_fetch(const u8* const* row, i64 row_bytes, const u8* end,
+                                             int s, int lane, uint4 (*next)[2]) {
+#pragma unroll
+    for (int r = 0; r < INT_Q6_ROWS; r++) {
+        const u8* start = row[r] + (i64)s * INT_Q6_STRETCH;
+        const u8* a = (const u8*)((unsigned long long)start & ~15ull);
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const u8* p = a + 16 * (lane + 32 * c);
+            bool in = lane + 32 * c < INT_Q6_CHUNKS && p < row[r] + row_bytes;
+            next[r][c] = !in ? make_uint4(0u, 0u, 0u, 0u) : AT_END ? ld_chunk(p, end) : ld_stream16(p);
+        }
+    }
 }
 
-// y[r] = row r of the Q6_K matrix w . x, x as digits (matvec_x_digits). One warp per group of
-// INT_Q6_ROWS rows, grid ceil(groups / MATVEC_WARPS); each step covers 4 blocks of its rows,
-// a piece per lane as piece_q6_k takes them (16 ql bytes: 16 values of quarter j and 16 of
-// quarter j + 2 of half h).
+// y[r] = row r of the Q6_K matrix w . x, x as digits (matvec_x_digits). Geometry of
+// matvec_body with groups of INT_Q6_ROWS rows (1, 2 or 4 groups per block, read back from the
+// grid size); each step covers 4 blocks of a group's rows, a piece per lane as piece_q6_k
+// takes them (16 ql bytes: 16 values of quarter j and 16 of quarter j + 2 of half h).
 //
 // Q6_K blocks are 210 bytes, so a piece's 16 ql and 16 qh bytes sit at 2-byte alignment: read
 // from global memory as 4-byte words (ld_words) every load of a warp touched ~8 L1 wavefronts,
@@ -752,8 +796,14 @@ __device__ __forceinline__ uint4 ld_chunk(const u8* p, const u8* end) {
 extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
     matvec_int_q6_k(const u8* w, int rows, int k, i64 row_bytes, const u8* digits, float* y) {
     __shared__ __align__(16) u8 stage[MATVEC_WARPS][INT_Q6_ROWS][INT_Q6_CHUNKS * 16];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int r0 = (blockIdx.x * MATVEC_WARPS + warp) * INT_Q6_ROWS;
+    __shared__ float partial[MATVEC_WARPS][INT_Q6_ROWS];
+    // Groups per block as in matvec_body: the ks = MATVEC_WARPS / per_block warps of a group
+    // take its steps in turn (part, part + ks, ...) and meet in shared memory.
+    int groups = (rows + INT_Q6_ROWS - 1) / INT_Q6_ROWS, per_block = 1;
+    while (per_block < MATVEC_WARPS && (int)gridDim.x * per_block < groups) per_block *= 2;
+    int ks = MATVEC_WARPS / per_block;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = warp % ks;
+    int r0 = (blockIdx.x * per_block + warp / ks) * INT_Q6_ROWS;
     const u8* row[INT_Q6_ROWS];
 #pragma unroll
     for (int r = 0; r < INT_Q6_ROWS; r++) row[r] = w + (i64)min(r0 + r, rows - 1) * row_bytes;
@@ -764,27 +814,20 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
     int nb = k / 256, steps = (nb + 3) / 4;
     // Step s's chunks of every row, in registers until the step before is done with the stage.
     uint4 next[INT_Q6_ROWS][2];
+    bool at_end = r0 + INT_Q6_ROWS >= rows;
     auto fetch = [&](int s) {
-#pragma unroll
-        for (int r = 0; r < INT_Q6_ROWS; r++) {
-            const u8* start = row[r] + (i64)s * INT_Q6_STRETCH;
-            const u8* a = (const u8*)((unsigned long long)start & ~15ull);
-            const u8* row_end = row[r] + row_bytes;
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                const u8* p = a + 16 * (lane + 32 * c);
-                bool in = lane + 32 * c < INT_Q6_CHUNKS && p < row_end;
-                next[r][c] = in ? ld_chunk(p, end) : make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
+        if (at_end)
+            int_q6_fetch<true>(row, row_bytes, end, s, lane, next);
+        else
+            int_q6_fetch<false>(row, row_bytes, end, s, lane, next);
     };
-    if (r0 < rows) fetch(0);
+    if (r0 < rows && part < steps) fetch(part);
     pdl_enter();
     float acc[INT_Q6_ROWS];
 #pragma unroll
     for (int r = 0; r < INT_Q6_ROWS; r++) acc[r] = 0.0f;
     u8* sm = &stage[warp][0][0];
-    for (int s = 0; s < steps && r0 < rows; s++) {
+    for (int s = part; s < steps && r0 < rows; s += ks) {
         __syncwarp();
 #pragma unroll
         for (int r = 0; r < INT_Q6_ROWS; r++) {
@@ -795,7 +838,7 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
             }
         }
         __syncwarp();
-        if (s + 1 < steps) fetch(s + 1);
+        if (s + ks < steps) fetch(s + ks);
         int q = 32 * s + lane;
         if (q >= nb * 8) continue;
         int blk = q >> 3, p = q & 7, h = p >> 2, j = (p >> 1) & 1, l0 = 16 * (p & 1);
@@ -840,7 +883,13 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 #pragma unroll
     for (int r = 0; r < INT_Q6_ROWS; r++) {
         float sum = warp_sum(acc[r]);
-        if (lane == 0 && r0 + r < rows) y[r0 + r] = sum;
+        if (lane == 0) partial[warp][r] = sum;
+    }
+    __syncthreads();
+    if (part == 0 && lane < INT_Q6_ROWS && r0 + lane < rows) {
+        float sum = 0.0f;
+        for (int i = 0; i < ks; i++) sum += partial[warp + i][lane];
+        y[r0 + lane] = sum;
     }
 }
 
@@ -914,6 +963,7 @@ struct FastPiece {
 FAST_PIECE(f32, 2, true)
 FAST_PIECE(f16, 1, true)
 FAST_PIECE(bf16, 1, true)
+FAST_PIECE(q5_0, 4, false)
 FAST_PIECE(q8_0, 2, false)
 FAST_PIECE(q4_k, 8, true)
 FAST_PIECE(q5_k, 8, true)

@@ -8,7 +8,9 @@
 //   group_used groups survive and the other experts are out (-inf, never 0). The k experts of
 //   largest choice are taken in descending order (ties: lowest id); their weights are the
 //   unbiased s, divided by their sum when `norm`, times `scale`.
-//   ids [T, k] (i32), weights [T, k]. n_exp <= 1024, n_group <= 32, k <= 32.
+//   ids [T, k] (i32), weights [T, k]. n_exp <= 1024, n_group <= 32, k <= 32. With `shared`,
+//   rows of k + 1: the last choice is the shared expert (id MOE_SHARED = -2, weight 1), which
+//   the expert products then run with the routed ones (matvec_tc_q4_k's sw, moe_combine).
 //   Tensor parallelism: a rank holds experts held_lo .. held_hi - 1 (all at TP = 1); its ids
 //   count from held_lo, and a choice held elsewhere gets id -1 and weight 0 (its output arrives
 //   through the all-reduce; the normalization above still counts it).
@@ -50,7 +52,8 @@ __device__ __forceinline__ int rank_of(const int* keys, int n, int kv, int v) {
 
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_router(
     const float* logits, const float* bias, int n_exp, int k, int gating, int n_group,
-    int group_used, int norm, float scale, int held_lo, int held_hi, int* ids, float* weights) {
+    int group_used, int norm, float scale, int held_lo, int held_hi, int shared, int* ids,
+    float* weights) {
     pdl_enter();
     __shared__ float s[ROUTER_MAX_EXP], scratch[32];
     __shared__ __align__(16) int key[ROUTER_MAX_EXP], group_key[32];
@@ -103,14 +106,18 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_router(
     }
     __syncthreads();
     // k <= 32: lane j of the first warp finishes choice j.
+    int row = k + (shared ? 1 : 0);
     if (tid < 32) {
         int e = tid < k ? chosen[tid] : 0;
         float wj = tid < k ? s[e] : 0.0f;
         float wsum = warp_sum(wj);
         if (tid < k) {
             bool held = e >= held_lo && e < held_hi;
-            ids[(i64)t * k + tid] = held ? e - held_lo : -1;
-            weights[(i64)t * k + tid] = held ? (norm ? wj / wsum : wj) * scale : 0.0f;
+            ids[(i64)t * row + tid] = held ? e - held_lo : -1;
+            weights[(i64)t * row + tid] = held ? (norm ? wj / wsum : wj) * scale : 0.0f;
+        } else if (tid == k && shared) {
+            ids[(i64)t * row + k] = -2;  // MOE_SHARED
+            weights[(i64)t * row + k] = 1.0f;
         }
     }
 }

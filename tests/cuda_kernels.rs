@@ -7,12 +7,17 @@
 //! before each launch, so an element the kernel never writes fails the comparison.
 //! Without a GPU every test prints `SKIPPED: no CUDA device` and passes.
 
+use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::ops::{
-    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, KERNEL_TYPES,
+    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, KERNEL_TYPES, MOE_SHARED,
 };
-use mla_engine::backend::cuda::{CudaError, Gpu};
+use mla_engine::backend::cuda::{Cuda, CudaError, Gpu};
+use mla_engine::backend::{Backend, WeightRole};
+use mla_engine::config::{Gating, MoeConfig};
 use mla_engine::gguf::ggml_type::GgmlType;
+use mla_engine::model::{dense_ffn, moe::route};
 use mla_engine::quant;
+use mla_engine::weights::{DenseFfn, MappedBytes, TensorRef};
 
 // ----- harness -------------------------------------------------------------------------------
 
@@ -252,6 +257,7 @@ fn expert_matvec(
         batch: ids.len(),
         transposed: false,
         pair: 0,
+        shared: (0, 0),
     })
     .unwrap();
     g.download(&dy).unwrap()
@@ -446,25 +452,33 @@ fn matvec_f32_wide_blocks_match_dot() {
 /// through shared memory 4 blocks at a time): equal to the dequantized f64 product like every
 /// f32 matvec, with a partial group of rows, a partial last stretch (5 blocks), rows at every
 /// 2-byte offset from 16-byte alignment (1050-byte rows), a matrix end that is not 16-byte
-/// aligned, blocks whose largest value dwarfs the rest and blocks of tiny values.
+/// aligned, blocks whose largest value dwarfs the rest and blocks of tiny values; groups of 2
+/// warps (32771 rows) and of 1 (65543 rows of one block).
 #[test]
 fn matvec_q6_k_integer_path_matches_dequantized_dot() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_int_q6_k");
-    let (t, rows, k) = (GgmlType::Q6_K, 32771, 1280);
-    let w = random_rows(&mut rng, t, rows, k);
-    let wf = dequant_rows(t, &w, rows, k);
-    let x = hard_x(&mut rng, k);
-    let (dw, dx, dy) = (
-        g.upload(&w).unwrap(),
-        g.upload(&x).unwrap(),
-        poisoned(&g, rows),
-    );
-    let a = Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
-    g.matvec(&a).unwrap();
-    let y = g.download(&dy).unwrap();
-    let want: Vec<f64> = (0..rows).map(|r| dot64(&wf[r * k..][..k], &x)).collect();
-    assert_close("matvec q6_k (integer) 32771x1280", &y, &want, F32_OP);
+    for (rows, k) in [(32771, 1280), (65543, 256)] {
+        let t = GgmlType::Q6_K;
+        let w = random_rows(&mut rng, t, rows, k);
+        let wf = dequant_rows(t, &w, rows, k);
+        let x = hard_x(&mut rng, k);
+        let (dw, dx, dy) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            poisoned(&g, rows),
+        );
+        let a = Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
+        g.matvec(&a).unwrap();
+        let y = g.download(&dy).unwrap();
+        let want: Vec<f64> = (0..rows).map(|r| dot64(&wf[r * k..][..k], &x)).collect();
+        assert_close(
+            &format!("matvec q6_k (integer) {rows}x{k}"),
+            &y,
+            &want,
+            F32_OP,
+        );
+    }
 }
 
 /// A pair of matrix sets in one launch (`Matvec::pair`, the MoE gate and up): items 4 .. 8
@@ -503,6 +517,7 @@ fn matvec_q4_k_pair_matches_two_products() {
         batch: 2 * ids.len(),
         transposed: false,
         pair: g.ptr(&dwb, 0),
+        shared: (0, 0),
     };
     assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
     g.matvec(&a).unwrap();
@@ -552,6 +567,56 @@ fn matvec_q4_k_pair_matches_two_products() {
             F32_OP,
         );
     }
+    // The MoE decode form with the shared expert as a choice (id MOE_SHARED): its items read
+    // the matrix at `shared` (.0 in the first half, .1 in the pair's), the others their
+    // experts; a choice held elsewhere is still left alone.
+    let (sa, sb) = (
+        random_rows(&mut rng, t, rows, k),
+        random_rows(&mut rng, t, rows, k),
+    );
+    let (dsa, dsb) = (g.upload(&sa).unwrap(), g.upload(&sb).unwrap());
+    let ids = [2i32, MOE_SHARED, -1, 1];
+    let di = g.upload(&ids).unwrap();
+    let dy = poisoned(&g, 2 * ids.len() * rows);
+    let with_shared = Matvec {
+        ids: g.ptr(&di, 0),
+        y: g.ptr(&dy, 0),
+        shared: (g.ptr(&dsa, 0), g.ptr(&dsb, 0)),
+        ..a
+    };
+    assert!(
+        g.takes_shared(&with_shared),
+        "the tensor-core kernel takes a shared matrix"
+    );
+    g.matvec(&with_shared).unwrap();
+    let y = g.download(&dy).unwrap();
+    let (sfa, sfb) = (dequant_rows(t, &sa, rows, k), dequant_rows(t, &sb, rows, k));
+    for (half, wf, sf) in [(0, &wfa, &sfa), (1, &wfb, &sfb)] {
+        let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for (b, &m) in ids.iter().enumerate() {
+            let (yb, xb) = (&yh[b * rows..][..rows], &x[(b / 2) * k..][..k]);
+            let mat = match m {
+                -1 => {
+                    assert!(
+                        yb.iter().all(|v| v.is_nan()),
+                        "half {half} item {b} written"
+                    );
+                    continue;
+                }
+                MOE_SHARED => &sf[..],
+                m => &wf[m as usize * rows * k..][..rows * k],
+            };
+            got.extend_from_slice(yb);
+            want.extend((0..rows).map(|r| dot64(&mat[r * k..][..k], xb)));
+        }
+        assert_close(
+            &format!("matvec q4_k pair with the shared matrix, half {half}"),
+            &got,
+            &want,
+            F32_OP,
+        );
+    }
 }
 
 #[test]
@@ -588,6 +653,7 @@ fn matvec_transposed_every_type_matches() {
             batch,
             transposed: true,
             pair: 0,
+            shared: (0, 0),
         })
         .unwrap();
         let y = g.download(&dy).unwrap();
@@ -1437,6 +1503,105 @@ fn dsa_scores_and_topk_match() {
 
 // ----- MoE ---------------------------------------------------------------------------------------
 
+/// MoE decode with the shared expert as one more choice of the token (`Backend::moe_routed` on
+/// the tensor-core kernels: router rows of k + 1, the gate-up pair, the down product and the
+/// combine) equals the CPU's routed experts plus its shared expert, on GLM-5-like Q4_K experts
+/// (16 of them, 8 chosen, sigmoid with a selection bias).
+#[test]
+fn moe_decode_with_the_shared_expert_matches_the_cpu() {
+    let Some(_) = gpu() else { return };
+    let cuda = Cuda::new(0).unwrap();
+    let mut rng = Rng::new("moe_shared");
+    let (e, f, n_exp) = (1024, 1024, 16);
+    let m = MoeConfig {
+        n_expert: n_exp,
+        n_used: 8,
+        n_shared: 1,
+        n_ff_expert: f,
+        gating: Gating::Sigmoid,
+        weights_scale: 2.5,
+        weights_norm: true,
+        n_group: 1,
+        n_group_used: 1,
+    };
+    let t = GgmlType::Q4_K;
+    let mut tensor = |name: &str, ne: Vec<usize>| {
+        let bytes = random_rows(&mut rng, t, ne[1..].iter().product(), ne[0]);
+        TensorRef {
+            name: name.into(),
+            ggml_type: t,
+            ne,
+            bytes: MappedBytes::owned(bytes),
+        }
+    };
+    let tensors = [
+        tensor("ffn_gate_exps", vec![e, f, n_exp]),
+        tensor("ffn_up_exps", vec![e, f, n_exp]),
+        tensor("ffn_down_exps", vec![f, e, n_exp]),
+        tensor("ffn_gate_shexp", vec![e, f]),
+        tensor("ffn_up_shexp", vec![e, f]),
+        tensor("ffn_down_shexp", vec![f, e]),
+    ];
+    // Logits 0.3 apart (no near-ties for the two exp implementations to split), in a shuffled
+    // order; the bias reorders them a little.
+    let mut logits: Vec<f32> = (0..n_exp).map(|i| 0.3 * i as f32 - 2.0).collect();
+    for i in (1..n_exp).rev() {
+        logits.swap(i, rng.below(i + 1));
+    }
+    let bias: Vec<f32> = (0..n_exp).map(|i| 0.01 * (i % 3) as f32).collect();
+    let x = rng.normals(e);
+
+    let gw: Vec<_> = tensors[..3]
+        .iter()
+        .map(|t| cuda.load_weight(t, WeightRole::Matrix).unwrap())
+        .collect();
+    let shared = DenseFfn {
+        gate: cuda.load_weight(&tensors[3], WeightRole::Matrix).unwrap(),
+        up: cuda.load_weight(&tensors[4], WeightRole::Matrix).unwrap(),
+        down: cuda.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
+    };
+    let (gx, gl) = (cuda.upload(&x, 1, e), cuda.upload(&logits, 1, n_exp));
+    let experts = (&gw[0], &gw[1], &gw[2]);
+    let (out, with_shared) = cuda
+        .moe_routed(
+            &gx,
+            &gl,
+            Some(&bias),
+            &m,
+            &(0..n_exp),
+            experts,
+            Some(&shared),
+        )
+        .unwrap();
+    assert!(
+        with_shared,
+        "the shared expert runs as a choice at these shapes"
+    );
+    let got = cuda.download(&out);
+
+    let cpu = Cpu;
+    let cw: Vec<_> = tensors[..3]
+        .iter()
+        .map(|t| cpu.load_weight(t, WeightRole::Matrix).unwrap())
+        .collect();
+    let cx = cpu.upload(&x, 1, e);
+    let r = route(&logits, Some(&bias), &m);
+    let mut want = cpu.moe_experts(&cx, &cw[0], &cw[1], &cw[2], &r.ids, &r.weights, m.n_used);
+    let cpu_shared = DenseFfn {
+        gate: cpu.load_weight(&tensors[3], WeightRole::Matrix).unwrap(),
+        up: cpu.load_weight(&tensors[4], WeightRole::Matrix).unwrap(),
+        down: cpu.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
+    };
+    cpu.add_assign(&mut want, &dense_ffn(&cpu, &cpu_shared, &cx));
+    let want: Vec<f64> = cpu.download(&want).iter().map(|&v| v as f64).collect();
+    assert_close(
+        "moe decode with the shared expert as a choice",
+        &got,
+        &want,
+        F32_OP,
+    );
+}
+
 /// CPU twin of moe_router for one token: (ids, weights).
 #[allow(clippy::too_many_arguments)]
 fn router_twin(
@@ -1519,8 +1684,11 @@ fn moe_router_and_combine_match() {
             .collect();
         let bias: Vec<f32> = rng.normals(n_exp).iter().map(|v| v * 0.1).collect();
         let use_bias = gating == 2;
+        // The V3 case also with the shared expert as choice k + 1 (id MOE_SHARED, weight 1).
+        let shared = n_exp == 256 && n_group == 8;
+        let row = k + shared as usize;
         let (dl, db) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
-        let (dids, dw) = (poisoned_i32(&g, tokens * k), poisoned(&g, tokens * k));
+        let (dids, dw) = (poisoned_i32(&g, tokens * row), poisoned(&g, tokens * row));
         g.moe_router(&MoeRouter {
             logits: g.ptr(&dl, 0),
             bias: if use_bias { g.ptr(&db, 0) } else { 0 },
@@ -1533,6 +1701,7 @@ fn moe_router_and_combine_match() {
             scale,
             tokens,
             held: held.clone(),
+            shared,
             ids: g.ptr(&dids, 0),
             weights: g.ptr(&dw, 0),
         })
@@ -1566,11 +1735,18 @@ fn moe_router_and_combine_match() {
                 .iter()
                 .zip(&wi)
                 .map(|(&w, &e)| if e < 0 { 0.0 } else { w });
-            assert_eq!(&ids[t * k..][..k], &wi[..], "router ids, token {t}");
+            assert_eq!(&ids[t * row..][..k], &wi[..], "router ids, token {t}");
             want_w.extend(ww);
+            if shared {
+                assert_eq!(ids[t * row + k], MOE_SHARED, "shared expert id, token {t}");
+                want_w.push(1.0);
+            }
         }
         assert_close(
-            &format!("moe_router {n_exp}x{k} gating {gating} groups {n_group} held {held:?}"),
+            &format!(
+                "moe_router {n_exp}x{k} gating {gating} groups {n_group} held {held:?} \
+                 shared {shared}"
+            ),
             &w,
             &want_w,
             F32_OP,

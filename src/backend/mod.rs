@@ -285,8 +285,10 @@ pub trait Backend: Send + Sync {
     /// The routed experts of a batch straight from the router logits [n, n_expert], routed on
     /// the device by the rules of `model::moe::route`, so that decode pays no host round trip
     /// per MoE layer (and prefill no host routing of every token). `held`: the experts this
-    /// rank's stacks hold (all at TP = 1); choices held elsewhere add nothing here. None (the
-    /// default): the caller routes on the host and calls `moe_experts`.
+    /// rank's stacks hold (all at TP = 1); choices held elsewhere add nothing here. `shared`:
+    /// the shared expert, which the backend may run as one more choice of every token. Returns
+    /// the output and whether it includes the shared expert's (else the caller adds it). None
+    /// (the default): the caller routes on the host and calls `moe_experts`.
     #[allow(clippy::too_many_arguments)]
     fn moe_routed(
         &self,
@@ -295,10 +297,9 @@ pub trait Backend: Send + Sync {
         _bias: Option<&[f32]>,
         _m: &crate::config::MoeConfig,
         _held: &Range<usize>,
-        _gate: &Self::Weight,
-        _up: &Self::Weight,
-        _down: &Self::Weight,
-    ) -> Option<Self::Tensor> {
+        _experts: (&Self::Weight, &Self::Weight, &Self::Weight),
+        _shared: Option<&crate::weights::DenseFfn<Self::Weight>>,
+    ) -> Option<(Self::Tensor, bool)> {
         None
     }
 

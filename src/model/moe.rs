@@ -146,13 +146,16 @@ pub fn forward<B: Backend>(
     let on_device = if taps.on() {
         None // the trace records the reference routing, below
     } else {
-        let (gate, up, down) = (&w.gate_exps, &w.up_exps, &w.down_exps);
-        b.moe_routed(x, &logits, bias, m, &w.experts, gate, up, down)
+        let experts = (&w.gate_exps, &w.up_exps, &w.down_exps);
+        b.moe_routed(x, &logits, bias, m, &w.experts, experts, w.shared.as_ref())
     };
-    let mut out = match on_device {
-        Some(out) => out,
-        None => routed_on_host(model, il, w, x, &logits, taps),
+    let (mut out, with_shared) = match on_device {
+        Some(routed) => routed,
+        None => (routed_on_host(model, il, w, x, &logits, taps), false),
     };
+    if with_shared {
+        return out; // the backend ran the shared expert as one more choice
+    }
     taps.tensor(b, || format!("L{il}.moe_out"), &out);
     if let Some(shared) = &w.shared {
         let s = dense_ffn(b, shared, x);

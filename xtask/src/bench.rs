@@ -553,6 +553,7 @@ impl Bench {
                     mat_stride,
                     transposed: false,
                     pair: 0,
+                    shared: (0, 0),
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,
                     k,

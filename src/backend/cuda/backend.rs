@@ -21,7 +21,7 @@ use super::ops::{
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
-use crate::weights::TensorRef;
+use crate::weights::{DenseFfn, TensorRef};
 
 /// From this many rows on, products run on the tensor cores (bf16 operands); below, in f32
 /// matrix-vector kernels that read each weight row once per token.
@@ -760,7 +760,8 @@ impl Backend for Cuda {
         let slots: Vec<i32>;
         if n < MATMUL_MIN_ROWS {
             let eids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-            self.experts_per_choice(x, gate, up, down, &self.upload_i32(&eids), k, &d_out);
+            let ids = self.upload_i32(&eids);
+            self.experts_per_choice(x, (gate, up, down), None, &ids, k, &d_out);
             slots = (0..rows as i32).collect();
         } else {
             // Group the (token, choice) pairs by expert: each expert's tokens are gathered by
@@ -887,18 +888,23 @@ impl Backend for Cuda {
         bias: Option<&[f32]>,
         m: &MoeConfig,
         held: &Range<usize>,
-        gate: &CudaWeight,
-        up: &CudaWeight,
-        down: &CudaWeight,
-    ) -> Option<CudaTensor> {
+        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        shared: Option<&DenseFfn<CudaWeight>>,
+    ) -> Option<(CudaTensor, bool)> {
         let n = x.rows;
         let all_held = *held == (0..m.n_expert);
         if n >= MATMUL_MIN_ROWS && !all_held {
             return None; // a TP rank's prefill: routed and grouped on the host (moe_experts)
         }
         let k = m.n_used;
-        let dids = ok(self.gpu.empty_i32(n * k), "alloc");
-        let dw = self.empty(n, k);
+        // Decode: the shared expert as choice k + 1 of every token where the tensor-core
+        // products take it (saves its four launches: gate and up, silu, down, the add).
+        let with_shared = n < MATMUL_MIN_ROWS
+            && all_held
+            && shared.is_some_and(|s| self.shared_as_choice(x, (gate, up, down), s, k + 1));
+        let row = k + with_shared as usize; // choices per token
+        let dids = ok(self.gpu.empty_i32(n * row), "alloc");
+        let dw = self.empty(n, row);
         let router = MoeRouter {
             logits: self.p(logits, 0),
             bias: bias.map_or(0, |b| self.constant(b)),
@@ -914,6 +920,7 @@ impl Backend for Cuda {
             scale: m.weights_scale,
             tokens: n,
             held: held.clone(),
+            shared: with_shared,
             ids: self.gpu.ptr(&dids, 0),
             weights: self.p(&dw, 0),
         };
@@ -926,11 +933,13 @@ impl Backend for Cuda {
                 .map(|e| e as u32)
                 .collect();
             let weights = self.download(&dw);
-            return Some(self.moe_experts(x, gate, up, down, &ids, &weights, k));
+            let out = self.moe_experts(x, gate, up, down, &ids, &weights, k);
+            return Some((out, false));
         }
-        let d_out = self.empty(n * k, x.cols);
-        self.experts_per_choice(x, gate, up, down, &dids, k, &d_out);
-        Some(self.combine(&d_out, None, &dw.buf, n, k))
+        let d_out = self.empty(n * row, x.cols);
+        let shared = shared.filter(|_| with_shared);
+        self.experts_per_choice(x, (gate, up, down), shared, &dids, row, &d_out);
+        Some((self.combine(&d_out, None, &dw.buf, n, row), with_shared))
     }
 }
 
@@ -1000,6 +1009,7 @@ impl Cuda {
                 batch: n * heads,
                 transposed: transpose,
                 pair: 0,
+                shared: (0, 0),
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
@@ -1028,54 +1038,34 @@ impl Cuda {
     /// token t, as batched matrix-vector products (gate and up, silu, down). An id of -1 (a
     /// choice another rank holds) leaves its rows unwritten: the matvec skips such items.
     #[allow(clippy::too_many_arguments)]
+    /// The decode products of the experts of `k` choices per token (`ids` [n, k] on the device,
+    /// MOE_SHARED for the shared expert where `shared` is given) into `d_out` [n * k, E]. Gate
+    /// and up run as one launch where the kernel takes the pair (measured on an H200: GLM-5
+    /// experts 2 x 23.7 -> 39.2 us), else one after the other.
     fn experts_per_choice(
         &self,
         x: &CudaTensor,
-        gate: &CudaWeight,
-        up: &CudaWeight,
-        down: &CudaWeight,
+        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        shared: Option<&DenseFfn<CudaWeight>>,
         ids: &CudaSlice<i32>,
         k: usize,
         d_out: &CudaTensor,
     ) {
-        let e = x.cols;
-        let f = gate.dim(1);
         let rows = x.rows * k;
-        let (gate_bytes, down_bytes) = (f * gate.row_bytes(), e * down.row_bytes());
+        let f = gate.dim(1);
         // Gate outputs in rows 0 .. rows, up outputs after them.
         let gu_out = self.empty(2 * rows, f);
-        let item = |w: &CudaWeight,
-                    mat_stride,
-                    rows_w,
-                    k_w,
-                    x: DevicePtrRaw,
-                    x_group,
-                    x_stride,
-                    y: &CudaTensor| Matvec {
-            ty: w.ty,
-            w: self.w(w),
-            mat_stride,
-            ids: self.gpu.ptr(ids, 0),
-            rows: rows_w,
-            k: k_w,
-            x,
-            x_group,
-            x_stride,
-            y: self.p(y, 0),
-            y_stride: rows_w,
-            batch: rows,
-            transposed: false,
-            pair: 0,
-        };
-        let gate_item = item(gate, gate_bytes, f, e, self.p(x, 0), k, e, &gu_out);
-        // Gate and up in one launch where the kernel takes the pair (measured on an H200:
-        // GLM-5 experts 2 x 23.7 -> 39.2 us), else one after the other.
-        let both = Matvec {
-            pair: self.w(up),
-            batch: 2 * rows,
+        let (gate_item, both, down_item) =
+            self.expert_items(x, (gate, up, down), shared, self.gpu.ptr(ids, 0), k);
+        let gate_item = Matvec {
+            y: self.p(&gu_out, 0),
             ..gate_item
         };
         if gate.ty == up.ty && self.gpu.takes_pair(&both) {
+            let both = Matvec {
+                y: self.p(&gu_out, 0),
+                ..both
+            };
             ok(self.gpu.matvec(&both), "moe gate and up");
         } else {
             ok(self.gpu.matvec(&gate_item), "moe gate");
@@ -1092,11 +1082,82 @@ impl Cuda {
                 .silu_mul(g_out, self.p(&gu_out, rows * f), g_out, rows * f),
             "moe silu",
         );
-        ok(
-            self.gpu
-                .matvec(&item(down, down_bytes, e, f, g_out, 1, f, d_out)),
-            "moe down",
-        );
+        let down_item = Matvec {
+            x: g_out,
+            y: self.p(d_out, 0),
+            ..down_item
+        };
+        ok(self.gpu.matvec(&down_item), "moe down");
+    }
+
+    /// The launches of `experts_per_choice` for `k` choices per token (outputs and the down
+    /// product's input left 0): the gate experts, gate and up as a pair, the down experts.
+    fn expert_items(
+        &self,
+        x: &CudaTensor,
+        (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        shared: Option<&DenseFfn<CudaWeight>>,
+        ids: DevicePtrRaw,
+        k: usize,
+    ) -> (Matvec, Matvec, Matvec) {
+        let (e, f, rows) = (x.cols, gate.dim(1), x.rows * k);
+        let sw = |w: fn(&DenseFfn<CudaWeight>) -> &CudaWeight| shared.map_or(0, |s| self.w(w(s)));
+        let item = |w: &CudaWeight, (rows_w, k_w): (usize, usize), x, x_group, x_stride| Matvec {
+            ty: w.ty,
+            w: self.w(w),
+            mat_stride: rows_w * w.row_bytes(),
+            ids,
+            rows: rows_w,
+            k: k_w,
+            x,
+            x_group,
+            x_stride,
+            y: 0,
+            y_stride: rows_w,
+            batch: rows,
+            transposed: false,
+            pair: 0,
+            shared: (0, 0),
+        };
+        let gate_item = Matvec {
+            shared: (sw(|s| &s.gate), 0),
+            ..item(gate, (f, e), self.p(x, 0), k, e)
+        };
+        let both = Matvec {
+            pair: self.w(up),
+            batch: 2 * rows,
+            shared: (sw(|s| &s.gate), sw(|s| &s.up)),
+            ..gate_item
+        };
+        let down_item = Matvec {
+            shared: (sw(|s| &s.down), 0),
+            ..item(down, (e, f), 0, 1, f)
+        };
+        (gate_item, both, down_item)
+    }
+
+    /// Whether the shared expert can run as choice `k` of every token of `x` (ids MOE_SHARED):
+    /// its matrices of the experts' types and shapes, and the gate-up pair and the down product
+    /// on the tensor-core kernels, which take a shared matrix.
+    fn shared_as_choice(
+        &self,
+        x: &CudaTensor,
+        experts: (&CudaWeight, &CudaWeight, &CudaWeight),
+        s: &DenseFfn<CudaWeight>,
+        k: usize,
+    ) -> bool {
+        let like = |a: &CudaWeight, b: &CudaWeight| {
+            a.ty == b.ty && (a.ne[0], a.dim(1)) == (b.ne[0], b.dim(1))
+        };
+        let (gate, up, down) = experts;
+        if !(like(&s.gate, gate) && like(&s.up, up) && like(&s.down, down) && gate.ty == up.ty) {
+            return false;
+        }
+        // Any nonzero id address: the kernel choice only asks whether there are ids.
+        let (_, both, down_item) = self.expert_items(x, experts, Some(s), 1, k);
+        self.gpu.takes_pair(&both)
+            && self.gpu.takes_shared(&both)
+            && self.gpu.takes_shared(&down_item)
     }
 
     /// out [n, E] = sum_j weights[t, j] * d_out[slots[t, j]] (moe_combine); no slots: row

@@ -137,9 +137,10 @@ pub fn matmul_cp_smem_bytes(kernel: &str) -> usize {
 /// (`Gpu::launch_raw`). Not the MLA decode pair (except on the few blocks of a short context,
 /// see `Gpu::mla_decode_with`): one split block fills an SM's registers, and both kernels
 /// measured 11-49% slower with it on an H200 (1K-32K contexts), while the matrix-vector
-/// products gained 11-28%.
+/// products gained 11-28%. Nor the Q6_K lm head (matvec_int_q6_k, 168 registers and 27 KiB of
+/// shared memory per 4-warp block): lab, H200, 252 -> 273 us with it (GLM-5), 259 -> 269 (DS3).
 pub fn dependent_launch_helps(kernel: &str) -> bool {
-    !kernel.starts_with("mla_decode")
+    !kernel.starts_with("mla_decode") && kernel != "matvec_int_q6_k"
 }
 
 /// The largest dynamic shared memory each kernel that uses it is ever launched with.

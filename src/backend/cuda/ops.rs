@@ -52,7 +52,14 @@ pub struct Matvec {
     /// with ids and x counted from batch / 2 again (the MoE gate and up of the same choices in
     /// one launch). Only the tensor-core kernels take it (`Gpu::takes_pair`).
     pub pair: Ptr,
+    /// The matrices of items whose id is MOE_SHARED (-2), for `w`'s items and for `pair`'s: the
+    /// shared expert as one more MoE choice, or (0, 0). Only the tensor-core kernels take them
+    /// (`Gpu::takes_shared`).
+    pub shared: (Ptr, Ptr),
 }
+
+/// The id of the shared expert among a token's MoE choices (`Matvec::shared`, moe_router).
+pub const MOE_SHARED: i32 = -2;
 
 impl Matvec {
     /// One `rows` x `k` matrix times one x into y: no ids, no pair, not transposed.
@@ -72,6 +79,7 @@ impl Matvec {
             batch: 1,
             transposed: false,
             pair: 0,
+            shared: (0, 0),
         }
     }
 }
@@ -169,7 +177,8 @@ fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
     a.ty == GgmlType::Q4_K
         && !a.transposed
         && shape_pays
-        && (a.w as usize | a.pair as usize | a.mat_stride | row_bytes) % 16 == 0
+        && (a.w | a.pair | a.shared.0 | a.shared.1) % 16 == 0
+        && (a.mat_stride | row_bytes) % 16 == 0
 }
 
 /// matvec_int_q6_k (x as digit planes, dp4a; kernels/matvec.cu) takes a single Q6_K matrix of
@@ -200,6 +209,14 @@ impl Gpu {
                 .is_some_and(|rb| uses_tensor_cores(a, rb))
     }
 
+    /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
+    pub fn takes_shared(&self, a: &Matvec) -> bool {
+        a.ids != 0
+            && a.ty
+                .row_bytes(a.k)
+                .is_some_and(|rb| uses_tensor_cores(a, rb))
+    }
+
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
         let kernel = typed_kernel(if a.transposed { "matvec_t" } else { "matvec" }, a.ty)?;
         let row_bytes = a.ty.row_bytes(a.k);
@@ -214,6 +231,9 @@ impl Gpu {
         })?;
         check(a.pair == 0 || self.takes_pair(a), "matvec", || {
             "a pair of matrices needs the tensor-core kernel and an even batch".into()
+        })?;
+        check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
+            "a shared matrix needs the tensor-core kernel and ids".into()
         })?;
         if uses_tensor_cores(a, row_bytes.unwrap()) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
@@ -233,7 +253,8 @@ impl Gpu {
             };
             launch!(self, kernel, (grid1(tiles, per_block), a.batch as u32, 1), 32 * warps,
                 tc_smem_bytes(a.k) as u32;
-                a.w, a.pair, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32,
+                a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids, a.rows as i32,
+                a.k as i32,
                 row_bytes.unwrap() as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
                 a.y_stride as i64);
             return Ok(());
@@ -316,9 +337,9 @@ impl Gpu {
         let dp = self.ptr(&digits, 0);
         launch!(self, "matvec_x_digits", (grid1(a.k / 256, 4), 1, 1), 128, 0;
             a.x, a.k as i32, dp);
-        // One warp per group of rows (at least 4096 groups: enough warps for any GPU).
         let groups = a.rows.div_ceil(INT_Q6_ROWS);
-        launch!(self, "matvec_int_q6_k", (grid1(groups, MATVEC_WARPS), 1, 1),
+        let (_, per_block) = matvec_blocks(groups, 1, row_bytes, MATVEC_WARPS);
+        launch!(self, "matvec_int_q6_k", (grid1(groups, per_block), 1, 1),
             32 * MATVEC_WARPS as u32, 0;
             a.w, a.rows as i32, a.k as i32, row_bytes as i64, dp, a.y);
         Ok(())
@@ -1060,6 +1081,8 @@ pub struct MoeRouter {
     pub tokens: usize,
     /// The experts this rank holds (ids count from its start; others get id -1, weight 0).
     pub held: std::ops::Range<usize>,
+    /// Rows of k + 1 choices, the last the shared expert (id MOE_SHARED, weight 1).
+    pub shared: bool,
     /// [T, k] i32 and f32 outputs.
     pub ids: Ptr,
     pub weights: Ptr,
@@ -1082,7 +1105,7 @@ impl Gpu {
         launch!(self, "moe_router", (a.tokens as u32, 1, 1), ROUTER_THREADS, 0;
             a.logits, a.bias, a.n_exp as i32, a.k as i32, a.gating as i32, a.n_group as i32,
             a.group_used as i32, a.norm as i32, a.scale, a.held.start as i32, a.held.end as i32,
-            a.ids, a.weights);
+            a.shared as i32, a.ids, a.weights);
         Ok(())
     }
 
