@@ -606,9 +606,12 @@ struct TcQ4k {
 // Same arguments and addressing as matvec_q4_k; rows 16-byte aligned, k a multiple of 256.
 // w2 (or null): items gridDim.y / 2 .. take their matrices from w2 instead, with ids and x
 // counted from gridDim.y / 2 again (the MoE gate and up products of the same choices in one
-// launch); outputs stay item b at y + b y_stride.
+// launch); outputs stay item b at y + b y_stride. An item whose id is MOE_SHARED reads the
+// matrix at sw instead (sw2 in the second half): the shared expert as one more choice.
+#define MOE_SHARED (-2)
 template <int TC_WARPS>
-__device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, i64 mat_stride,
+__device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, const u8* sw,
+                                                    const u8* sw2, i64 mat_stride,
                                                     const int* ids, int rows, int k,
                                                     i64 row_bytes, const float* x, int x_group,
                                                     i64 x_stride, float* y, i64 y_stride) {
@@ -617,10 +620,15 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, i
     int b = blockIdx.y, bi = b;  // output item, input item
     if (w2 && b >= (int)gridDim.y / 2) {
         w = w2;
+        sw = sw2;
         bi = b - gridDim.y / 2;
     }
     if (ids) pdl_wait();  // the MoE choice comes from the router kernel
     i64 mat = ids ? ids[bi] : bi;
+    if (mat == MOE_SHARED) {
+        w = sw;
+        mat = 0;
+    }
     if (mat < 0) return;  // a MoE choice held by another rank (uniform per block)
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
@@ -681,10 +689,11 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, i
 
 #define DEFINE_MATVEC_TC(kname, warps)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
-        const u8* w, const u8* w2, i64 mat_stride, const int* ids, int rows, int k,            \
-        i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y, i64 y_stride) {    \
-        matvec_tc_q4_k_body<warps>(w, w2, mat_stride, ids, rows, k, row_bytes, x, x_group,     \
-                                   x_stride, y, y_stride);                                     \
+        const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
+        const int* ids, int rows, int k, i64 row_bytes, const float* x, int x_group,           \
+        i64 x_stride, float* y, i64 y_stride) {                                                \
+        matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, rows, k, row_bytes, x,     \
+                                   x_group, x_stride, y, y_stride);                            \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)
