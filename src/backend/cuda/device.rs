@@ -28,6 +28,8 @@ pub struct Gpu {
     pub multiprocessors: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Blocks per SM of (kernel, threads, dynamic shared memory), as the driver computes them.
+    occupancy: Mutex<HashMap<(String, u32, usize), usize>>,
     /// Whether kernels launch with programmatic dependent launch (`launch_raw`): sm_90 and
     /// later, unless MLA_PDL=0 (to measure without it, or to rule it out).
     pub dependent_launch: bool,
@@ -70,6 +72,7 @@ impl Gpu {
             ctx,
             modules: Mutex::default(),
             functions: Mutex::default(),
+            occupancy: Mutex::default(),
             mla_work: Mutex::default(),
         })
     }
@@ -93,6 +96,24 @@ impl Gpu {
             self.module(family)?;
         }
         Ok(())
+    }
+
+    /// How many blocks of `threads` threads and `smem` bytes of dynamic shared memory of `kernel`
+    /// one SM holds at once (registers, shared memory, threads), asked of the driver once.
+    pub fn blocks_per_sm(
+        &self,
+        kernel: &str,
+        threads: u32,
+        smem: usize,
+    ) -> Result<usize, CudaError> {
+        let key = (kernel.to_string(), threads, smem);
+        if let Some(&n) = self.occupancy.lock().unwrap().get(&key) {
+            return Ok(n);
+        }
+        let f = self.function(kernel)?;
+        let n = f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)? as usize;
+        self.occupancy.lock().unwrap().insert(key, n);
+        Ok(n)
     }
 
     /// The kernel named `kernel`, compiling (or loading from the cache) its family on first use.

@@ -186,6 +186,22 @@ fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
 /// tie with the CUDA-core kernel, which needs no digit planes first).
 const INT_Q6_MIN_ROWS: usize = 32768;
 
+/// Tiles per block of matvec_tc8_q4_k for several items with long rows (the MoE gate and up):
+/// 8 (a warp each, all of k) or 4 (two warps each, half of k), whichever leaves less of the
+/// GPU idle in the last wave of blocks, `slots` blocks per wave: a block of 4 tiles takes half
+/// as long. 16 items of 128 tiles (8 experts' gate and up) fill 256 of an H200's 264 slots
+/// with 8; the shared expert as a ninth choice makes 288 blocks, two waves of 8 tiles (59 us,
+/// measured) against three of 4 (half as long each). Ties keep 8, the lab's choice for the
+/// 8 experts.
+fn tc8_tiles_per_block(tiles: usize, items: usize, slots: usize) -> usize {
+    let time = |per_block: usize| (tiles.div_ceil(per_block) * items).div_ceil(slots) * per_block;
+    if time(4) < time(8) {
+        4
+    } else {
+        8
+    }
+}
+
 fn uses_int_q6_k(a: &Matvec) -> bool {
     a.ty == GgmlType::Q6_K
         && !a.transposed
@@ -244,15 +260,24 @@ impl Gpu {
             // products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
             let long_k = a.k >= 4096;
+            let smem = tc_smem_bytes(a.k);
             let (kernel, warps, per_block) = match (a.batch > 1, tiles * a.batch) {
                 _ if a.k > TC_K_MAX => ("matvec_tc8_q4_k", 8, 2),
                 (false, t) if t >= 2048 || !long_k => ("matvec_tc_q4_k", 4, 4),
                 (false, _) => ("matvec_tc_q4_k", 4, 2),
-                (true, t) if t <= 1024 && long_k => ("matvec_tc8_q4_k", 8, 4),
+                (true, _) if long_k => {
+                    let slots = self.multiprocessors
+                        * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1);
+                    (
+                        "matvec_tc8_q4_k",
+                        8,
+                        tc8_tiles_per_block(tiles, a.batch, slots),
+                    )
+                }
                 (true, _) => ("matvec_tc8_q4_k", 8, 8),
             };
             launch!(self, kernel, (grid1(tiles, per_block), a.batch as u32, 1), 32 * warps,
-                tc_smem_bytes(a.k) as u32;
+                smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids, a.rows as i32,
                 a.k as i32,
                 row_bytes.unwrap() as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
@@ -1154,5 +1179,31 @@ impl Gpu {
         launch!(self, "top_p_sample", (1, 1, 1), 1024, 0;
             x, n as i32, temperature, top_p, u, probs, out);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tc8_tiles_per_block;
+
+    #[test]
+    fn tc8_tiles_per_block_fills_the_last_wave() {
+        // An H200: 132 SMs x 2 blocks of matvec_tc8_q4_k.
+        let slots = 264;
+        assert_eq!(
+            tc8_tiles_per_block(128, 8, slots),
+            4,
+            "one set of 8 experts"
+        );
+        assert_eq!(
+            tc8_tiles_per_block(128, 16, slots),
+            8,
+            "gate and up of 8 experts"
+        );
+        assert_eq!(
+            tc8_tiles_per_block(128, 18, slots),
+            4,
+            "gate and up of 9 choices"
+        );
     }
 }
