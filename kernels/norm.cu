@@ -1,7 +1,9 @@
 // Row normalizations. One block per row; x and y may be the same buffer.
 //
 // rmsnorm: y = x / sqrt(mean(x^2) + eps) * w
-// layernorm: y = (x - mean) / sqrt(var + eps) * w + b   (the DSA indexer's key norm)
+// layernorm: y = (x - mean) / sqrt(var + eps) * w + b   (the DSA indexer's key norm), then
+//   with dr > 0 its first dr values rotated as adjacent pairs at position pos0 + row, as
+//   rope_pairs turns them (the indexer's key straight into its cache row)
 // add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm)
 // latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope)
 //
@@ -47,10 +49,9 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x
     rms_store(v, wv, y + blockIdx.x * y_stride, n, eps, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) layernorm(const float* x, i64 x_stride,
-                                                             const float* w, const float* b,
-                                                             float* y, i64 y_stride, int n,
-                                                             float eps) {
+extern "C" __global__ void __launch_bounds__(1024) layernorm(
+    const float* x, i64 x_stride, const float* w, const float* b, float* y, i64 y_stride, int n,
+    float eps, int dr, int pos0, const float* inv_freq, float mscale) {
     pdl_enter();
     __shared__ float scratch[32];
     float* yr = y + blockIdx.x * y_stride;
@@ -75,6 +76,11 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(const float* x, i64
         int i = threadIdx.x + k * blockDim.x;
         if (i < n) yr[i] = (v[k] - mean) * inv * wv[k] + bv[k];
     }
+    if (dr == 0) return;
+    __syncthreads();  // a pair's two values come from different threads
+    float pos = (float)(pos0 + (int)blockIdx.x);
+    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x)
+        rope_pair(yr[2 * i], yr[2 * i + 1], pos, inv_freq[i], mscale, yr + 2 * i);
 }
 
 // The residual add fused with the norm after it, rows of n contiguous values: x += r is

@@ -9,7 +9,8 @@
 
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::ops::{
-    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, KERNEL_TYPES, MOE_SHARED,
+    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, KERNEL_TYPES,
+    MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -957,31 +958,53 @@ fn norms_match() {
     }
     assert_close("rmsnorm", &y, &want, F32_OP);
 
-    let dy = poisoned(&g, rows * n);
-    g.layernorm(
-        g.ptr(&dx, 0),
-        stride,
-        g.ptr(&dw, 0),
-        g.ptr(&db, 0),
-        g.ptr(&dy, 0),
-        n,
-        rows,
-        n,
-        eps,
-    )
-    .unwrap();
-    let y = g.download(&dy).unwrap();
-    let mut want = Vec::new();
-    for r in 0..rows {
-        let xr = &x[r * stride..][..n];
-        let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
-        let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
-        let inv = 1.0 / (var + eps as f64).sqrt();
-        for i in 0..n {
-            want.push((xr[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64);
+    // layernorm, and layernorm with its first 64 outputs roped (the indexer's key into its
+    // cache): rows at positions pos0 + r.
+    let (dims, pos0, mscale) = (64, 3000, 1.2f32);
+    let inv_freq: Vec<f32> = (0..dims / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / dims as f32))
+        .collect();
+    let df = g.upload(&inv_freq).unwrap();
+    for roped in [false, true] {
+        let dy = poisoned(&g, rows * n);
+        let rope = roped.then(|| PairRope {
+            dims,
+            pos0,
+            inv_freq: g.ptr(&df, 0),
+            mscale,
+        });
+        let (x_at, w_at, b_at, y_at) = (g.ptr(&dx, 0), g.ptr(&dw, 0), g.ptr(&db, 0), g.ptr(&dy, 0));
+        g.layernorm(x_at, stride, w_at, b_at, y_at, n, rows, n, eps, rope)
+            .unwrap();
+        let y = g.download(&dy).unwrap();
+        let mut want = Vec::new();
+        for r in 0..rows {
+            let xr = &x[r * stride..][..n];
+            let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+            let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+            let inv = 1.0 / (var + eps as f64).sqrt();
+            let mut row: Vec<f64> = (0..n)
+                .map(|i| (xr[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64)
+                .collect();
+            if roped {
+                for (i, &f) in inv_freq.iter().enumerate() {
+                    // The angle is an f32 product, as in rope_pairs.
+                    let angle = ((pos0 + r) as f32 * f) as f64;
+                    let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
+                    let (a, b) = (row[2 * i], row[2 * i + 1]);
+                    row[2 * i] = a * c - b * s;
+                    row[2 * i + 1] = a * s + b * c;
+                }
+            }
+            want.extend(row);
         }
+        let what = if roped {
+            "layernorm + rope"
+        } else {
+            "layernorm"
+        };
+        assert_close(what, &y, &want, F32_OP);
     }
-    assert_close("layernorm", &y, &want, F32_OP);
 }
 
 /// f64 twin of rmsnorm over one row.
@@ -1115,6 +1138,8 @@ fn rope_rotates_adjacent_pairs_only_in_its_columns() {
         .collect();
     let mscale = 1.15f32;
     let (dx, df) = (g.upload(&x).unwrap(), g.upload(&inv_freq).unwrap());
+    // The rotated columns also into a [tokens, heads * dims] copy (MLA's q_pe).
+    let dc = poisoned(&g, tokens * heads * dims);
     g.rope_pairs(
         g.ptr(&dx, col0),
         heads * head_dim,
@@ -1125,9 +1150,21 @@ fn rope_rotates_adjacent_pairs_only_in_its_columns() {
         pos0,
         g.ptr(&df, 0),
         mscale,
+        (g.ptr(&dc, 0), heads * dims),
     )
     .unwrap();
     let y = g.download(&dx).unwrap();
+    let copy = g.download(&dc).unwrap();
+    for t in 0..tokens {
+        for h in 0..heads {
+            let o = t * heads * head_dim + h * head_dim + col0;
+            assert_eq!(
+                &copy[(t * heads + h) * dims..][..dims],
+                &y[o..o + dims],
+                "rope copy of token {t} head {h}"
+            );
+        }
+    }
     let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     for t in 0..tokens {
         for h in 0..heads {

@@ -153,6 +153,37 @@ pub trait Backend: Send + Sync {
     /// `rope.cos_sin_scale`. The other columns are untouched.
     fn rope(&self, x: &mut Self::Tensor, heads: usize, col0: usize, pos0: usize, rope: &Rope);
 
+    /// `rope` of `x`, also returning the rotated columns `col0..col0 + rope.rot_dims()` of every
+    /// head, [n, heads * rot_dims] (MLA's q_pe); a GPU writes both in one pass.
+    fn rope_columns(
+        &self,
+        x: &mut Self::Tensor,
+        heads: usize,
+        col0: usize,
+        pos0: usize,
+        rope: &Rope,
+    ) -> Self::Tensor {
+        self.rope(x, heads, col0, pos0, rope);
+        self.head_columns(x, heads, col0..col0 + rope.rot_dims())
+    }
+
+    /// The DSA indexer's keys of n positions into its cache: `x_k` [n, d] (indexer.attn_k x)
+    /// -> rows `row0..row0+n` of `keys` [ctx, d], `layer_norm(x_k, w, b, eps)` with the first
+    /// `rope.rot_dims()` columns roped at positions row0... A GPU does it in one pass.
+    fn index_key_append(
+        &self,
+        keys: &mut Self::Tensor,
+        row0: usize,
+        x_k: &Self::Tensor,
+        (w, b): (&Self::Weight, &Self::Weight),
+        eps: f32,
+        rope: &Rope,
+    ) {
+        let mut k = self.layer_norm(x_k, w, b, eps);
+        self.rope(&mut k, 1, 0, row0, rope);
+        self.write_block(keys, row0, 0, &k);
+    }
+
     /// The MLA latent of n positions into its cache: `kv` [n, kv_lora + dr] (the kv_a_mqa
     /// output, dr = `rope.rot_dims()`) -> rows `row0..row0+n` of `cache` [ctx, kv_lora + dr],
     /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`. A GPU does it in one

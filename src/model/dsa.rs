@@ -61,9 +61,8 @@ pub fn select<B: Backend>(
     pos0: usize,
 ) -> Selection {
     let b = &m.backend;
-    let mut k = b.layer_norm(&x_k, &w.k_norm, &w.k_norm_bias, K_NORM_EPS); // [n, d]
-    b.rope(&mut k, 1, 0, pos0, &m.rope);
-    b.write_block(keys, pos0, 0, &k);
+    let norm = (&w.k_norm, &w.k_norm_bias);
+    b.index_key_append(keys, pos0, &x_k, norm, K_NORM_EPS, &m.rope); // [n, d] normed, roped
     if pos0 + b.shape(x).0 <= ix.top_k {
         return Selection::AllCausal;
     }

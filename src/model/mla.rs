@@ -59,8 +59,7 @@ pub fn attention<B: Backend>(
         QueryProj::Direct(_) => (x_q, None),
     };
     taps.tensor(b, || format!("L{il}.q"), &q);
-    b.rope(&mut q, h, dn, pos0, &m.rope);
-    let q_pe = b.head_columns(&q, h, dn..dn + dr); // [n, H*dr]
+    let q_pe = b.rope_columns(&mut q, h, dn, pos0, &m.rope); // [n, H*dr], q's own roped too
     taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
 
     // The latent of these positions, straight into the cache: c_kv [n, kv_lora] normed,

@@ -16,7 +16,7 @@ use cudarc::driver::CudaSlice;
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::ops::{
-    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, KERNEL_TYPES,
+    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, KERNEL_TYPES,
 };
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
@@ -374,10 +374,43 @@ impl Backend for Cuda {
                 x.rows,
                 x.cols,
                 eps,
+                None,
             ),
             "layernorm",
         );
         y
+    }
+
+    fn index_key_append(
+        &self,
+        keys: &mut CudaTensor,
+        row0: usize,
+        x_k: &CudaTensor,
+        (w, b): (&CudaWeight, &CudaWeight),
+        eps: f32,
+        rope: &Rope,
+    ) {
+        let d = keys.cols;
+        assert!(
+            x_k.cols == d && row0 + x_k.rows <= keys.rows,
+            "index_key_append: [{}, {}] into rows {row0}.. of [{}, {d}]",
+            x_k.rows,
+            x_k.cols,
+            keys.rows
+        );
+        let rope = PairRope {
+            dims: rope.rot_dims(),
+            pos0: row0,
+            inv_freq: self.constant(&rope.inv_freq),
+            mscale: rope.cos_sin_scale,
+        };
+        let y = self.p(keys, row0 * d);
+        let (x, rows) = (self.p(x_k, 0), x_k.rows);
+        ok(
+            self.gpu
+                .layernorm(x, d, self.w(w), self.w(b), y, d, rows, d, eps, Some(rope)),
+            "index_key_append",
+        );
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) {
@@ -464,22 +497,21 @@ impl Backend for Cuda {
     }
 
     fn rope(&self, x: &mut CudaTensor, heads: usize, col0: usize, pos0: usize, rope: &Rope) {
-        let head = x.cols / heads;
-        let a = self.p(x, col0);
-        ok(
-            self.gpu.rope_pairs(
-                a,
-                x.cols,
-                head,
-                x.rows,
-                heads,
-                rope.rot_dims(),
-                pos0,
-                self.constant(&rope.inv_freq),
-                rope.cos_sin_scale,
-            ),
-            "rope",
-        );
+        self.rope_into(x, heads, col0, pos0, rope, (0, 0));
+    }
+
+    fn rope_columns(
+        &self,
+        x: &mut CudaTensor,
+        heads: usize,
+        col0: usize,
+        pos0: usize,
+        rope: &Rope,
+    ) -> CudaTensor {
+        let w = heads * rope.rot_dims();
+        let y = self.empty(x.rows, w);
+        self.rope_into(x, heads, col0, pos0, rope, (self.p(&y, 0), w));
+        y
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
@@ -944,6 +976,34 @@ impl Backend for Cuda {
 }
 
 impl Cuda {
+    /// `rope` of x, the rotated values also to `copy` (address, row stride) when not 0.
+    fn rope_into(
+        &self,
+        x: &mut CudaTensor,
+        heads: usize,
+        col0: usize,
+        pos0: usize,
+        rope: &Rope,
+        copy: (DevicePtrRaw, usize),
+    ) {
+        let head = x.cols / heads;
+        ok(
+            self.gpu.rope_pairs(
+                self.p(x, col0),
+                x.cols,
+                head,
+                x.rows,
+                heads,
+                rope.rot_dims(),
+                pos0,
+                self.constant(&rope.inv_freq),
+                rope.cos_sin_scale,
+                copy,
+            ),
+            "rope",
+        );
+    }
+
     /// Whether `linears(x, ws)` runs as one parts launch (`Gpu::matvec_parts`): one token, two
     /// or three matrices of one type and row length that each run on the CUDA-core kernel.
     fn takes_parts(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> bool {

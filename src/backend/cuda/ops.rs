@@ -752,6 +752,9 @@ impl Gpu {
 
     /// y = (x - mean) / sqrt(var + eps) * w + b, row by row.
     #[allow(clippy::too_many_arguments)]
+    /// `rope` (or None): row r's first `dims` outputs then rotated as adjacent pairs at
+    /// position pos0 + r (the DSA indexer's key into its cache row).
+    #[allow(clippy::too_many_arguments)]
     pub fn layernorm(
         &self,
         x: Ptr,
@@ -763,15 +766,28 @@ impl Gpu {
         rows: usize,
         n: usize,
         eps: f32,
+        rope: Option<PairRope>,
     ) -> Result<(), CudaError> {
         let block = norm_block(n, "layernorm")?;
+        let r = rope.unwrap_or(PairRope {
+            dims: 0,
+            pos0: 0,
+            inv_freq: 0,
+            mscale: 1.0,
+        });
+        check(r.dims % 2 == 0 && r.dims <= n, "layernorm", || {
+            format!("rope width {} of rows of {n}", r.dims)
+        })?;
         launch!(self, "layernorm", (rows as u32, 1, 1), block, 0;
-            x, x_stride as i64, w, b, y, y_stride as i64, n as i32, eps);
+            x, x_stride as i64, w, b, y, y_stride as i64, n as i32, eps, r.dims as i32,
+            r.pos0 as i32, r.inv_freq, r.mscale);
         Ok(())
     }
 
     /// Rotates adjacent pairs of the `dims`-wide rope part of each (token, head) row in place:
     /// x + t * tok_stride + h * head_stride, token t at position pos0 + t; inv_freq: [dims / 2].
+    /// `copy` (address, row stride), or (0, 0): the rotated values also to address + t * stride
+    /// + h * dims.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_pairs(
         &self,
@@ -784,6 +800,7 @@ impl Gpu {
         pos0: usize,
         inv_freq: Ptr,
         mscale: f32,
+        copy: (Ptr, usize),
     ) -> Result<(), CudaError> {
         check(dims % 2 == 0 && dims <= 2048, "rope_pairs", || {
             format!("rope width {dims}")
@@ -794,7 +811,7 @@ impl Gpu {
         launch!(self, "rope_pairs", (tokens as u32, grid1(heads, per_block), 1),
             (lanes * per_block) as u32, 0;
             x, tok_stride as i64, head_stride as i64, dims as i32, heads as i32, lanes as i32,
-            pos0 as i32, inv_freq, mscale);
+            pos0 as i32, inv_freq, mscale, copy.0, copy.1 as i64);
         Ok(())
     }
 
@@ -1088,6 +1105,16 @@ impl Gpu {
 
 /// ROUTER_THREADS of kernels/moe.cu: one block per token.
 const ROUTER_THREADS: u32 = 256;
+
+/// Adjacent-pair rotary embedding of a `dims`-wide part of each row, row r at position pos0 + r:
+/// inv_freq [dims / 2] on the device, cos and sin scaled by `mscale` (kernels/rope.cu).
+#[derive(Clone, Copy)]
+pub struct PairRope {
+    pub dims: usize,
+    pub pos0: usize,
+    pub inv_freq: Ptr,
+    pub mscale: f32,
+}
 
 /// The MoE router's choice for T tokens (see kernels/moe.cu).
 pub struct MoeRouter {
