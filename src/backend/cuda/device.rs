@@ -223,7 +223,7 @@ pub(crate) use launch;
 impl Gpu {
     /// Queues `f` with `params` (pointers to each argument's value) on the stream; `dependent`:
     /// with programmatic dependent launch allowed (kernels/common.cuh, pdl_enter), so that its
-    /// blocks are on the SMs when the kernel before it ends: decode is a chain of ~90 short
+    /// blocks are on the SMs when the kernel before it ends: decode is a chain of ~80 short
     /// kernels whose launch gaps were a tenth of its time (docs/performance.md).
     ///
     /// # Safety
