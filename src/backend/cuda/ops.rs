@@ -23,6 +23,17 @@ fn typed_kernel(prefix: &str, ty: GgmlType) -> Result<String, CudaError> {
     Ok(format!("{prefix}_{}", ty.name().to_lowercase()))
 }
 
+/// `typed_kernel` and the bytes of one row of `k` values, which must be a whole number of the
+/// type's blocks (and of 8: the kernels' unit walk).
+fn typed_rows(prefix: &str, ty: GgmlType, k: usize) -> Result<(String, usize), CudaError> {
+    let kernel = typed_kernel(prefix, ty)?;
+    let row_bytes = ty.row_bytes(k).filter(|_| k % 8 == 0);
+    check(row_bytes.is_some(), prefix, || {
+        format!("rows of {k} values are not a whole number of {ty} blocks")
+    })?;
+    Ok((kernel, row_bytes.unwrap()))
+}
+
 fn grid1(n: usize, per_block: usize) -> u32 {
     n.div_ceil(per_block) as u32
 }
@@ -234,11 +245,8 @@ impl Gpu {
     }
 
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
-        let kernel = typed_kernel(if a.transposed { "matvec_t" } else { "matvec" }, a.ty)?;
-        let row_bytes = a.ty.row_bytes(a.k);
-        check(row_bytes.is_some() && a.k % 8 == 0, "matvec", || {
-            format!("k = {} is not a whole number of {} blocks", a.k, a.ty)
-        })?;
+        let prefix = if a.transposed { "matvec_t" } else { "matvec" };
+        let (kernel, row_bytes) = typed_rows(prefix, a.ty, a.k)?;
         check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matvec", || {
             "x rows must be 16-byte aligned".into()
         })?;
@@ -251,7 +259,7 @@ impl Gpu {
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
         })?;
-        if uses_tensor_cores(a, row_bytes.unwrap()) {
+        if uses_tensor_cores(a, row_bytes) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
             // each, all of k) on large grids or short rows, else 2 (two warps each, half of k).
             // Several items (the MoE experts): blocks of 8 warps, 8 tiles, or 4 where k is long
@@ -280,14 +288,14 @@ impl Gpu {
                 smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids, a.rows as i32,
                 a.k as i32,
-                row_bytes.unwrap() as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
+                row_bytes as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
                 a.y_stride as i64);
             return Ok(());
         }
         if uses_int_q6_k(a) {
-            return self.matvec_int_q6_k(a, row_bytes.unwrap());
+            return self.matvec_int_q6_k(a, row_bytes);
         }
-        let rb = row_bytes.unwrap() as i64;
+        let rb = row_bytes as i64;
         if a.transposed {
             // One thread per 8 columns.
             launch!(self, kernel, (grid1(a.k / 8, 128), a.batch as u32, 1), 128, 0;
@@ -318,17 +326,12 @@ impl Gpu {
         x: Ptr,
         parts: &[MatvecPart],
     ) -> Result<(), CudaError> {
-        let kernel = typed_kernel("matvec", ty)?;
-        let row_bytes = ty.row_bytes(k);
-        check(row_bytes.is_some() && k % 8 == 0, "matvec_parts", || {
-            format!("k = {k} is not a whole number of {ty} blocks")
-        })?;
+        let (kernel, rb) = typed_rows("matvec", ty, k)?;
         check(
             (2..=3).contains(&parts.len()) && x % 16 == 0,
             "matvec_parts",
             || format!("{} parts (2 or 3), x 16-byte aligned", parts.len()),
         )?;
-        let rb = row_bytes.unwrap();
         let part = |i: usize| {
             parts.get(i).copied().unwrap_or(MatvecPart {
                 w: 0,
@@ -380,13 +383,9 @@ impl Gpu {
         tokens: usize,
         y: Ptr,
     ) -> Result<(), CudaError> {
-        let kernel = typed_kernel("embed", ty)?;
-        let row_bytes = ty.row_bytes(n);
-        check(row_bytes.is_some() && n % 8 == 0, "embed", || {
-            format!("row of {n} {ty} values")
-        })?;
+        let (kernel, row_bytes) = typed_rows("embed", ty, n)?;
         launch!(self, kernel, (tokens as u32, 1, 1), 128, 0;
-            w, row_bytes.unwrap() as i64, ids, n as i32, y);
+            w, row_bytes as i64, ids, n as i32, y);
         Ok(())
     }
 }
