@@ -12,6 +12,10 @@ typedef unsigned long long u64;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// The id of the shared expert among a token's MoE choices: moe_router writes it, the
+// tensor-core matvec reads that item's matrix from the shared expert's tensor.
+#define MOE_SHARED (-2)
+
 // Programmatic dependent launch (sm_90 and later; device.rs launches every kernel with it
 // there): a kernel may start while the one before it in the stream still runs, so each kernel
 // calls pdl_wait() before it touches memory an earlier kernel writes or reads (only constant

@@ -608,7 +608,6 @@ struct TcQ4k {
 // counted from gridDim.y / 2 again (the MoE gate and up products of the same choices in one
 // launch); outputs stay item b at y + b y_stride. An item whose id is MOE_SHARED reads the
 // matrix at sw instead (sw2 in the second half): the shared expert as one more choice.
-#define MOE_SHARED (-2)
 template <int TC_WARPS>
 __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, const u8* sw,
                                                     const u8* sw2, i64 mat_stride,

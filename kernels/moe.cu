@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_router(
             ids[(i64)t * row + tid] = held ? e - held_lo : -1;
             weights[(i64)t * row + tid] = held ? (norm ? wj / wsum : wj) * scale : 0.0f;
         } else if (tid == k && shared) {
-            ids[(i64)t * row + k] = -2;  // MOE_SHARED
+            ids[(i64)t * row + k] = MOE_SHARED;
             weights[(i64)t * row + k] = 1.0f;
         }
     }

@@ -849,30 +849,10 @@ impl Backend for Cuda {
                 )
             };
             let tok = self.gpu.ptr(&dtok, 0);
-            ok(
-                self.gpu.matmul(&grouped(
-                    gate,
-                    gate_bytes,
-                    f,
-                    e,
-                    (self.p(x, 0), e, n),
-                    tok,
-                    &g_out,
-                )),
-                "moe gate",
-            );
-            ok(
-                self.gpu.matmul(&grouped(
-                    up,
-                    gate_bytes,
-                    f,
-                    e,
-                    (self.p(x, 0), e, n),
-                    tok,
-                    &u_out,
-                )),
-                "moe up",
-            );
+            for (w, out, what) in [(gate, &g_out, "moe gate"), (up, &u_out, "moe up")] {
+                let a = grouped(w, gate_bytes, f, e, (self.p(x, 0), e, n), tok, out);
+                ok(self.gpu.matmul(&a), what);
+            }
             ok(
                 self.gpu.silu_mul(
                     self.p(&g_out, 0),
@@ -1094,14 +1074,12 @@ impl Cuda {
         y
     }
 
-    /// Decode-sized MoE: row t * k + j of `d_out` [n * k, E] = expert ids[t * k + j] applied to
-    /// token t, as batched matrix-vector products (gate and up, silu, down). An id of -1 (a
-    /// choice another rank holds) leaves its rows unwritten: the matvec skips such items.
-    #[allow(clippy::too_many_arguments)]
-    /// The decode products of the experts of `k` choices per token (`ids` [n, k] on the device,
-    /// MOE_SHARED for the shared expert where `shared` is given) into `d_out` [n * k, E]. Gate
-    /// and up run as one launch where the kernel takes the pair (measured on an H200: GLM-5
-    /// experts 2 x 23.7 -> 39.2 us), else one after the other.
+    /// Decode-sized MoE: row t * k + j of `d_out` [n * k, E] = expert ids[t * k + j] (on the
+    /// device; MOE_SHARED: the shared expert, where `shared` is given) applied to token t, as
+    /// batched matrix-vector products (gate and up, silu, down). An id of -1 (a choice another
+    /// rank holds) leaves its rows unwritten: the matvec skips such items. Gate and up run as
+    /// one launch where the kernel takes the pair (measured on an H200: GLM-5 experts 2 x 23.7
+    /// -> 39.2 us), else one after the other.
     fn experts_per_choice(
         &self,
         x: &CudaTensor,
@@ -1115,43 +1093,38 @@ impl Cuda {
         let f = gate.dim(1);
         // Gate outputs in rows 0 .. rows, up outputs after them.
         let gu_out = self.empty(2 * rows, f);
-        let (gate_item, both, down_item) =
-            self.expert_items(x, (gate, up, down), shared, self.gpu.ptr(ids, 0), k);
-        let gate_item = Matvec {
-            y: self.p(&gu_out, 0),
-            ..gate_item
-        };
+        let g_out = self.p(&gu_out, 0);
+        let (gate_item, both, down_item) = self.expert_items(
+            x,
+            (gate, up, down),
+            shared,
+            self.gpu.ptr(ids, 0),
+            k,
+            (g_out, self.p(d_out, 0)),
+        );
         if gate.ty == up.ty && self.gpu.takes_pair(&both) {
-            let both = Matvec {
-                y: self.p(&gu_out, 0),
-                ..both
-            };
             ok(self.gpu.matvec(&both), "moe gate and up");
         } else {
             ok(self.gpu.matvec(&gate_item), "moe gate");
             let up_item = Matvec {
                 w: self.w(up),
                 y: self.p(&gu_out, rows * f),
+                shared: (both.shared.1, 0),
                 ..gate_item
             };
             ok(self.gpu.matvec(&up_item), "moe up");
         }
-        let g_out = self.p(&gu_out, 0);
         ok(
             self.gpu
                 .silu_mul(g_out, self.p(&gu_out, rows * f), g_out, rows * f),
             "moe silu",
         );
-        let down_item = Matvec {
-            x: g_out,
-            y: self.p(d_out, 0),
-            ..down_item
-        };
         ok(self.gpu.matvec(&down_item), "moe down");
     }
 
-    /// The launches of `experts_per_choice` for `k` choices per token (outputs and the down
-    /// product's input left 0): the gate experts, gate and up as a pair, the down experts.
+    /// The launches of `experts_per_choice` for `k` choices per token: the gate experts, gate
+    /// and up as a pair (both into `gu_out`, gate's rows first), the down experts (from
+    /// `gu_out`'s gate rows into `d_out`).
     fn expert_items(
         &self,
         x: &CudaTensor,
@@ -1159,29 +1132,31 @@ impl Cuda {
         shared: Option<&DenseFfn<CudaWeight>>,
         ids: DevicePtrRaw,
         k: usize,
+        (gu_out, d_out): (DevicePtrRaw, DevicePtrRaw),
     ) -> (Matvec, Matvec, Matvec) {
         let (e, f, rows) = (x.cols, gate.dim(1), x.rows * k);
         let sw = |w: fn(&DenseFfn<CudaWeight>) -> &CudaWeight| shared.map_or(0, |s| self.w(w(s)));
-        let item = |w: &CudaWeight, (rows_w, k_w): (usize, usize), x, x_group, x_stride| Matvec {
-            ty: w.ty,
-            w: self.w(w),
-            mat_stride: rows_w * w.row_bytes(),
-            ids,
-            rows: rows_w,
-            k: k_w,
-            x,
-            x_group,
-            x_stride,
-            y: 0,
-            y_stride: rows_w,
-            batch: rows,
-            transposed: false,
-            pair: 0,
-            shared: (0, 0),
-        };
+        let item =
+            |w: &CudaWeight, (rows_w, k_w): (usize, usize), x, x_group, x_stride, y| Matvec {
+                ty: w.ty,
+                w: self.w(w),
+                mat_stride: rows_w * w.row_bytes(),
+                ids,
+                rows: rows_w,
+                k: k_w,
+                x,
+                x_group,
+                x_stride,
+                y,
+                y_stride: rows_w,
+                batch: rows,
+                transposed: false,
+                pair: 0,
+                shared: (0, 0),
+            };
         let gate_item = Matvec {
             shared: (sw(|s| &s.gate), 0),
-            ..item(gate, (f, e), self.p(x, 0), k, e)
+            ..item(gate, (f, e), self.p(x, 0), k, e, gu_out)
         };
         let both = Matvec {
             pair: self.w(up),
@@ -1191,7 +1166,7 @@ impl Cuda {
         };
         let down_item = Matvec {
             shared: (sw(|s| &s.down), 0),
-            ..item(down, (e, f), 0, 1, f)
+            ..item(down, (e, f), gu_out, 1, f, d_out)
         };
         (gate_item, both, down_item)
     }
@@ -1213,8 +1188,8 @@ impl Cuda {
         if !(like(&s.gate, gate) && like(&s.up, up) && like(&s.down, down) && gate.ty == up.ty) {
             return false;
         }
-        // Any nonzero id address: the kernel choice only asks whether there are ids.
-        let (_, both, down_item) = self.expert_items(x, experts, Some(s), 1, k);
+        // Any nonzero id address, no outputs: the kernel choice only asks whether there are ids.
+        let (_, both, down_item) = self.expert_items(x, experts, Some(s), 1, k, (0, 0));
         self.gpu.takes_pair(&both)
             && self.gpu.takes_shared(&both)
             && self.gpu.takes_shared(&down_item)

@@ -227,21 +227,21 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
     4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
 }
 
+/// `uses_tensor_cores` for a type and row length the kernels read.
+fn on_tensor_cores(a: &Matvec) -> bool {
+    a.ty.row_bytes(a.k)
+        .is_some_and(|rb| uses_tensor_cores(a, rb))
+}
+
 impl Gpu {
     /// Whether `matvec` takes `a` with a `pair` (the tensor-core kernels, an even batch).
     pub fn takes_pair(&self, a: &Matvec) -> bool {
-        a.batch % 2 == 0
-            && a.ty
-                .row_bytes(a.k)
-                .is_some_and(|rb| uses_tensor_cores(a, rb))
+        a.batch % 2 == 0 && on_tensor_cores(a)
     }
 
     /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
     pub fn takes_shared(&self, a: &Matvec) -> bool {
-        a.ids != 0
-            && a.ty
-                .row_bytes(a.k)
-                .is_some_and(|rb| uses_tensor_cores(a, rb))
+        a.ids != 0 && on_tensor_cores(a)
     }
 
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
@@ -312,8 +312,8 @@ impl Gpu {
 
     /// Whether `a` runs on the CUDA-core matvec kernel, the one `matvec_parts` launches.
     pub fn on_cuda_cores(&self, a: &Matvec) -> bool {
-        let rb = a.ty.row_bytes(a.k);
-        !a.transposed && !uses_int_q6_k(a) && rb.is_some_and(|rb| !uses_tensor_cores(a, rb))
+        let readable = a.ty.row_bytes(a.k).is_some();
+        readable && !a.transposed && !uses_int_q6_k(a) && !on_tensor_cores(a)
     }
 
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
@@ -749,10 +749,9 @@ impl Gpu {
         Ok(())
     }
 
-    /// y = (x - mean) / sqrt(var + eps) * w + b, row by row.
-    #[allow(clippy::too_many_arguments)]
-    /// `rope` (or None): row r's first `dims` outputs then rotated as adjacent pairs at
-    /// position pos0 + r (the DSA indexer's key into its cache row).
+    /// y = (x - mean) / sqrt(var + eps) * w + b, row by row; `rope` (or None): row r's first
+    /// `dims` outputs then rotated as adjacent pairs at position pos0 + r (the DSA indexer's key
+    /// into its cache row).
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm(
         &self,
