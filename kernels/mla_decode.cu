@@ -21,6 +21,9 @@
 // product, near f32 (plain bf16: ~2^-9): scores are off by ~1e-6 relative, the output's nmse
 // against an f64 twin is ~1e-11 (3xTF32 would be closer to f32 at twice the tensor work).
 //
+// The softmax runs in base 2 on ex2.approx (scores scaled by log2 e; relative error ~2^-22);
+// the partial maxima m are stored back in natural units for the combine.
+//
 // Grid (ceil(H / MLA_HB), n_splits, T), block MLA_THREADS = 8 warps, dynamic shared memory
 // mla_decode_smem_bytes() (kernels.rs). A block holds MLA_HB = 32 heads as two m16 tiles; warp
 // w works on head tile w / 4 and on quarter c = w % 4 of the dims:
@@ -36,7 +39,8 @@
 // every thread holds its share of tile i + 1 in registers (one key, 9 float4), and stores it
 // split after the tile. Two barriers per tile; the second (__syncthreads_or) also tells
 // whether the next tile has any visible key, so DSA padding tiles cost no math. Invalid keys
-// (past the split, -1 ids, positions after the query) are zero rows scored -inf.
+// (past the split, -1 ids, positions after the query) are zero rows scored -inf. A row of the
+// full shape (DeepSeek-V3, GLM-5: dl 512, dr 64) is fetched by 9 unconditional 16-byte loads.
 // dl % 32 == 0, dl <= 512, dr <= 64.
 
 #define MLA_HB 32
@@ -49,6 +53,15 @@
 #define MLA_STAGEB (2 * MLA_TILEB)                      // hi tile, then lo tile
 #define MLA_XS_FLOATS (MLA_HB / 16 * 4 * 16 * MLA_BK)   // partial scores of the 8 warps
 #define MLA_MAX_SPLITS 1024                             // split weights mla_decode_combine holds
+#define MLA_COMBINE_THREADS 512
+#define MLA_LOG2E 1.4426950408889634f
+#define MLA_LN2 0.6931471805599453f
+
+__device__ __forceinline__ float mla_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ void mla_split2(float x0, float x1, u32& hi, u32& lo) {
     hi = pack_bf16x2(x0, x1);
@@ -100,6 +113,13 @@ __device__ __forceinline__ float4 mla_ld4(const float* p, int n, bool vec) {
 __device__ __forceinline__ void mla_fetch(float4 (&pf)[9], const float* cache, int s, int dk,
                                           int dl, int dr, int sub, bool vec) {
     const float* row = cache + (i64)max(s, 0) * dk;
+    if (vec && dl == MLA_DL_MAX && dr == MLA_DR_MAX) {  // no per-piece bounds
+#pragma unroll
+        for (int k = 0; k < 9; k++)
+            pf[k] = s >= 0 ? __ldg((const float4*)row + sub + 16 * k)
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        return;
+    }
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         int d = 4 * (sub + 16 * k);
@@ -153,6 +173,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
     const int j_begin = split * keys_per_split;
     const int j_end = min(n_keys, j_begin + keys_per_split);
     const int n_tiles = j_end > j_begin ? (j_end - j_begin + MLA_BK - 1) / MLA_BK : 0;
+    const float scale2 = scale * MLA_LOG2E;
 
     // Q fragments (A, m16k16) of the 9 k steps, hi and lo: k step ks < 8 covers latent dims
     // 128c + 16ks, ks = 8 rope dims 16c.
@@ -212,13 +233,13 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
             const u32 khi = sbase + cur * MLA_STAGEB, klo = khi + MLA_TILEB;
             float4* xw = xs + (ht * 4) * 2 * 32 + lane;  // this tile's partials, this lane
             if (active) {
-                // Partial scores over this warp's dims; hi*hi apart from the cross terms
-                // (more independent mma chains).
-                float shh[2][4], sx[2][4];
+                // Partial scores over this warp's dims; the three products in separate sums
+                // (independent mma chains).
+                float shh[2][4], shl[2][4], slh[2][4];
 #pragma unroll
                 for (int n = 0; n < 2; n++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) shh[n][e] = sx[n][e] = 0.0f;
+                    for (int e = 0; e < 4; e++) shh[n][e] = shl[n][e] = slh[n][e] = 0.0f;
 #pragma unroll
                 for (int ks = 0; ks < 9; ks++) {
                     int d0 = ks < 8 ? 128 * c + 16 * ks : MLA_DL_MAX + 16 * c;
@@ -227,16 +248,18 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
                     mla_ldsm(bl, klo + qk_off + 2 * d0);
 #pragma unroll
                     for (int n = 0; n < 2; n++) {
-                        mla_mma(sx[n], qh[ks], bl[2 * n], bl[2 * n + 1]);
-                        mla_mma(sx[n], qlo[ks], bh[2 * n], bh[2 * n + 1]);
+                        mla_mma(shl[n], qh[ks], bl[2 * n], bl[2 * n + 1]);
+                        mla_mma(slh[n], qlo[ks], bh[2 * n], bh[2 * n + 1]);
                         mla_mma(shh[n], qh[ks], bh[2 * n], bh[2 * n + 1]);
                     }
                 }
 #pragma unroll
                 for (int n = 0; n < 2; n++)
                     xw[(c * 2 + n) * 32] =
-                        make_float4(shh[n][0] + sx[n][0], shh[n][1] + sx[n][1],
-                                    shh[n][2] + sx[n][2], shh[n][3] + sx[n][3]);
+                        make_float4(shh[n][0] + (shl[n][0] + slh[n][0]),
+                                    shh[n][1] + (shl[n][1] + slh[n][1]),
+                                    shh[n][2] + (shl[n][2] + slh[n][2]),
+                                    shh[n][3] + (shl[n][3] + slh[n][3]));
             }
             __syncthreads();
             if (active) {
@@ -253,10 +276,10 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
                     }
                     const int* vf = vflag + cur * MLA_BK + 8 * n + 2 * tig;
                     bool v0 = vf[0], v1 = vf[1];
-                    sc[n][0] = v0 ? a.x * scale : NEG_INF;
-                    sc[n][1] = v1 ? a.y * scale : NEG_INF;
-                    sc[n][2] = v0 ? a.z * scale : NEG_INF;
-                    sc[n][3] = v1 ? a.w * scale : NEG_INF;
+                    sc[n][0] = v0 ? a.x * scale2 : NEG_INF;
+                    sc[n][1] = v1 ? a.y * scale2 : NEG_INF;
+                    sc[n][2] = v0 ? a.z * scale2 : NEG_INF;
+                    sc[n][3] = v1 ? a.w * scale2 : NEG_INF;
                 }
                 // Online softmax per row (a row lives in the 4 lanes of a quad).
 #pragma unroll
@@ -266,14 +289,14 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                     float mn = fmaxf(m[r], mx);
-                    float alpha = (mn == NEG_INF || m[r] == mn) ? 1.0f : expf(m[r] - mn);
+                    float alpha = (mn == NEG_INF || m[r] == mn) ? 1.0f : mla_ex2(m[r] - mn);
                     float base = mn == NEG_INF ? 0.0f : mn;
                     float sum = 0.0f;
 #pragma unroll
                     for (int n = 0; n < 2; n++)
 #pragma unroll
                         for (int e = 2 * r; e < 2 * r + 2; e++) {
-                            sc[n][e] = expf(sc[n][e] - base);  // -inf -> 0
+                            sc[n][e] = mla_ex2(sc[n][e] - base);  // -inf -> 0
                             sum += sc[n][e];
                         }
                     m[r] = mn;
@@ -329,24 +352,28 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
             if (d < dl) *(float2*)(part_acc + base * dl + d) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
         }
         if (c == 0 && tig == 0) {
-            part_ml[base * 2] = m[r];
+            part_ml[base * 2] = m[r] * MLA_LN2;
             part_ml[base * 2 + 1] = l[r];
         }
     }
 }
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
-// grid (H, T), block 128; out row t starts at out + t * out_tok, head h at h * dl (both
-// 16-byte aligned: dl % 4 == 0, out_tok % 4 == 0). The block computes the split weights
-// exp(m_s - M) once into shared memory (n_splits <= MLA_MAX_SPLITS), then every thread sums
-// four dims of the partials per step (float4 reads), skipping splits of weight 0 (no visible
-// key; block-uniform).
-extern "C" __global__ void __launch_bounds__(128) mla_decode_combine(
+// grid (H, T, C), block MLA_COMBINE_THREADS; out row t starts at out + t * out_tok, head h at
+// h * dl (both 16-byte aligned: dl % 4 == 0, out_tok % 4 == 0). Block z takes chunk z of the
+// C (a power of two, dividing dl / 32) chunks of dims, so that few heads still fill the GPU.
+// The block computes the split weights exp(m_s - M) once into shared memory (n_splits <=
+// MLA_MAX_SPLITS). Thread tid sums float4 column tid % cols of its chunk (cols = dl / 4 / C)
+// over the splits of its group g = tid / cols: g, g + G, ... (G groups), four splits' loads
+// in flight per step; the groups' sums meet in shared memory, added in group order. A split
+// without a visible key has weight 0 and zero partials.
+extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_decode_combine(
     const float* part_acc, const float* part_ml, int n_splits, int n_heads, int dl, float* out,
     i64 out_tok) {
     pdl_enter();
     __shared__ float w[MLA_MAX_SPLITS];
     __shared__ float red[32];
+    __shared__ float4 sums[MLA_COMBINE_THREADS];
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
     const i64 first = (i64)t * n_splits * n_heads + h;  // (split 0, head h) of token t
     const float* ml = part_ml + first * 2;
@@ -361,18 +388,37 @@ extern "C" __global__ void __launch_bounds__(128) mla_decode_combine(
         den += e * ml[(i64)s * n_heads * 2 + 1];
     }
     den = block_sum(den, red);  // ends with a barrier: w is visible
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    const float4* acc = (const float4*)(part_acc + first * dl);
-    const i64 step = (i64)n_heads * dl / 4;  // float4s from one split to the next
-    for (int d4 = tid; d4 < dl / 4; d4 += blockDim.x) {
-        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int s = 0; s < n_splits; s++) {
+    const int cols = dl / 4 / gridDim.z, groups = blockDim.x / cols, g = tid / cols;
+    const int col = blockIdx.z * cols + tid % cols;  // float4 column of the head's row
+    const i64 step = (i64)n_heads * dl / 4;          // float4s from one split to the next
+    const float4* acc = (const float4*)(part_acc + first * dl) + col;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (g < groups) {
+        int s = g;
+        for (; s + 3 * groups < n_splits; s += 4 * groups) {
+            float4 a[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) a[u] = __ldg(acc + (s + u * groups) * step);
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                float e = w[s + u * groups];
+                sum.x += e * a[u].x, sum.y += e * a[u].y, sum.z += e * a[u].z, sum.w += e * a[u].w;
+            }
+        }
+        for (; s < n_splits; s += groups) {
+            float4 a = __ldg(acc + s * step);
             float e = w[s];
-            if (e == 0.0f) continue;  // block-uniform
-            float4 a = __ldg(acc + s * step + d4);
             sum.x += e * a.x, sum.y += e * a.y, sum.z += e * a.z, sum.w += e * a.w;
         }
-        *(float4*)(out + t * out_tok + (i64)h * dl + 4 * d4) =
-            make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
     }
+    sums[tid] = sum;
+    __syncthreads();
+    if (tid >= cols) return;
+    for (int gg = 1; gg < groups; gg++) {
+        float4 b = sums[tid + gg * cols];
+        sum.x += b.x, sum.y += b.y, sum.z += b.z, sum.w += b.w;
+    }
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    *(float4*)(out + t * out_tok + (i64)h * dl + 4 * col) =
+        make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
 }

@@ -1361,7 +1361,14 @@ fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
 fn mla_decode_split_over_sequence_matches() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("mla_decode");
-    let (dl, dr, heads, tokens, pos0) = (512, 64, 20, 3, 2200);
+    // DeepSeek-V3's and GLM-5's latent (the kernel's unconditional row fetch) and a smaller one.
+    for (dl, dr) in [(512, 64), (128, 32)] {
+        mla_decode_case(&g, &mut rng, dl, dr);
+    }
+}
+
+fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize) {
+    let (heads, tokens, pos0) = (20, 3, 2200);
     let s_len = pos0 + tokens;
     let q_lat = rng.normals(tokens * heads * dl);
     let q_pe = rng.normals(tokens * heads * dr);
@@ -1374,7 +1381,7 @@ fn mla_decode_split_over_sequence_matches() {
     );
     for dsa in [false, true] {
         let n_ids = 300;
-        let keep = random_keep(&mut rng, tokens, pos0, n_ids);
+        let keep = random_keep(rng, tokens, pos0, n_ids);
         let dk = g.upload(&keep).unwrap();
         let mut want = Vec::new();
         for t in 0..tokens {
@@ -1433,17 +1440,17 @@ fn mla_decode_split_over_sequence_matches() {
                 None => g.mla_decode_splits(n_keys, heads),
             };
             let what = format!(
-                "mla_decode {splits} splits of {per}{}",
+                "mla_decode dl {dl} dr {dr}: {splits} splits of {per}{}",
                 if dsa { " dsa" } else { "" }
             );
-            let dout = poisoned(&g, tokens * heads * dl);
+            let dout = poisoned(g, tokens * heads * dl);
             g.mla_decode_with(&a(g.ptr(&dout, 0)), per).unwrap();
             let got = g.download(&dout).unwrap();
             assert_close(&what, &got, &want, 1e-9);
         }
         if !dsa {
             // More splits than the combine holds (2203) is an error, not a wrong answer.
-            let dout = poisoned(&g, tokens * heads * dl);
+            let dout = poisoned(g, tokens * heads * dl);
             assert!(g.mla_decode_with(&a(g.ptr(&dout, 0)), 1).is_err());
         }
     }

@@ -89,6 +89,8 @@ pub const MLA_BK: usize = 16;
 pub const MLA_THREADS: u32 = 256;
 /// Most sequence splits mla_decode_combine merges (its shared split weights).
 pub const MLA_MAX_SPLITS: usize = 1024;
+/// Threads of mla_decode_combine (groups of dl / 4 threads sum every group-th split).
+pub const MLA_COMBINE_THREADS: u32 = 512;
 
 /// Dynamic shared memory of mla_decode_split: two stages of a hi and a lo bf16 key tile
 /// (MLA_BK rows of MLA_DL_MAX + MLA_DR_MAX dims, padded by 8), the partial scores of the 8

@@ -935,7 +935,9 @@ pub struct MlaDecode {
     pub out_tok: usize,
 }
 
-use super::kernels::{mla_decode_smem_bytes, MLA_BK, MLA_HB, MLA_MAX_SPLITS, MLA_THREADS};
+use super::kernels::{
+    mla_decode_smem_bytes, MLA_BK, MLA_COMBINE_THREADS, MLA_HB, MLA_MAX_SPLITS, MLA_THREADS,
+};
 
 /// The MLA decode pair takes programmatic dependent launch up to this many split blocks (a
 /// short context: 2-8 blocks at DeepSeek-V3 / GLM-5 widths), where blocks waiting early on the
@@ -1046,8 +1048,13 @@ impl Gpu {
             mla_decode_smem_bytes() as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
             a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
-        launch!(@dependent pdl, self, "mla_decode_combine", (a.heads as u32, a.tokens as u32, 1),
-            128, 0;
+        // Chunks of dims (dividing dl / 32) until the combine has a block per multiprocessor.
+        let chunks = [1, 2, 4, 8]
+            .into_iter()
+            .find(|c| a.heads * a.tokens * c >= self.multiprocessors)
+            .unwrap_or(8) as u32;
+        launch!(@dependent pdl, self, "mla_decode_combine",
+            (a.heads as u32, a.tokens as u32, chunks), MLA_COMBINE_THREADS, 0;
             pa, pm, splits as i32, a.heads as i32, a.dl as i32, a.out, a.out_tok as i64);
         Ok(())
     }
