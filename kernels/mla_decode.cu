@@ -359,7 +359,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
 }
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
-// grid (H, T, C), block MLA_COMBINE_THREADS; out row t starts at out + t * out_tok, head h at
+// grid (H, T, C), block of at most MLA_COMBINE_THREADS (ops.rs, mla_combine_shape); out row t starts at out + t * out_tok, head h at
 // h * dl (both 16-byte aligned: dl % 4 == 0, out_tok % 4 == 0). Block z takes chunk z of the
 // C (a power of two, dividing dl / 32) chunks of dims, so that few heads still fill the GPU.
 // The block computes the split weights exp(m_s - M) once into shared memory (n_splits <=

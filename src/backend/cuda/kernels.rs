@@ -89,7 +89,7 @@ pub const MLA_BK: usize = 16;
 pub const MLA_THREADS: u32 = 256;
 /// Most sequence splits mla_decode_combine merges (its shared split weights).
 pub const MLA_MAX_SPLITS: usize = 1024;
-/// Threads of mla_decode_combine (groups of dl / 4 threads sum every group-th split).
+/// Most threads of mla_decode_combine (groups of threads sum every group-th split).
 pub const MLA_COMBINE_THREADS: u32 = 512;
 
 /// Dynamic shared memory of mla_decode_split: two stages of a hi and a lo bf16 key tile

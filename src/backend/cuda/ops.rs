@@ -227,6 +227,24 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
     4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
 }
 
+/// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
+/// or 8; they divide dl / 32) until there is a block per multiprocessor, and as many groups of
+/// threads summing the splits as there are splits (a power of two, at most
+/// MLA_COMBINE_THREADS threads, at least a warp). Few splits (a short context) then keep
+/// small blocks, whose two block reductions of the split weights cost least.
+fn mla_combine_shape(multiprocessors: usize, a: &MlaDecode, splits: usize) -> (u32, u32) {
+    let chunks = [1, 2, 4, 8]
+        .into_iter()
+        .find(|c| a.heads * a.tokens * c >= multiprocessors)
+        .unwrap_or(8);
+    let cols = a.dl / 4 / chunks;
+    let groups = splits
+        .next_power_of_two()
+        .min(MLA_COMBINE_THREADS as usize / cols)
+        .max(32usize.div_ceil(cols));
+    (chunks as u32, (cols * groups).next_multiple_of(32) as u32)
+}
+
 /// `uses_tensor_cores` for a type and row length the kernels read.
 fn on_tensor_cores(a: &Matvec) -> bool {
     a.ty.row_bytes(a.k)
@@ -1048,13 +1066,9 @@ impl Gpu {
             mla_decode_smem_bytes() as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
             a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
-        // Chunks of dims (dividing dl / 32) until the combine has a block per multiprocessor.
-        let chunks = [1, 2, 4, 8]
-            .into_iter()
-            .find(|c| a.heads * a.tokens * c >= self.multiprocessors)
-            .unwrap_or(8) as u32;
+        let (chunks, threads) = mla_combine_shape(self.multiprocessors, a, splits);
         launch!(@dependent pdl, self, "mla_decode_combine",
-            (a.heads as u32, a.tokens as u32, chunks), MLA_COMBINE_THREADS, 0;
+            (a.heads as u32, a.tokens as u32, chunks), threads, 0;
             pa, pm, splits as i32, a.heads as i32, a.dl as i32, a.out, a.out_tok as i64);
         Ok(())
     }
