@@ -10,7 +10,7 @@
 // -1 entries, and entries past pos0 + t, are skipped).
 //
 // Long contexts are split over the sequence (flash decoding): mla_decode_split handles
-// `keys_per_split` keys for a group of MLA_HB heads and writes an unnormalized partial result
+// `keys_per_split` keys for a group of heads and writes an unnormalized partial result
 // (running max m, sum l, acc = sum p c_kv); mla_decode_combine merges the splits (at most
 // MLA_MAX_SPLITS, kernels.rs).
 //
@@ -24,14 +24,17 @@
 // The softmax runs in base 2 on ex2.approx (scores scaled by log2 e; relative error ~2^-22);
 // the partial maxima m are stored back in natural units for the combine.
 //
-// Grid (ceil(H / MLA_HB), n_splits, T), block MLA_THREADS = 8 warps, dynamic shared memory
-// mla_decode_smem_bytes() (kernels.rs). A block holds MLA_HB = 32 heads as two m16 tiles; warp
-// w works on head tile w / 4 and on quarter c = w % 4 of the dims:
-//   scores S [16 heads, 16 keys] = Q K^T: warp c sums latent dims 128c .. 128c + 128 and rope
-//     dims 16c .. 16c + 16 (9 k16 steps; its Q fragments, hi and lo, stay in registers); the
-//     four partial S of a head tile meet in shared memory and every warp adds them in the
-//     same order, so all four hold bit-identical scores and softmax state.
-//   out [16 heads, 128 dims of quarter c] += P [16, 16 keys] V [16 keys, 128 dims]: P comes
+// Grid (ceil(H / heads per block), n_splits, T), block MLA_THREADS = 8 warps, dynamic shared
+// memory mla_decode_smem_bytes() (kernels.rs). Two forms: mla_decode_split holds MLA_HB = 32
+// heads as two m16 tiles of 4 warps each (W = 4), mla_decode_split16 one tile of 16 heads on
+// all 8 warps (W = 8: for few heads, as on a tensor-parallel rank, where the first form leaves
+// half of its warps idle). Warp w works on head tile w / W and on part c = w % W of the dims:
+//   scores S [16 heads, 16 keys] = Q K^T: warp c sums latent dims D c .. D c + D (D = 512 / W)
+//     and, for 16c < dr, rope dims 16c .. 16c + 16 (D / 16 + 1 k16 steps; its Q fragments, hi
+//     and lo, stay in registers); the W partial S of a head tile meet in shared memory and
+//     every warp adds them in the same order, so all W hold bit-identical scores and softmax
+//     state.
+//   out [16 heads, D dims of part c] += P [16, 16 keys] V [16 keys, D dims]: P comes
 //     straight from the score accumulators (the m16n8 C layout of two key tiles is the m16k16
 //     A layout), V is the same shared tile as K, read through ldmatrix.trans.
 // Key tiles of MLA_BK = 16 rows [c_kv | k_pe] (576 dims; missing dims zero) are split into
@@ -51,7 +54,7 @@
 #define MLA_ROWB ((MLA_DL_MAX + MLA_DR_MAX + 8) * 2)  // bytes of one bf16 row (+16: no bank conflicts)
 #define MLA_TILEB (MLA_BK * MLA_ROWB)                   // one hi or lo tile
 #define MLA_STAGEB (2 * MLA_TILEB)                      // hi tile, then lo tile
-#define MLA_XS_FLOATS (MLA_HB / 16 * 4 * 16 * MLA_BK)   // partial scores of the 8 warps
+#define MLA_XS_FLOATS (8 * 16 * MLA_BK)                  // partial scores of the 8 warps
 #define MLA_MAX_SPLITS 1024                             // split weights mla_decode_combine holds
 #define MLA_COMBINE_THREADS 512
 #define MLA_LOG2E 1.4426950408889634f
@@ -152,10 +155,15 @@ __device__ __forceinline__ float mla_q(const float* ql, const float* qp, int h, 
     return d < dr ? qp[(i64)h * dr + d] : 0.0f;
 }
 
-extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
+template <int W>
+__device__ __forceinline__ void mla_split_body(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache, int dl,
     int dr, int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,
     float scale, float* part_acc, float* part_ml) {
+    constexpr int HB = 16 * (8 / W);     // heads per block
+    constexpr int D = MLA_DL_MAX / W;    // latent dims per warp
+    constexpr int KL = D / 16;           // its latent k steps (a rope one follows)
+    constexpr int NT = D / 8;            // its output n8 tiles
     pdl_enter();
     extern __shared__ __align__(16) unsigned char mla_smem[];
     float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);     // [head tile][c][n][lane]
@@ -164,8 +172,9 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
 
     const int dk = dl + dr, split = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, grp = lane >> 2, tig = lane & 3;
-    const int ht = warp >> 2, c = warp & 3;
-    const int h_tile = blockIdx.x * MLA_HB + 16 * ht;  // first head of this warp's tile
+    const int ht = warp / W, c = warp % W;
+    const bool rope = 16 * c < dr;                   // warp-uniform
+    const int h_tile = blockIdx.x * HB + 16 * ht;  // first head of this warp's tile
     const bool active = h_tile < n_heads;
     const int last = pos0 + t;
     const int* ids = key_ids ? key_ids + (i64)t * n_ids : nullptr;
@@ -175,15 +184,15 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
     const int n_tiles = j_end > j_begin ? (j_end - j_begin + MLA_BK - 1) / MLA_BK : 0;
     const float scale2 = scale * MLA_LOG2E;
 
-    // Q fragments (A, m16k16) of the 9 k steps, hi and lo: k step ks < 8 covers latent dims
-    // 128c + 16ks, ks = 8 rope dims 16c.
-    u32 qh[9][4], qlo[9][4];
+    // Q fragments (A, m16k16) of the KL + 1 k steps, hi and lo: k step ks < KL covers latent
+    // dims D c + 16ks, ks = KL rope dims 16c.
+    u32 qh[KL + 1][4], qlo[KL + 1][4];
     {
         const float* ql = q_lat + t * ql_tok;
         const float* qp = q_pe + t * qp_tok;
 #pragma unroll
-        for (int ks = 0; ks < 9; ks++) {
-            int d0 = ks < 8 ? 128 * c + 16 * ks : MLA_DL_MAX + 16 * c;
+        for (int ks = 0; ks < KL + 1; ks++) {
+            int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int h = h_tile + grp + 8 * (e & 1), d = d0 + 2 * tig + 8 * (e >> 1);
@@ -195,11 +204,11 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
     }
 
     // Rows grp and grp + 8 of the tile: running max, this thread's part of the sum, and
-    // out[row][128c + 8n + 2tig + {0, 1}] in o[n][2r], o[n][2r + 1].
+    // out[row][D c + 8n + 2tig + {0, 1}] in o[n][2r], o[n][2r + 1].
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    float o[16][4];
+    float o[NT][4];
 #pragma unroll
-    for (int n = 0; n < 16; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
     // ldmatrix row addresses (bytes from a tile's start) of this lane: 8-lane group li gives
     // the rows of matrix li. K^T (QK): keys lr + 8 (li >> 1), dims + 8 (li & 1) -> b0, b1 of
@@ -231,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
         }
         if (any) {  // block-uniform
             const u32 khi = sbase + cur * MLA_STAGEB, klo = khi + MLA_TILEB;
-            float4* xw = xs + (ht * 4) * 2 * 32 + lane;  // this tile's partials, this lane
+            float4* xw = xs + (ht * W) * 2 * 32 + lane;  // this tile's partials, this lane
             if (active) {
                 // Partial scores over this warp's dims; the three products in separate sums
                 // (independent mma chains).
@@ -241,8 +250,9 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
 #pragma unroll
                     for (int e = 0; e < 4; e++) shh[n][e] = shl[n][e] = slh[n][e] = 0.0f;
 #pragma unroll
-                for (int ks = 0; ks < 9; ks++) {
-                    int d0 = ks < 8 ? 128 * c + 16 * ks : MLA_DL_MAX + 16 * c;
+                for (int ks = 0; ks < KL + 1; ks++) {
+                    if (ks == KL && !rope) break;
+                    int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
                     u32 bh[4], bl[4];
                     mla_ldsm(bh, khi + qk_off + 2 * d0);
                     mla_ldsm(bl, klo + qk_off + 2 * d0);
@@ -263,14 +273,13 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
             }
             __syncthreads();
             if (active) {
-                // Full scores: the four quarters added in the order c = 0, 1, 2, 3 by every
-                // warp. sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
+                // Full scores: the W parts added in the order c = 0, 1, .. by every warp. sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
                 float sc[2][4];
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
                     float4 a = xw[n * 32];
 #pragma unroll
-                    for (int cc = 1; cc < 4; cc++) {
+                    for (int cc = 1; cc < W; cc++) {
                         float4 b = xw[(cc * 2 + n) * 32];
                         a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
                     }
@@ -303,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
                     l[r] = l[r] * alpha + sum;
                     if (alpha != 1.0f) {
 #pragma unroll
-                        for (int n = 0; n < 16; n++) {
+                        for (int n = 0; n < NT; n++) {
                             o[n][2 * r] *= alpha;
                             o[n][2 * r + 1] *= alpha;
                         }
@@ -316,8 +325,8 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
                 mla_split2(sc[1][0], sc[1][1], ph[2], plo[2]);
                 mla_split2(sc[1][2], sc[1][3], ph[3], plo[3]);
 #pragma unroll
-                for (int nb = 0; nb < 8; nb++) {
-                    u32 a = pv_off + 2 * (128 * c + 16 * nb);
+                for (int nb = 0; nb < NT / 2; nb++) {
+                    u32 a = pv_off + 2 * (D * c + 16 * nb);
                     u32 vh[4], vl[4];
                     mla_ldsm_t(vh, khi + a);
                     mla_ldsm_t(vl, klo + a);
@@ -347,8 +356,8 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
         if (h >= n_heads) continue;
         i64 base = ((i64)t * gridDim.y + split) * n_heads + h;
 #pragma unroll
-        for (int n = 0; n < 16; n++) {
-            int d = 128 * c + 8 * n + 2 * tig;
+        for (int n = 0; n < NT; n++) {
+            int d = D * c + 8 * n + 2 * tig;
             if (d < dl) *(float2*)(part_acc + base * dl + d) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
         }
         if (c == 0 && tig == 0) {
@@ -357,6 +366,17 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_split(
         }
     }
 }
+
+#define MLA_SPLIT(name, W)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) name(                        \
+        const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache,    \
+        int dl, int dr, int n_heads, const int* key_ids, int n_ids, int pos0,                 \
+        int keys_per_split, float scale, float* part_acc, float* part_ml) {                   \
+        mla_split_body<W>(q_lat, ql_tok, q_pe, qp_tok, cache, dl, dr, n_heads, key_ids, n_ids, \
+                          pos0, keys_per_split, scale, part_acc, part_ml);                    \
+    }
+MLA_SPLIT(mla_decode_split, 4)
+MLA_SPLIT(mla_decode_split16, 8)
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
 // grid (H, T, C), block of at most MLA_COMBINE_THREADS (ops.rs, mla_combine_shape); out row t starts at out + t * out_tok, head h at

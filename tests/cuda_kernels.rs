@@ -1361,14 +1361,16 @@ fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
 fn mla_decode_split_over_sequence_matches() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("mla_decode");
-    // DeepSeek-V3's and GLM-5's latent (the kernel's unconditional row fetch) and a smaller one.
-    for (dl, dr) in [(512, 64), (128, 32)] {
-        mla_decode_case(&g, &mut rng, dl, dr);
+    // DeepSeek-V3's and GLM-5's latent (the kernel's unconditional row fetch) and a smaller
+    // one; 20 heads take mla_decode_split16 (short splits), 40 heads mla_decode_split over the
+    // whole sequence and split16 over the DSA keys (Gpu::mla_decode_form).
+    for (dl, dr, heads) in [(512, 64, 20), (512, 64, 40), (128, 32, 20)] {
+        mla_decode_case(&g, &mut rng, dl, dr, heads);
     }
 }
 
-fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize) {
-    let (heads, tokens, pos0) = (20, 3, 2200);
+fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize) {
+    let (tokens, pos0) = (3, 2200);
     let s_len = pos0 + tokens;
     let q_lat = rng.normals(tokens * heads * dl);
     let q_pe = rng.normals(tokens * heads * dr);
@@ -1440,7 +1442,8 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize) {
                 None => g.mla_decode_splits(n_keys, heads),
             };
             let what = format!(
-                "mla_decode dl {dl} dr {dr}: {splits} splits of {per}{}",
+                "mla_decode {} dl {dl} dr {dr} {heads} heads: {splits} splits of {per}{}",
+                g.mla_decode_form(n_keys, heads).0,
                 if dsa { " dsa" } else { "" }
             );
             let dout = poisoned(g, tokens * heads * dl);

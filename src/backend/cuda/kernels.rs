@@ -59,7 +59,7 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         "rope_pairs" => "rope",
         "silu_mul" | "add_inplace" | "copy_block" => "elementwise",
         "attention_prefill" => "attention",
-        "mla_decode_split" | "mla_decode_combine" => "mla_decode",
+        "mla_decode_split" | "mla_decode_split16" | "mla_decode_combine" => "mla_decode",
         "dsa_scores" | "topk_rows" => "dsa",
         "moe_router" | "moe_combine" => "moe",
         "argmax_rows" | "top_p_sample" => "sampling",
@@ -83,7 +83,8 @@ pub const ATT_DV_MAX: usize = 256;
 pub const MLA_DL_MAX: usize = 512;
 /// Largest rope width next to it.
 pub const MLA_DR_MAX: usize = 64;
-/// Heads per block of mla_decode_split (two m16 tiles), keys per shared tile, threads.
+/// Heads per block of mla_decode_split (two m16 tiles; mla_decode_split16: one), keys per
+/// shared tile, threads.
 pub const MLA_HB: usize = 32;
 pub const MLA_BK: usize = 16;
 pub const MLA_THREADS: u32 = 256;
@@ -92,12 +93,12 @@ pub const MLA_MAX_SPLITS: usize = 1024;
 /// Most threads of mla_decode_combine (groups of threads sum every group-th split).
 pub const MLA_COMBINE_THREADS: u32 = 512;
 
-/// Dynamic shared memory of mla_decode_split: two stages of a hi and a lo bf16 key tile
-/// (MLA_BK rows of MLA_DL_MAX + MLA_DR_MAX dims, padded by 8), the partial scores of the 8
-/// warps (f32 [16 heads, MLA_BK keys] each), and the key flags of both stages.
+/// Dynamic shared memory of mla_decode_split (and split16): two stages of a hi and a lo bf16
+/// key tile (MLA_BK rows of MLA_DL_MAX + MLA_DR_MAX dims, padded by 8), the partial scores of
+/// the 8 warps (f32 [16 heads, MLA_BK keys] each), and the key flags of both stages.
 pub fn mla_decode_smem_bytes() -> usize {
     let row = 2 * (MLA_DL_MAX + MLA_DR_MAX + 8);
-    2 * 2 * MLA_BK * row + 4 * (MLA_HB / 16 * 4 * 16 * MLA_BK) + 4 * 2 * MLA_BK
+    2 * 2 * MLA_BK * row + 4 * (8 * 16 * MLA_BK) + 4 * 2 * MLA_BK
 }
 
 /// Dynamic shared memory of attention_prefill: q tile and k tile (rows padded by 4 floats),
@@ -151,7 +152,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
         // heads * dim <= DSA_Q_MAX and dim <= DSA_DIM_MAX.
         "dsa_scores" => 4 * (DSA_Q_MAX + 32 * (DSA_DIM_MAX + 4)),
-        "mla_decode_split" => mla_decode_smem_bytes(),
+        "mla_decode_split" | "mla_decode_split16" => mla_decode_smem_bytes(),
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         _ => 0,

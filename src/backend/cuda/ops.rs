@@ -968,12 +968,34 @@ const MLA_PDL_MAX_BLOCKS: u32 = 32;
 const MLA_WORK_KEEP: usize = 16 << 20;
 
 impl Gpu {
+    /// The split kernel for up to `n_keys` keys and `heads` heads, and its heads per block:
+    /// mla_decode_split16 (16 heads on all 8 warps, each with half the dims of the other
+    /// form) for few heads (a tensor-parallel rank) and for short splits, where a block's
+    /// one or two key tiles are latency, else mla_decode_split (32 heads). Lab, H200: 16
+    /// heads at 8K 23.2 -> 21.0 us; GLM-5's 64 heads over 2048 DSA keys 22.2 -> 20.1 us, 1K
+    /// 20.4 -> 16.5 us; longer splits of many heads lose (GLM-5 8K 34.7 -> 41.6 us).
+    pub fn mla_decode_form(&self, n_keys: usize, heads: usize) -> (&'static str, usize) {
+        let (_, per) = self.splits_of(n_keys, heads, MLA_HB);
+        if heads <= 16 || per <= 2 * MLA_BK {
+            ("mla_decode_split16", 16)
+        } else {
+            ("mla_decode_split", MLA_HB)
+        }
+    }
+
     /// The number of sequence splits and keys per split for up to `n_keys` keys and `heads`
-    /// heads: one block of mla_decode_split per multiprocessor (it holds 32 heads and ~200
-    /// registers a thread, so one block fits an SM), keys per split a multiple of the key
-    /// tile (MLA_BK), at most MLA_MAX_SPLITS splits (what mla_decode_combine merges).
+    /// heads (`mla_decode_form`).
     pub fn mla_decode_splits(&self, n_keys: usize, heads: usize) -> (usize, usize) {
-        let groups = heads.div_ceil(MLA_HB);
+        let (_, per_block) = self.mla_decode_form(n_keys, heads);
+        self.splits_of(n_keys, heads, per_block)
+    }
+
+    /// Splits for heads in groups of `per_block`: one block of the split kernel per
+    /// multiprocessor (it holds ~250 registers a thread, so one block fits an SM), keys per
+    /// split a multiple of the key tile (MLA_BK), at most MLA_MAX_SPLITS splits (what
+    /// mla_decode_combine merges).
+    fn splits_of(&self, n_keys: usize, heads: usize, per_block: usize) -> (usize, usize) {
+        let groups = heads.div_ceil(per_block);
         let want = self
             .multiprocessors
             .div_ceil(groups)
@@ -1058,11 +1080,12 @@ impl Gpu {
             &temp
         };
         let (pa, pm) = (self.ptr(buf, 0), self.ptr(buf, n_acc));
-        let grid = (grid1(a.heads, MLA_HB), splits as u32, a.tokens as u32);
+        let (kernel, per_block) = self.mla_decode_form(Self::mla_decode_keys(a), a.heads);
+        let grid = (grid1(a.heads, per_block), splits as u32, a.tokens as u32);
         // Programmatic launch only for a short context's few blocks (kernels.rs,
         // dependent_launch_helps: the pair measured slower with it on a full GPU).
         let pdl = self.dependent_launch && grid.0 * grid.1 * grid.2 <= MLA_PDL_MAX_BLOCKS;
-        launch!(@dependent pdl, self, "mla_decode_split", grid, MLA_THREADS,
+        launch!(@dependent pdl, self, kernel, grid, MLA_THREADS,
             mla_decode_smem_bytes() as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
             a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
