@@ -429,8 +429,6 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 // Each thread block turns its x into planes in shared memory first (tc_prepare_x) while the
 // first weight loads are in flight; that costs a pass over x per block, which is why
 // Gpu::matvec uses this kernel only for matrices with many rows (ops.rs, uses_tensor_cores).
-// Where every item reads one x and the blocks are many (long rows), matvec_tc_image makes the
-// planes once in global memory and the blocks copy them (ops.rs, uses_tc_image).
 //
 // Grid (ceil(tiles / T), batch), a tile = 16 rows, T tiles per block (read back from the grid
 // size as in matvec_body); block W = 4 (matvec_tc_q4_k) or 8 (matvec_tc8_q4_k, for the MoE
@@ -519,39 +517,20 @@ __device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int l
     return r;
 }
 
-// The bytes of x's planes, scales and sums (the kernels' dynamic shared memory), rounded up to
-// 16 so that an image of them copies in 16-byte pieces (ops.rs: tc_smem_bytes).
-__device__ __forceinline__ int tc_image_bytes(int k) {
-    return (4 * tc_plane_stride(k) + 4 * tc_scales_len(k) + 4 * (k / 32) + 15) & ~15;
-}
-
-// x's 256-element block blk as planes, scale and sums at dst (shared or global memory), by one
-// warp.
-__device__ __forceinline__ void tc_write_block(const float* x, int k, int blk, int lane, u8* dst) {
-    int stride = tc_plane_stride(k);
-    float* scales = (float*)(dst + 4 * stride);
-    float* sums = scales + tc_scales_len(k);
-    XDigits xd = x_block_digits(x, blk, lane);
-    if (lane == 0) scales[blk] = xd.s;
-    if ((lane & 3) == 0) sums[8 * blk + lane / 4] = xd.sum;
-#pragma unroll
-    for (int p = 0; p < 4; p++) *(uint2*)(dst + p * stride + 256 * blk + 8 * lane) = xd.words[p];
-}
-
 // Planes, scales and sums of x[0, k) into shared memory, one warp per 256-element block at a
 // time.
 __device__ void tc_prepare_x(const float* x, int k, u8* sm) {
+    int stride = tc_plane_stride(k);
+    float* scales = (float*)(sm + 4 * stride);
+    float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    for (int blk = warp; blk < k / 256; blk += nwarps) tc_write_block(x, k, blk, lane, sm);
-}
-
-// The same once per product into global memory (img, tc_image_bytes(k) bytes), for products
-// whose many thread blocks share one x: each block then copies the image instead of preparing
-// x again (Gpu::matvec). One warp per 256-element block.
-extern "C" __global__ void matvec_tc_image(const float* x, int k, u8* img) {
-    pdl_enter();
-    int lane = threadIdx.x & 31, blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (blk < k / 256) tc_write_block(x, k, blk, lane, img);
+    for (int blk = warp; blk < k / 256; blk += nwarps) {
+        XDigits xd = x_block_digits(x, blk, lane);
+        if (lane == 0) scales[blk] = xd.s;
+        if ((lane & 3) == 0) sums[8 * blk + lane / 4] = xd.sum;
+#pragma unroll
+        for (int p = 0; p < 4; p++) *(uint2*)(sm + p * stride + 256 * blk + 8 * lane) = xd.words[p];
+    }
 }
 
 // The 6-bit scales (sc) and minimums (m) of Q4_K sub-blocks 0-3 ([0]) and 4-7 ([1]), one per
@@ -628,16 +607,13 @@ struct TcQ4k {
 // w2 (or null): items gridDim.y / 2 .. take their matrices from w2 instead, with ids and x
 // counted from gridDim.y / 2 again (the MoE gate and up products of the same choices in one
 // launch); outputs stay item b at y + b y_stride. An item whose id is MOE_SHARED reads the
-// matrix at sw instead (sw2 in the second half): the shared expert as one more choice. ximg
-// (or null): x as matvec_tc_image wrote it, the one x of every item, copied instead of
-// prepared.
+// matrix at sw instead (sw2 in the second half): the shared expert as one more choice.
 template <int TC_WARPS>
 __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, const u8* sw,
                                                     const u8* sw2, i64 mat_stride,
                                                     const int* ids, int rows, int k,
                                                     i64 row_bytes, const float* x, int x_group,
-                                                    i64 x_stride, const u8* ximg, float* y,
-                                                    i64 y_stride) {
+                                                    i64 x_stride, float* y, i64 y_stride) {
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
     int b = blockIdx.y, bi = b;  // output item, input item
@@ -671,12 +647,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     nxt.load(row_lo + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES,
              row_hi + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES, t);
     pdl_enter();  // the weight loads above may overlap the previous kernel, x may not
-    if (ximg) {
-        for (int i = threadIdx.x; i < tc_image_bytes(k) / 16; i += blockDim.x)
-            ((uint4*)tc_sm)[i] = ((const uint4*)ximg)[i];
-    } else {
-        tc_prepare_x(x + (i64)(bi / x_group) * x_stride, k, tc_sm);
-    }
+    tc_prepare_x(x + (i64)(bi / x_group) * x_stride, k, tc_sm);
     __syncthreads();
 
     // B fragment: this lane's column g holds plane g % 4.
@@ -719,9 +690,9 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
         const int* ids, int rows, int k, i64 row_bytes, const float* x, int x_group,           \
-        i64 x_stride, const u8* ximg, float* y, i64 y_stride) {                                \
+        i64 x_stride, float* y, i64 y_stride) {                                                \
         matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, rows, k, row_bytes, x,     \
-                                   x_group, x_stride, ximg, y, y_stride);                      \
+                                   x_group, x_stride, y, y_stride);                            \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)

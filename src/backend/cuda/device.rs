@@ -36,9 +36,6 @@ pub struct Gpu {
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
-    /// x as digit planes for the tensor-core matvec (matvec_tc_image), made once per product
-    /// and copied by its thread blocks; sized for the longest k (ops.rs).
-    pub(super) tc_image: Mutex<Option<CudaSlice<f32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -77,7 +74,6 @@ impl Gpu {
             functions: Mutex::default(),
             occupancy: Mutex::default(),
             mla_work: Mutex::default(),
-            tc_image: Mutex::default(),
         })
     }
 

@@ -173,10 +173,9 @@ const TC_MIN_ROWS: usize = 8192;
 const TC_K_MAX: usize = 8192;
 /// Longer k (DeepSeek-V3's attn_output, k = 16384, and dense ffn_down, 18432) goes to the
 /// 8-warp kernel from TC_LONG_MIN_ROWS rows on (lab, H200: 34.9 -> 30.6 us and 40.1 -> 33.7
-/// us; at GLM-5's 6144 rows it only tied the CUDA-core kernel while every block prepared x;
-/// with x as an image made once, uses_tc_image, GLM-5's 6144 rows are in), up to
-/// TC_LONG_K_MAX (its x planes fill 85 KiB of shared memory).
-const TC_LONG_MIN_ROWS: usize = 6144;
+/// us; at GLM-5's 6144 rows it only tied the CUDA-core kernel), up to TC_LONG_K_MAX (its x
+/// planes fill 85 KiB of shared memory).
+const TC_LONG_MIN_ROWS: usize = 7168;
 pub(super) const TC_LONG_K_MAX: usize = 20480;
 
 fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
@@ -199,19 +198,19 @@ fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
 const INT_Q6_MIN_ROWS: usize = 32768;
 
 /// Tiles per block of matvec_tc8_q4_k for several items with long rows (the MoE gate and up):
-/// of `choices`, 8 (a warp each, all of k), 4 (two warps each, half of k), 2 or 1, whichever
-/// leaves less of the GPU idle in the last wave of blocks, `slots` blocks per wave: a block of
-/// half the tiles takes half as long. 16 items of 128 tiles (8 experts' gate and up) fill 256 of an H200's 264 slots
+/// 8 (a warp each, all of k) or 4 (two warps each, half of k), whichever leaves less of the
+/// GPU idle in the last wave of blocks, `slots` blocks per wave: a block of 4 tiles takes half
+/// as long. 16 items of 128 tiles (8 experts' gate and up) fill 256 of an H200's 264 slots
 /// with 8; the shared expert as a ninth choice makes 288 blocks, two waves of 8 tiles (59 us,
 /// measured) against three of 4 (half as long each). Ties keep 8, the lab's choice for the
 /// 8 experts.
-fn tc8_tiles_per_block(tiles: usize, items: usize, slots: usize, choices: &[usize]) -> usize {
+fn tc8_tiles_per_block(tiles: usize, items: usize, slots: usize) -> usize {
     let time = |per_block: usize| (tiles.div_ceil(per_block) * items).div_ceil(slots) * per_block;
-    choices
-        .iter()
-        .copied()
-        .min_by_key(|&per_block| (time(per_block), std::cmp::Reverse(per_block)))
-        .expect("some choice")
+    if time(4) < time(8) {
+        4
+    } else {
+        8
+    }
 }
 
 fn uses_int_q6_k(a: &Matvec) -> bool {
@@ -223,19 +222,9 @@ fn uses_int_q6_k(a: &Matvec) -> bool {
 }
 
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
-/// (rounded up to even: the sums after them are read in pairs) and k / 32 sums, rounded up to
-/// 16 bytes (the size of an image of x, matvec_tc_image, which blocks copy in 16-byte pieces).
+/// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
 pub(super) fn tc_smem_bytes(k: usize) -> usize {
-    (4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)).next_multiple_of(16)
-}
-
-/// Whether the tensor-core matvec `a` copies x from an image made once (matvec_tc_image)
-/// rather than each block preparing it: every item reads the same x, and the blocks are many
-/// for it (long rows: the MoE gate-up pair, the dense gate-up, attn_output). The image lets
-/// blocks take fewer tiles (Gpu::matvec), so the last wave of blocks is fuller.
-fn uses_tc_image(a: &Matvec) -> bool {
-    let items = if a.pair != 0 { a.batch / 2 } else { a.batch };
-    a.x_group >= items && (a.k > TC_K_MAX || (a.batch > 1 && a.k >= 4096))
+    4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
@@ -295,48 +284,29 @@ impl Gpu {
             // and the grid small (expert gate / up). k beyond TC_K_MAX: 8 warps, 2 tiles. The
             // faster choices in the lab runs (H200: 8 warps took 10-12% off the expert
             // products, and lost 9% on ffn_up).
-            // With an image of x (uses_tc_image) a block costs only a copy of it, so blocks of
-            // 2 tiles (8-warp blocks) and, for long k, of 1 are choices too.
             let tiles = a.rows.div_ceil(16);
             let long_k = a.k >= 4096;
             let smem = tc_smem_bytes(a.k);
-            let image = uses_tc_image(a);
-            let tc8_slots = || -> Result<usize, CudaError> {
-                Ok(self.multiprocessors * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1))
-            };
             let (kernel, warps, per_block) = match (a.batch > 1, tiles * a.batch) {
-                _ if a.k > TC_K_MAX && image => {
-                    let per_block = tc8_tiles_per_block(tiles, a.batch, tc8_slots()?, &[2, 1]);
-                    ("matvec_tc8_q4_k", 8, per_block)
-                }
                 _ if a.k > TC_K_MAX => ("matvec_tc8_q4_k", 8, 2),
                 (false, t) if t >= 2048 || !long_k => ("matvec_tc_q4_k", 4, 4),
                 (false, _) => ("matvec_tc_q4_k", 4, 2),
                 (true, _) if long_k => {
-                    let choices: &[usize] = if image { &[8, 4, 2] } else { &[8, 4] };
-                    let per_block = tc8_tiles_per_block(tiles, a.batch, tc8_slots()?, choices);
-                    ("matvec_tc8_q4_k", 8, per_block)
+                    let slots = self.multiprocessors
+                        * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1);
+                    (
+                        "matvec_tc8_q4_k",
+                        8,
+                        tc8_tiles_per_block(tiles, a.batch, slots),
+                    )
                 }
                 (true, _) => ("matvec_tc8_q4_k", 8, 8),
-            };
-            let mut kept = self.tc_image.lock().unwrap();
-            let ximg = if image {
-                if kept.is_none() {
-                    *kept = Some(self.empty(tc_smem_bytes(TC_LONG_K_MAX) / 4)?);
-                }
-                let img = self.ptr(kept.as_ref().unwrap(), 0);
-                // One warp per 256-element block of x, blocks of 4 warps.
-                launch!(self, "matvec_tc_image", (grid1(a.k / 256, 4), 1, 1), 128, 0;
-                    a.x, a.k as i32, img);
-                img
-            } else {
-                0
             };
             launch!(self, kernel, (grid1(tiles, per_block), a.batch as u32, 1), 32 * warps,
                 smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids, a.rows as i32,
                 a.k as i32,
-                row_bytes as i64, a.x, a.x_group as i32, a.x_stride as i64, ximg, a.y,
+                row_bytes as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
                 a.y_stride as i64);
             return Ok(());
         }
@@ -1289,33 +1259,20 @@ mod tests {
     fn tc8_tiles_per_block_fills_the_last_wave() {
         // An H200: 132 SMs x 2 blocks of matvec_tc8_q4_k.
         let slots = 264;
-        let (old, image) = (&[8, 4][..], &[8, 4, 2][..]);
         assert_eq!(
-            tc8_tiles_per_block(128, 8, slots, old),
+            tc8_tiles_per_block(128, 8, slots),
             4,
             "one set of 8 experts"
         );
         assert_eq!(
-            tc8_tiles_per_block(128, 16, slots, old),
+            tc8_tiles_per_block(128, 16, slots),
             8,
             "gate and up of 8 experts"
         );
         assert_eq!(
-            tc8_tiles_per_block(128, 18, slots, old),
+            tc8_tiles_per_block(128, 18, slots),
             4,
             "gate and up of 9 choices"
-        );
-        // With an image of x: 1152 blocks of 2 tiles, 5 waves of a quarter (10), against 3 of
-        // a half (12).
-        assert_eq!(
-            tc8_tiles_per_block(128, 18, slots, image),
-            2,
-            "gate and up of 9 choices, x as an image"
-        );
-        assert_eq!(
-            tc8_tiles_per_block(128, 16, slots, image),
-            8,
-            "gate and up of 8 experts, x as an image: one wave"
         );
     }
 }
