@@ -273,7 +273,8 @@ __device__ __forceinline__ void mla_split_body(
             }
             __syncthreads();
             if (active) {
-                // Full scores: the W parts added in the order c = 0, 1, .. by every warp. sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
+                // Full scores: the W parts added in the order c = 0, 1, .. by every warp.
+                // sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
                 float sc[2][4];
 #pragma unroll
                 for (int n = 0; n < 2; n++) {
@@ -379,11 +380,11 @@ MLA_SPLIT(mla_decode_split, 4)
 MLA_SPLIT(mla_decode_split16, 8)
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
-// grid (H, T, C), block of at most MLA_COMBINE_THREADS (ops.rs, mla_combine_shape); out row t starts at out + t * out_tok, head h at
-// h * dl (both 16-byte aligned: dl % 4 == 0, out_tok % 4 == 0). Block z takes chunk z of the
-// C (a power of two, dividing dl / 32) chunks of dims, so that few heads still fill the GPU.
-// The block computes the split weights exp(m_s - M) once into shared memory (n_splits <=
-// MLA_MAX_SPLITS). Thread tid sums float4 column tid % cols of its chunk (cols = dl / 4 / C)
+// grid (H, T, C), block of at most MLA_COMBINE_THREADS (ops.rs, mla_combine_shape); out row
+// t starts at out + t * out_tok, head h at h * dl (both 16-byte aligned: dl % 4 == 0,
+// out_tok % 4 == 0). Block z takes chunk z of the C (a power of two, dividing dl / 32) chunks
+// of dims, so that few heads still fill the GPU. The block computes the split weights
+// exp(m_s - M) once into shared memory (n_splits <= MLA_MAX_SPLITS). Thread tid sums float4 column tid % cols of its chunk (cols = dl / 4 / C)
 // over the splits of its group g = tid / cols: g, g + G, ... (G groups), four splits' loads
 // in flight per step; the groups' sums meet in shared memory, added in group order. A split
 // without a visible key has weight 0 and zero partials.
