@@ -60,6 +60,10 @@ pub struct Args {
     /// Prefill lengths timed per model (0 for none).
     #[arg(long, value_delimiter = ',', default_value = "512,2048")]
     prefill: Vec<usize>,
+    /// Decode is also timed after a prompt of this many tokens (0 for none), where it reads
+    /// the latent cache too.
+    #[arg(long, default_value_t = 4096)]
+    long_context: usize,
     /// After loading the first model, run one decode token between cuProfilerStart and
     /// cuProfilerStop and exit (for `ncu --profile-from-start off`: launches per token).
     #[arg(long)]
@@ -785,7 +789,8 @@ impl Bench {
     }
 
     /// Whole-model decode and prefill on a GGUF file.
-    fn model(&mut self, path: &Path, tokens: usize, prefill: &[usize]) -> Result<()> {
+    fn model(&mut self, path: &Path, args: &Args) -> Result<()> {
+        let (tokens, prefill) = (args.tokens, &args.prefill);
         let file = Arc::new(GgufFile::open(path)?);
         let cfg = ModelConfig::from_gguf(&file)?;
         let name = path
@@ -828,6 +833,29 @@ impl Bench {
             "of_copy": bound / secs, "bound_tok_s": 1.0 / bound, "load_s": load_secs,
             "layers": cfg.n_layer,
         }));
+        // The same after a long prompt: the bytes add what the cache gives each token.
+        let ctx = args.long_context;
+        if ctx > 0 {
+            let ids: Vec<u32> = (0..ctx)
+                .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
+                .collect();
+            let mut cache = model.new_cache(ctx + tokens + 8);
+            drop(model.forward_last(&mut cache, &ids)?);
+            for _ in 0..3 {
+                step(&mut cache)?;
+            }
+            let times = (0..tokens)
+                .map(|_| step(&mut cache))
+                .collect::<Result<Vec<_>>>()?;
+            let secs = median(times);
+            let bytes = per_token + cache_bytes_per_token(&cfg, ctx);
+            let bound = bytes / self.copy_bw;
+            self.push(json!({
+                "section": "model", "name": format!("decode {name} at {ctx} positions"),
+                "us": secs * 1e6, "tok_s": 1.0 / secs, "bytes": bytes, "gb_s": bytes / secs / 1e9,
+                "of_copy": bound / secs, "bound_tok_s": 1.0 / bound, "context": ctx,
+            }));
+        }
         for &n in prefill {
             if n == 0 {
                 continue;
@@ -853,6 +881,20 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// The cache bytes a decode token reads at `ctx` positions: every layer's latent rows (f32
+/// [kv_lora + rope]; with DSA, the top_k selected of them) and, in the layers that run their
+/// own DSA indexer, the indexer key of every position (f32 [head_dim]).
+fn cache_bytes_per_token(cfg: &ModelConfig, ctx: usize) -> f64 {
+    let (latent_rows, index_keys) = match &cfg.indexer {
+        Some(ix) => {
+            let own = ix.full.iter().take(cfg.n_layer).filter(|&&f| f).count();
+            (ctx.min(ix.top_k), own * ctx * ix.head_dim)
+        }
+        None => (ctx, 0),
+    };
+    (4 * (cfg.n_layer * latent_rows * cfg.latent_width() + index_keys)) as f64
 }
 
 fn tname(ty: GgmlType) -> String {
@@ -946,7 +988,7 @@ pub fn run(args: Args) -> Result<()> {
         bench.kernels()?;
     }
     for path in &args.model {
-        if let Err(e) = bench.model(path, args.tokens, &args.prefill) {
+        if let Err(e) = bench.model(path, &args) {
             println!("model {}: {e:#}", path.display());
         }
     }
