@@ -13,13 +13,7 @@
 //   n_valid(t) = pos0 + t + 1, ascending, -1 padded (all valid positions when there are at most
 //   k). Equal scores at the boundary are taken lowest position first. One block of 256 threads
 //   per row: a 4-pass radix select on the order-preserving u32 image of the scores finds the
-//   k-th largest value (each pass: a histogram of the next 8 bits, lanes of a warp with the
-//   same digit adding once, since scores of one row often share their top bits; then a block
-//   scan over the bins from the top finds the digit), then each thread takes a contiguous
-//   stretch of the row, and one block scan of the counts tells it where its selected
-//   positions go, in order. (At decode, T = 1, this block is alone on the GPU: the kernel is
-//   its latency. Before, thread 0 walked the 256 bins and the final pass took two block scans
-//   per 256 positions.)
+//   k-th largest value, then a block scan writes the selected positions in order.
 
 #define DSA_KEYS 32
 #define DSA_HC 8  // heads per warp pass
@@ -124,54 +118,42 @@ extern "C" __global__ void __launch_bounds__(256) topk_rows(const float* scores,
     }
 
     // Radix select, 8 bits a pass from the top: find the key of the k-th largest score.
-    const int lane = tid & 31;
     u32 prefix = 0, mask = 0;
     int remaining = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
         hist[tid] = 0;
         __syncthreads();
-        for (int c0 = 0; c0 < n; c0 += blockDim.x) {  // warp-uniform trip count
-            int i = c0 + tid;
-            u32 key = i < n ? order_key(row[i]) : 0;
-            bool in = i < n && (key & mask) == prefix;
-            u32 digit = (key >> shift) & 255;
-            // Lanes not counting get values no digit has.
-            u32 peers = __match_any_sync(0xffffffffu, in ? digit : 256u + lane);
-            if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+        for (int i = tid; i < n; i += blockDim.x) {
+            u32 key = order_key(row[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
         }
         __syncthreads();
-        // Bins from the top (thread j: digit 255 - j): the digit where the count of larger
-        // keys first reaches `remaining`.
-        int count = hist[255 - tid], total;
-        int larger = block_scan_256(count, scratch[0], &total);
-        if (larger < remaining && larger + count >= remaining) {
-            sel_prefix = prefix | ((u32)(255 - tid) << shift);
-            sel_remaining = remaining - larger;
+        if (tid == 0) {
+            int cum = 0, digit = 255;
+            for (; digit > 0; digit--) {
+                if (cum + hist[digit] >= remaining) break;
+                cum += hist[digit];
+            }
+            sel_prefix = prefix | ((u32)digit << shift);
+            sel_remaining = remaining - cum;
         }
         __syncthreads();
         prefix = sel_prefix;
         remaining = sel_remaining;
         mask |= 255u << shift;
     }
-    // Now: keys > prefix are all taken, and the first `remaining` keys == prefix. Thread tid
-    // takes positions i0 .. i1; position i goes to (keys > prefix before it) + min(keys ==
-    // prefix before it, remaining).
-    const int per = (n + blockDim.x - 1) / blockDim.x;
-    const int i0 = min(tid * per, n), i1 = min(i0 + per, n);
-    int gt = 0, eq = 0;
-    for (int i = i0; i < i1; i++) {
-        u32 key = order_key(row[i]);
-        gt += key > prefix;
-        eq += key == prefix;
-    }
-    int gt_total, eq_total;
-    int g = block_scan_256(gt, scratch[0], &gt_total);
-    int e = block_scan_256(eq, scratch[1], &eq_total);
-    for (int i = i0; i < i1; i++) {
-        u32 key = order_key(row[i]);
-        bool is_gt = key > prefix, is_eq = key == prefix;
-        if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = i;
-        g += is_gt;
-        e += is_eq;
+    // Now: keys > prefix are all taken, and the first `remaining` keys == prefix.
+    int gt_before = 0, eq_before = 0;
+    for (int c0 = 0; c0 < n; c0 += blockDim.x) {
+        int i = c0 + tid;
+        u32 key = i < n ? order_key(row[i]) : 0;
+        int gt = i < n && key > prefix, eq = i < n && key == prefix;
+        int gt_total, eq_total;
+        int gt_pos = block_scan_256(gt, scratch[0], &gt_total);
+        int eq_pos = block_scan_256(eq, scratch[1], &eq_total);
+        int g = gt_before + gt_pos, e = eq_before + eq_pos;
+        if (gt || (eq && e < remaining)) orow[g + min(e, remaining)] = i;
+        gt_before += gt_total;
+        eq_before += eq_total;
     }
 }
