@@ -833,7 +833,7 @@ impl Bench {
             "of_copy": bound / secs, "bound_tok_s": 1.0 / bound, "load_s": load_secs,
             "layers": cfg.n_layer,
         }));
-        // The same after a long prompt: the bytes add what the cache gives each token.
+        // The same after a long prompt; the bytes add what each token reads from the cache.
         let ctx = args.long_context;
         if ctx > 0 {
             let ids: Vec<u32> = (0..ctx)
