@@ -32,7 +32,7 @@ use mla_engine::backend::cuda::{Cuda, Gpu};
 use mla_engine::backend::Backend;
 use mla_engine::config::ModelConfig;
 use mla_engine::gguf::{GgmlType, GgufFile};
-use mla_engine::model::{Model, Taps};
+use mla_engine::model::{Cache, Model, Taps};
 use mla_engine::weights::GgufTensors;
 use serde_json::{json, Value};
 
@@ -803,28 +803,30 @@ impl Bench {
             .with_context(|| format!("loading {}", path.display()))?;
         let load_secs = t.elapsed().as_secs_f64();
         let per_token = mla_engine::weights::active_bytes_per_token(&file, &cfg);
-        let prompt: Vec<u32> = (0..8)
-            .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
-            .collect();
+        let prompt = token_ids(8, cfg.n_vocab);
         let mut cache = model.new_cache(prompt.len() + tokens + 8);
         model
             .backend
             .download(&model.forward(&mut cache, &prompt, &mut Taps::none())?);
         let mut next = 1u32;
-        // One greedy step as `generate` takes it: the forward and the argmax on the GPU.
-        let mut step = |cache: &mut _| -> Result<f64> {
+        // One greedy step as `generate` takes it: the forward and the argmax on the GPU. A
+        // decode time: the median of `tokens` steps after 3 of warm-up.
+        let mut step = |cache: &mut Cache<Cuda>| -> Result<f64> {
             let t = Instant::now();
             let logits = model.forward(cache, &[next], &mut Taps::none())?;
             next = model.backend.argmax_last(&logits);
             Ok(t.elapsed().as_secs_f64())
         };
-        for _ in 0..3 {
-            step(&mut cache)?;
-        }
-        let times = (0..tokens)
-            .map(|_| step(&mut cache))
-            .collect::<Result<Vec<_>>>()?;
-        let secs = median(times);
+        let mut decode_secs = |cache: &mut Cache<Cuda>| -> Result<f64> {
+            for _ in 0..3 {
+                step(cache)?;
+            }
+            let times = (0..tokens)
+                .map(|_| step(cache))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(median(times))
+        };
+        let secs = decode_secs(&mut cache)?;
         // The latent cache rows read per token are few here (a short context): left out.
         let bound = per_token / self.copy_bw;
         self.push(json!({
@@ -836,18 +838,10 @@ impl Bench {
         // The same after a long prompt; the bytes add what each token reads from the cache.
         let ctx = args.long_context;
         if ctx > 0 {
-            let ids: Vec<u32> = (0..ctx)
-                .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
-                .collect();
+            let ids = token_ids(ctx, cfg.n_vocab);
             let mut cache = model.new_cache(ctx + tokens + 8);
             drop(model.forward_last(&mut cache, &ids)?);
-            for _ in 0..3 {
-                step(&mut cache)?;
-            }
-            let times = (0..tokens)
-                .map(|_| step(&mut cache))
-                .collect::<Result<Vec<_>>>()?;
-            let secs = median(times);
+            let secs = decode_secs(&mut cache)?;
             let bytes = per_token + cache_bytes_per_token(&cfg, ctx);
             let bound = bytes / self.copy_bw;
             self.push(json!({
@@ -860,9 +854,7 @@ impl Bench {
             if n == 0 {
                 continue;
             }
-            let ids: Vec<u32> = (0..n)
-                .map(|i| (i * 7919 + 13) as u32 % cfg.n_vocab as u32)
-                .collect();
+            let ids = token_ids(n, cfg.n_vocab);
             let run = || -> Result<f64> {
                 let mut cache = model.new_cache(n);
                 let t = Instant::now();
@@ -881,6 +873,11 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// `n` token ids spread over the vocabulary (the same for every run).
+fn token_ids(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
 }
 
 /// The cache bytes a decode token reads at `ctx` positions: every layer's latent rows (f32
