@@ -41,6 +41,17 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_launch_next();
 }
 
+// 16 bytes global -> shared without registers (sm_80+); dst is a shared-space address.
+__device__ __forceinline__ void cp16(u32 dst, const void* src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(pred ? 16 : 0));  // src-size 0: zero-fill, nothing read
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // IEEE half -> float (exact).
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

@@ -3,74 +3,114 @@
 // dsa_scores: scores[t, s] = sum_h w[t, h] * relu(scale * q[t, h, :] . k[s, :]) for s <= pos0 + t,
 //   -inf for later keys. q: [T, heads, dim], k: [S, dim] (the indexer key cache, one head),
 //   w: [T, heads] (the head weights), scores: [T, s_stride].
-//   grid (ceil(S / 32), T), block 128: a block scores 32 keys, lane l of every warp key l of
-//   the tile; warp w takes heads 8w .. 8w + 7, then 8w + 32 .., and the 4 warps' sums are
-//   added at the end. Dynamic shared memory dsa_scores_smem_bytes(): the token's query
-//   [heads][dim] and the key tile [32][dim + 4] (row padding: conflict-free float4 reads).
+//   grid (ceil(S / 32 / tiles), T), block 128: a block scores `tiles` tiles of 32 keys, each
+//   copied into shared memory (cp.async) while the one before is scored, its query loaded
+//   once; lane l of every warp takes key l of the tile, warp w heads 8w .. 8w + 7, then 8w +
+//   32 .., and the 4 warps' sums are added at the end. Dynamic shared memory
+//   dsa_scores_smem_bytes(): the token's query [heads][dim] and two key tiles [32][dim + 4]
+//   (row padding: conflict-free float4 reads).
 //   heads <= 64, heads * dim <= 8192, dim % 4 == 0, dim <= 256; k 16-byte aligned.
 //
 // topk_rows: for each row t, the positions of the k largest of scores[t, 0 .. n_valid(t)),
 //   n_valid(t) = pos0 + t + 1, ascending, -1 padded (all valid positions when there are at most
-//   k). Equal scores at the boundary are taken lowest position first. One block of 256 threads
-//   per row: a 4-pass radix select on the order-preserving u32 image of the scores finds the
-//   k-th largest value, then a block scan writes the selected positions in order.
+//   k). Equal scores at the boundary are taken lowest position first. One block of
+//   TOPK_THREADS threads per row: a 3-pass radix select on the order-preserving u32 image of
+//   the scores finds the k-th largest value (each pass: a histogram of the next 11, 11 and 10
+//   bits, then a block scan over the bins from the top finds the digit), then a pass over the
+//   row puts each selected position in its place. The first pass keeps the keys of the first
+//   `cache_keys` positions in dynamic shared memory (4 bytes each) for the others. At decode
+//   (T = 1) this block is alone on the GPU, so the kernel is its latency: loads are issued in
+//   batches, and warps walk the row in coalesced steps.
 
 #define DSA_KEYS 32
 #define DSA_HC 8  // heads per warp pass
+#define DSA_BATCH 8  // float4 loads a thread has in flight while filling shared memory
 
 extern "C" __global__ void __launch_bounds__(128) dsa_scores(
     const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,
-    float scale, float* scores, i64 s_stride) {
+    float scale, float* scores, i64 s_stride, int tiles) {
     pdl_enter();
     extern __shared__ __align__(16) float dsmem[];
     __shared__ float ws[64];
     __shared__ float part[4][DSA_KEYS];
     const int dim4 = dim / 4, kstride = dim + 4;
     float* qs = dsmem;                 // [heads][dim]
-    float* ks = dsmem + heads * dim;   // [DSA_KEYS][dim + 4]
-    int t = blockIdx.y, s0 = blockIdx.x * DSA_KEYS, tid = threadIdx.x;
-    int lane = tid & 31, warp = tid >> 5;
+    float* kbuf = dsmem + heads * dim; // [2][DSA_KEYS][dim + 4]: this tile and the next
+    const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tile0 = blockIdx.x * tiles, tile1 = min(tile0 + tiles, (S + DSA_KEYS - 1) / DSA_KEYS);
 
-    const float4* q4 = (const float4*)(q + (i64)t * heads * dim);
-    for (int i = tid; i < heads * dim4; i += blockDim.x) ((float4*)qs)[i] = q4[i];
-    for (int i = tid; i < heads; i += blockDim.x) ws[i] = w[(i64)t * heads + i];
-    for (int i = tid; i < DSA_KEYS * dim4; i += blockDim.x) {
-        int r = i / dim4, c = i - r * dim4;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (s0 + r < S) v = __ldg((const float4*)(k + (i64)(s0 + r) * dim) + c);
-        *(float4*)(ks + r * kstride + 4 * c) = v;
-    }
-    __syncthreads();
-
-    const float4* kr = (const float4*)(ks + lane * kstride);
-    float total = 0.0f;
-    for (int hc = warp * DSA_HC; hc < heads; hc += 4 * DSA_HC) {
-        float dot[DSA_HC];
-        int qrow[DSA_HC];  // float4 offset of each head's query row (past heads: unused)
-#pragma unroll
-        for (int e = 0; e < DSA_HC; e++) {
-            dot[e] = 0.0f;
-            qrow[e] = min(hc + e, heads - 1) * dim4;
+    // Key tile `tile` into buffer b by cp.async (rows past S zero-filled), one commit group.
+    auto copy_tile = [&](int tile, int b) {
+        const u32 base = (u32)__cvta_generic_to_shared(kbuf + b * DSA_KEYS * kstride);
+        const int s0 = tile * DSA_KEYS;
+        for (int i = tid; i < DSA_KEYS * dim4; i += 128) {
+            int r = i / dim4, c = i - r * dim4;
+            bool ok = s0 + r < S;
+            cp16(base + 4 * (r * kstride + 4 * c), k + (i64)(ok ? s0 + r : 0) * dim + 4 * c, ok);
         }
-        const float4* q4s = (const float4*)qs;
-        for (int d4 = 0; d4 < dim4; d4++) {
-            float4 kv = kr[d4];
+        cp_commit();
+    };
+    if (tile0 < tile1) copy_tile(tile0, 0);
+
+    // The query: loads in batches of DSA_BATCH a thread, all issued before the first is
+    // stored (a block pays one memory latency per batch, not one per loop trip).
+    const float4* q4 = (const float4*)(q + (i64)t * heads * dim);
+    for (int i0 = tid; i0 < heads * dim4; i0 += DSA_BATCH * 128) {
+        float4 v[DSA_BATCH];
+#pragma unroll
+        for (int j = 0; j < DSA_BATCH; j++) {
+            int i = i0 + 128 * j;
+            if (i < heads * dim4) v[j] = q4[i];
+        }
+#pragma unroll
+        for (int j = 0; j < DSA_BATCH; j++) {
+            int i = i0 + 128 * j;
+            if (i < heads * dim4) ((float4*)qs)[i] = v[j];
+        }
+    }
+    for (int i = tid; i < heads; i += blockDim.x) ws[i] = w[(i64)t * heads + i];
+
+    for (int tile = tile0; tile < tile1; tile++) {
+        const int b = (tile - tile0) & 1, s0 = tile * DSA_KEYS;
+        // The previous tile's readers are past the barrier at its end, so its buffer is free.
+        if (tile + 1 < tile1) {
+            copy_tile(tile + 1, b ^ 1);
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncthreads();
+        const float* ks = kbuf + b * DSA_KEYS * kstride;
+        const float4* kr = (const float4*)(ks + lane * kstride);
+        float total = 0.0f;
+        for (int hc = warp * DSA_HC; hc < heads; hc += 4 * DSA_HC) {
+            float dot[DSA_HC];
+            int qrow[DSA_HC];  // float4 offset of each head's query row (past heads: unused)
 #pragma unroll
             for (int e = 0; e < DSA_HC; e++) {
-                float4 qv = q4s[qrow[e] + d4];  // the same address in every lane: a broadcast
-                dot[e] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+                dot[e] = 0.0f;
+                qrow[e] = min(hc + e, heads - 1) * dim4;
             }
-        }
+            const float4* q4s = (const float4*)qs;
+            for (int d4 = 0; d4 < dim4; d4++) {
+                float4 kv = kr[d4];
 #pragma unroll
-        for (int e = 0; e < DSA_HC; e++)
-            if (hc + e < heads) total += ws[hc + e] * fmaxf(scale * dot[e], 0.0f);
-    }
-    part[warp][lane] = total;
-    __syncthreads();
-    if (warp == 0) {
-        int s = s0 + lane;
-        float sum = part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane];
-        if (s < S) scores[(i64)t * s_stride + s] = s <= pos0 + t ? sum : NEG_INF;
+                for (int e = 0; e < DSA_HC; e++) {
+                    float4 qv = q4s[qrow[e] + d4];  // one address in every lane: a broadcast
+                    dot[e] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < DSA_HC; e++)
+                if (hc + e < heads) total += ws[hc + e] * fmaxf(scale * dot[e], 0.0f);
+        }
+        part[warp][lane] = total;
+        __syncthreads();
+        if (warp == 0) {
+            int s = s0 + lane;
+            float sum = part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane];
+            if (s < S) scores[(i64)t * s_stride + s] = s <= pos0 + t ? sum : NEG_INF;
+        }
     }
 }
 
@@ -80,9 +120,9 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive prefix sum over the block of 256 threads; *total gets the block's sum.
-__device__ int block_scan_256(int v, int* scratch, int* total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Exclusive prefix sum over the block (whole warps, at most 32); *total gets the block's sum.
+__device__ int block_scan(int v, int* scratch, int* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int incl = v;
     for (int o = 1; o < 32; o <<= 1) {
         int n = __shfl_up_sync(0xffffffffu, incl, o);
@@ -91,7 +131,7 @@ __device__ int block_scan_256(int v, int* scratch, int* total) {
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
     int before = 0, sum = 0;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < warps; i++) {
         if (i < warp) before += scratch[i];
         sum += scratch[i];
     }
@@ -100,60 +140,115 @@ __device__ int block_scan_256(int v, int* scratch, int* total) {
     return before + incl - v;
 }
 
-extern "C" __global__ void __launch_bounds__(256) topk_rows(const float* scores, i64 s_stride,
-                                                            int pos0, int k, int* out) {
+#define TOPK_THREADS 1024  // kernels.rs
+#define TOPK_BATCH 8  // keys a thread loads before it uses them: loads in flight, not in turn
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
+    const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
     pdl_enter();
-    __shared__ int hist[256];
-    __shared__ int scratch[2][8];
+    extern __shared__ u32 cached[];  // [min(n, cache_keys)] the keys of the first positions
+    __shared__ int hist[2048];
+    __shared__ int scratch[32];
+    __shared__ int warp_gt[32], warp_eq[32];
     __shared__ u32 sel_prefix;
     __shared__ int sel_remaining;
-    int t = blockIdx.x, tid = threadIdx.x;
-    int n = pos0 + t + 1;
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n = pos0 + t + 1, n_cached = min(n, cache_keys);
     const float* row = scores + (i64)t * s_stride;
     int* orow = out + (i64)t * k;
 
     if (n <= k) {
-        for (int i = tid; i < k; i += blockDim.x) orow[i] = i < n ? i : -1;
+        for (int i = tid; i < k; i += TOPK_THREADS) orow[i] = i < n ? i : -1;
         return;
     }
+    // Past the first pass, which fills `cached`.
+    auto key_at = [&](int i) { return i < n_cached ? cached[i] : order_key(row[i]); };
 
-    // Radix select, 8 bits a pass from the top: find the key of the k-th largest score.
+    // Radix select, 11 + 11 + 10 bits from the top: find the key of the k-th largest score.
     u32 prefix = 0, mask = 0;
     int remaining = k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        hist[tid] = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
+        for (int b = tid; b < bins; b += TOPK_THREADS) hist[b] = 0;
         __syncthreads();
-        for (int i = tid; i < n; i += blockDim.x) {
-            u32 key = order_key(row[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+        for (int c0 = 0; c0 < n; c0 += TOPK_BATCH * TOPK_THREADS) {  // warp-uniform trips
+            u32 keys[TOPK_BATCH];
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = c0 + j * TOPK_THREADS + tid;
+                keys[j] = i >= n ? 0u : pass == 0 ? order_key(row[i]) : key_at(i);
+            }
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = c0 + j * TOPK_THREADS + tid;
+                if (pass == 0 && i < n_cached) cached[i] = keys[j];
+                // Plain shared atomics: grouping a warp's equal digits first (__match_any_sync,
+                // or a ballot on the first lane's digit) was slower (lab, H200: 8K keys
+                // 40.5 and 15.8 us against 13.0).
+                if (i < n && (keys[j] & mask) == prefix)
+                    atomicAdd(&hist[(keys[j] >> shift) & (bins - 1)], 1);
+            }
         }
         __syncthreads();
-        if (tid == 0) {
-            int cum = 0, digit = 255;
-            for (; digit > 0; digit--) {
-                if (cum + hist[digit] >= remaining) break;
-                cum += hist[digit];
+        // Bins from the top (thread j: the `per` digits from bins - 1 - per * j down): the
+        // digit where the count of larger keys first reaches `remaining`.
+        const int per = bins / TOPK_THREADS;
+        int count = 0, total;
+        for (int b = 0; b < per; b++) count += hist[bins - 1 - per * tid - b];
+        int larger = block_scan(count, scratch, &total);
+        if (larger < remaining && larger + count >= remaining) {
+            for (int b = 0; b < per; b++) {
+                int d = bins - 1 - per * tid - b, c = hist[d];
+                if (larger + c >= remaining) {
+                    sel_prefix = prefix | ((u32)d << shift);
+                    sel_remaining = remaining - larger;
+                    break;
+                }
+                larger += c;
             }
-            sel_prefix = prefix | ((u32)digit << shift);
-            sel_remaining = remaining - cum;
         }
         __syncthreads();
         prefix = sel_prefix;
         remaining = sel_remaining;
-        mask |= 255u << shift;
+        mask |= (u32)(bins - 1) << shift;
     }
-    // Now: keys > prefix are all taken, and the first `remaining` keys == prefix.
-    int gt_before = 0, eq_before = 0;
-    for (int c0 = 0; c0 < n; c0 += blockDim.x) {
-        int i = c0 + tid;
-        u32 key = i < n ? order_key(row[i]) : 0;
-        int gt = i < n && key > prefix, eq = i < n && key == prefix;
-        int gt_total, eq_total;
-        int gt_pos = block_scan_256(gt, scratch[0], &gt_total);
-        int eq_pos = block_scan_256(eq, scratch[1], &eq_total);
-        int g = gt_before + gt_pos, e = eq_before + eq_pos;
-        if (gt || (eq && e < remaining)) orow[g + min(e, remaining)] = i;
-        gt_before += gt_total;
-        eq_before += eq_total;
+
+    // Now: keys > prefix are all taken, and the first `remaining` keys == prefix; position i
+    // goes to (keys > prefix before it) + min(keys == prefix before it, remaining). Each warp
+    // takes a contiguous segment of the row, 32 positions a step (coalesced, and a lane's
+    // place within the step from ballots): it counts its segment, one block scan of the
+    // warps' counts tells it where its positions start, and it walks the segment again.
+    const int warps = TOPK_THREADS / 32;
+    const int seg = ((n + warps - 1) / warps + 31) & ~31;
+    const int s0 = min(warp * seg, n), s1 = min(s0 + seg, n);
+    const u32 below = (1u << lane) - 1;  // lanes before this one
+    int gt = 0, eq = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int b0 = s0; b0 < s1; b0 += 32 * TOPK_BATCH) {
+            u32 keys[TOPK_BATCH];
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = b0 + 32 * j + lane;
+                keys[j] = i < s1 ? key_at(i) : 0u;
+            }
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = b0 + 32 * j + lane;
+                bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
+                u32 bgt = __ballot_sync(0xffffffffu, is_gt), beq = __ballot_sync(0xffffffffu, is_eq);
+                if (pass == 1) {
+                    int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
+                    if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = i;
+                }
+                gt += __popc(bgt);
+                eq += __popc(beq);
+            }
+        }
+        if (pass == 0) {
+            if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
+            __syncthreads();
+            gt = eq = 0;
+            for (int w = 0; w < warp; w++) gt += warp_gt[w], eq += warp_eq[w];
+        }
     }
 }

@@ -1473,11 +1473,12 @@ fn topk_twin(row: &[f32], n: usize, k: usize) -> Vec<i32> {
     chosen
 }
 
-#[test]
-fn dsa_scores_and_topk_match() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("dsa");
-    let (heads, dim, tokens, pos0, k) = (8, 128, 6, 700, 256);
+/// dsa_scores on random inputs against an f64 twin; returns the GPU's scores [tokens, S].
+fn dsa_scores_case(
+    g: &Gpu,
+    rng: &mut Rng,
+    (heads, dim, tokens, pos0): (usize, usize, usize, usize),
+) -> Vec<f32> {
     let s_len = pos0 + tokens;
     let q = rng.normals(tokens * heads * dim);
     let keys = rng.normals(s_len * dim);
@@ -1487,7 +1488,7 @@ fn dsa_scores_and_topk_match() {
         g.upload(&keys).unwrap(),
         g.upload(&w).unwrap(),
     );
-    let dscores = poisoned(&g, tokens * s_len);
+    let dscores = poisoned(g, tokens * s_len);
     let scale = 0.088f32;
     g.dsa_scores(
         g.ptr(&dq, 0),
@@ -1523,7 +1524,24 @@ fn dsa_scores_and_topk_match() {
             want.push(total);
         }
     }
-    assert_close("dsa_scores", &got, &want, F32_OP);
+    assert_close(
+        &format!("dsa_scores {heads}x{dim}, {tokens} rows of {s_len} keys"),
+        &got,
+        &want,
+        F32_OP,
+    );
+    scores
+}
+
+#[test]
+fn dsa_scores_and_topk_match() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("dsa");
+    // GLM-5's indexer over 40000 keys: blocks of several key tiles.
+    dsa_scores_case(&g, &mut rng, (32, 128, 1, 39999));
+    let (tokens, pos0, k) = (6, 700, 256);
+    let s_len = pos0 + tokens;
+    let scores = dsa_scores_case(&g, &mut rng, (8, 128, tokens, pos0));
 
     // top-k on the GPU's own scores, plus a row with planted ties and a short row.
     let mut rows = scores.clone();
@@ -1545,7 +1563,29 @@ fn dsa_scores_and_topk_match() {
         .unwrap();
     let got = g.download(&dout).unwrap();
     assert_eq!(got[..k], topk_twin(&rows[..s_len], 11, k)[..]);
-    println!("topk_rows: {tokens} rows of {s_len} keys, top {k}: exact");
+    // GLM-5's decode shape: the top 2048 of 30000 keys (past the 22528 the kernel keeps in
+    // shared memory), scores from few values (ties at the boundary across many stretches of
+    // the row) and 8 of every 10 sharing their top bytes.
+    let (n, k_long) = (30000, 2048);
+    let long: Vec<f32> = (0..n)
+        .map(|i| {
+            let r = rng.normal();
+            if i % 10 < 8 {
+                1.0 + (r.abs() * 4.0).floor() / 64.0
+            } else {
+                (r * 4.0).floor()
+            }
+        })
+        .collect();
+    let (dl, dout) = (g.upload(&long).unwrap(), poisoned_i32(&g, k_long));
+    g.topk_rows(g.ptr(&dl, 0), n, 1, n - 1, k_long, g.ptr(&dout, 0))
+        .unwrap();
+    assert_eq!(
+        g.download(&dout).unwrap(),
+        topk_twin(&long, n, k_long),
+        "topk of {n} keys"
+    );
+    println!("topk_rows: {tokens} rows of {s_len} keys, top {k}; 1 of {n}, top {k_long}: exact");
 }
 
 // ----- MoE ---------------------------------------------------------------------------------------

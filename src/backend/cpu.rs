@@ -150,6 +150,7 @@ fn silu(x: f32) -> f32 {
 impl Backend for Cpu {
     type Tensor = Mat;
     type Weight = CpuWeight;
+    type Ids = Vec<i32>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -382,7 +383,7 @@ impl Backend for Cpu {
         v: &Mat,
         pos0: usize,
         scale: f32,
-        keep: Option<&[i32]>,
+        keep: Option<&Vec<i32>>,
     ) -> Mat {
         let n = q.rows;
         let dr = k_pe.cols;
@@ -394,7 +395,7 @@ impl Backend for Cpu {
         y.data.par_chunks_mut(dv).enumerate().for_each(|(th, out)| {
             let (t, h) = (th / heads, th % heads);
             let qh = &q.row(t)[h * (dn + dr)..(h + 1) * (dn + dr)];
-            let keys = visible_keys(pos0 + t, t, keep, n);
+            let keys = visible_keys(pos0 + t, t, keep.map(Vec::as_slice), n);
             let scores: Vec<f64> = keys
                 .iter()
                 .map(|&s| {
@@ -414,7 +415,7 @@ impl Backend for Cpu {
         cache: &Mat,
         pos0: usize,
         scale: f32,
-        keep: Option<&[i32]>,
+        keep: Option<&Vec<i32>>,
     ) -> Mat {
         let n = q_lat.rows;
         let kv_lora_plus_dr = cache.cols;
@@ -430,7 +431,7 @@ impl Backend for Cpu {
                 let (t, h) = (th / heads, th % heads);
                 let ql = &q_lat.row(t)[h * kv_lora..(h + 1) * kv_lora];
                 let qp = &q_pe.row(t)[h * dr..(h + 1) * dr];
-                let keys = visible_keys(pos0 + t, t, keep, n);
+                let keys = visible_keys(pos0 + t, t, keep.map(Vec::as_slice), n);
                 let scores: Vec<f64> = keys
                     .iter()
                     .map(|&s| {
@@ -481,6 +482,10 @@ impl Backend for Cpu {
                 kept
             })
             .collect()
+    }
+
+    fn ids_to_host(&self, ids: &Vec<i32>) -> Vec<i32> {
+        ids.clone()
     }
 
     fn moe_experts(

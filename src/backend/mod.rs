@@ -12,8 +12,8 @@
 //! - A weight (`Backend::Weight`) keeps the file's own format (quantized blocks stay quantized)
 //!   and its ggml shape `ne` (`ne[0]` is the row length, the contiguous dimension). A linear
 //!   weight `{in, out}` has `out` rows of `in` elements: `y = W x` dots each row with `x`.
-//! - Host-side outputs (`dsa_topk`, routing) are small `[rows, k]` lists the model needs on the
-//!   host anyway to tap them and to schedule the experts.
+//! - The DSA selection (`dsa_topk`) stays in the backend's memory (`Backend::Ids`) from the
+//!   indexer to attention: on a GPU, decode pays no host round trip per layer for it.
 //! - Shapes are the caller's contract; a backend may panic on a mismatch (a bug in the model,
 //!   never reachable from user input, which `crate::config` validates at load).
 
@@ -77,6 +77,8 @@ pub trait Backend: Send + Sync {
     type Tensor: Send + Sync;
     /// A weight of the model file in the backend's memory, in the file's format.
     type Weight: Send + Sync;
+    /// Key positions per query, `[rows * k]` i32 (the DSA selection), in the backend's memory.
+    type Ids: Send + Sync;
 
     /// "cpu", "cuda": used in messages.
     fn name(&self) -> &'static str;
@@ -273,7 +275,7 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
         pos0: usize,
         scale: f32,
-        keep: Option<&[i32]>,
+        keep: Option<&Self::Ids>,
     ) -> Self::Tensor;
 
     /// Absorbed (MQA over the latent cache) causal attention, same masking as `attention`:
@@ -289,7 +291,7 @@ pub trait Backend: Send + Sync {
         cache: &Self::Tensor,
         pos0: usize,
         scale: f32,
-        keep: Option<&[i32]>,
+        keep: Option<&Self::Ids>,
     ) -> Self::Tensor;
 
     /// DSA lightning indexer for n queries at positions `pos0..pos0+n`:
@@ -298,8 +300,7 @@ pub trait Backend: Send + Sync {
     ///
     /// index score of key s for query t = sum_h head_weights[t,h] * relu(scale * q[t,h].k[s]),
     /// over causal keys only. Returns per query the `top_k` best key positions in ascending
-    /// order, -1 padded when fewer keys exist: [n * top_k] on the host. Ties keep the lower
-    /// position.
+    /// order, -1 padded when fewer keys exist: [n * top_k]. Ties keep the lower position.
     #[allow(clippy::too_many_arguments)]
     fn dsa_topk(
         &self,
@@ -309,7 +310,10 @@ pub trait Backend: Send + Sync {
         pos0: usize,
         scale: f32,
         top_k: usize,
-    ) -> Vec<i32>;
+    ) -> Self::Ids;
+
+    /// `ids` on the host (for traces).
+    fn ids_to_host(&self, ids: &Self::Ids) -> Vec<i32>;
 
     // ----- mixture of experts -------------------------------------------------------------
 

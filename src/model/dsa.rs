@@ -15,17 +15,17 @@ use crate::weights::Indexer;
 /// The layer-norm epsilon of indexer.k_norm (fixed in the reference models).
 const K_NORM_EPS: f32 = 1e-6;
 
-/// Which cache positions the queries of a batch may attend to.
-pub enum Selection {
+/// Which cache positions the queries of a batch may attend to (`I`: the backend's `Ids`).
+pub enum Selection<I> {
     /// Every causal key: no query sees more than `top_k` of them, so the indexer keeps all.
     AllCausal,
     /// [n * top_k] positions per query, ascending, -1 padded.
-    TopK(Vec<i32>),
+    TopK(I),
 }
 
-impl Selection {
+impl<I> Selection<I> {
     /// The explicit list, None when every causal key is kept (attention then runs dense).
-    pub fn positions(&self) -> Option<&[i32]> {
+    pub fn positions(&self) -> Option<&I> {
         match self {
             Selection::AllCausal => None,
             Selection::TopK(ids) => Some(ids),
@@ -33,14 +33,20 @@ impl Selection {
     }
 
     /// [n * top_k] positions as the reference records them (for traces).
-    pub fn ids(&self, ix: &IndexerConfig, pos0: usize, n: usize) -> Vec<i32> {
+    pub fn ids<B: Backend<Ids = I>>(
+        &self,
+        b: &B,
+        ix: &IndexerConfig,
+        pos0: usize,
+        n: usize,
+    ) -> Vec<i32> {
         match self {
             Selection::AllCausal => (0..n)
                 .flat_map(|i| {
                     (0..ix.top_k as i32).map(move |p| if p <= (pos0 + i) as i32 { p } else { -1 })
                 })
                 .collect(),
-            Selection::TopK(ids) => ids.clone(),
+            Selection::TopK(ids) => b.ids_to_host(ids),
         }
     }
 }
@@ -59,7 +65,7 @@ pub fn select<B: Backend>(
     q_a: &B::Tensor,
     keys: &mut B::Tensor,
     pos0: usize,
-) -> Selection {
+) -> Selection<B::Ids> {
     let b = &m.backend;
     let norm = (&w.k_norm, &w.k_norm_bias);
     b.index_key_append(keys, pos0, &x_k, norm, K_NORM_EPS, &m.rope); // [n, d] normed, roped

@@ -25,7 +25,7 @@ pub fn attention<B: Backend>(
     x: &B::Tensor,
     cache: &mut Cache<B>,
     pos0: usize,
-    topk: &mut Option<dsa::Selection>,
+    topk: &mut Option<dsa::Selection<B::Ids>>,
     taps: &mut Taps,
 ) -> B::Tensor {
     let (b, cfg) = (&m.backend, &m.cfg);
@@ -88,7 +88,11 @@ pub fn attention<B: Backend>(
             .as_ref()
             .expect("validated: layer 0 runs its own indexer");
         if taps.on() {
-            taps.ids(|| format!("L{il}.dsa_topk"), n, &selection.ids(ix, pos0, n));
+            taps.ids(
+                || format!("L{il}.dsa_topk"),
+                n,
+                &selection.ids(b, ix, pos0, n),
+            );
         }
         keep = selection.positions();
     }

@@ -262,7 +262,7 @@ impl<B: Backend> Model<B> {
         taps.tensor(b, || "embed".into(), &x);
 
         // DSA: the last full indexer's selection, reused by the shared layers after it.
-        let mut topk: Option<dsa::Selection> = None;
+        let mut topk: Option<dsa::Selection<B::Ids>> = None;
         // Each residual add runs fused with the norm after it (`add_rms_norm`): the FFN output
         // of a layer waits here for the next layer's attn_norm (or the final norm).
         let mut ffn_out: Option<B::Tensor> = None;

@@ -71,6 +71,9 @@ pub struct Args {
     /// Like --profile-token, for one prefill of this many tokens (after a warm-up prefill).
     #[arg(long)]
     profile_prefill: Option<usize>,
+    /// With --profile-token: the profiled token follows a prompt of this many tokens.
+    #[arg(long, default_value_t = 0)]
+    profile_context: usize,
 }
 
 /// The bench's own kernels: a random fill, the mma.sync rate and an empty kernel.
@@ -647,6 +650,48 @@ impl Bench {
         Ok(())
     }
 
+    /// GLM-5's DSA indexer for one decode token over S cached indexer keys (f32, 32 heads of
+    /// 128): the score of every key (dsa_scores), then the positions of the top 2048
+    /// (topk_rows).
+    fn dsa(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        let (heads, dim, top) = (32usize, 128usize, 2048usize);
+        for &s in MLA_CONTEXTS {
+            let name = format!("dsa_indexer glm5 {}K context", s / 1024);
+            if !self.wanted(&name) {
+                continue;
+            }
+            let key_bytes = 4 * s * dim;
+            let q_bytes = 4 * heads * (dim + 1); // the query and the head weights
+            let (copies, step) = rotation(key_bytes + q_bytes, ARENA_BYTES);
+            let (scores, ids) = (scratch, scratch + 4 * s as u64);
+            let gpu = self.gpu.clone();
+            let timed = self.time(|i| {
+                let at = base + ((i % copies) * step) as u64;
+                let (q, w) = (
+                    at + key_bytes as u64,
+                    at + (key_bytes + 4 * heads * dim) as u64,
+                );
+                gpu.dsa_scores(q, at, w, heads, dim, 1, s, s - 1, 0.09, scores, s)?;
+                Ok(gpu.topk_rows(scores, s, 1, s - 1, top, ids)?)
+            });
+            let Some((secs, host)) = self.ok_or_report("dsa", &name, timed) else {
+                continue;
+            };
+            // The keys and query, the scores written and read back, the selected positions.
+            let moved = (key_bytes + q_bytes + 2 * 4 * s + 4 * top) as f64;
+            self.push_bw(
+                "dsa",
+                name,
+                moved,
+                secs,
+                host,
+                json!({"context": s, "heads": heads, "dim": dim, "top_k": top, "launches": 2}),
+            );
+        }
+        Ok(())
+    }
+
     /// Tensor-core products of T prompt tokens (f32 activations, quantized weights).
     fn prefill(&mut self, arena: &CudaSlice<u8>, xbuf: u64, ybuf: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
@@ -783,6 +828,7 @@ impl Bench {
         self.matvec(&arena, x, y)?;
         self.moe(&arena, x)?;
         self.mla(&arena, y)?;
+        self.dsa(&arena, y)?;
         self.prefill(&arena, x, y)?;
         self.moe_prefill(&arena, x, y)?;
         Ok(())
@@ -939,7 +985,7 @@ fn print_row(row: &Value) {
 /// One decode token between cuProfilerStart and cuProfilerStop.
 /// Loads the model and runs one decode token (`prefill` None) or one prefill of `prefill`
 /// tokens between cuProfilerStart and cuProfilerStop, after warming the same shapes up.
-fn profile_one_step(path: &Path, prefill: Option<usize>) -> Result<()> {
+fn profile_one_step(path: &Path, prefill: Option<usize>, context: usize) -> Result<()> {
     let file = Arc::new(GgufFile::open(path)?);
     let cfg = ModelConfig::from_gguf(&file)?;
     let model = Model::load(cfg.clone(), Cuda::new(0)?, &GgufTensors(file))?;
@@ -955,9 +1001,10 @@ fn profile_one_step(path: &Path, prefill: Option<usize>) -> Result<()> {
         }
         None => vec![7],
     };
-    let mut cache = model.new_cache(profiled.len() + 16);
+    let mut cache = model.new_cache(context + profiled.len() + 16);
     if prefill.is_none() {
-        for tokens in [&[1, 2, 3, 4][..], &[5], &[6]] {
+        let prompt = token_ids(context.max(4), cfg.n_vocab);
+        for tokens in [&prompt[..], &[5], &[6]] {
             run(&mut cache, tokens)?;
         }
     }
@@ -971,7 +1018,7 @@ fn profile_one_step(path: &Path, prefill: Option<usize>) -> Result<()> {
 pub fn run(args: Args) -> Result<()> {
     if args.profile_token || args.profile_prefill.is_some() {
         let path = args.model.first().context("profiling needs --model")?;
-        return profile_one_step(path, args.profile_prefill);
+        return profile_one_step(path, args.profile_prefill, args.profile_context);
     }
     let mut bench = Bench::new(args.quick, args.filter.clone())?;
     println!(

@@ -175,6 +175,7 @@ impl Cuda {
 impl Backend for Cuda {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
+    type Ids = CudaSlice<i32>;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -637,7 +638,7 @@ impl Backend for Cuda {
         v: &CudaTensor,
         pos0: usize,
         scale: f32,
-        keep: Option<&[i32]>,
+        keep: Option<&CudaSlice<i32>>,
     ) -> CudaTensor {
         let n = q.rows;
         let dr = k_pe.cols;
@@ -645,7 +646,10 @@ impl Backend for Cuda {
         let (dn, dv) = (k_nope.cols / heads, v.cols / heads);
         let s_len = pos0 + n;
         let words = s_len.div_ceil(32);
+        // The selection as a bit mask per query row, made on the host: prefill downloads the
+        // ids (one wait per layer, against a prefill's milliseconds).
         let mask = keep.map(|keep| {
+            let keep = ok(self.gpu.download(keep), "download");
             let top_k = keep.len() / n;
             let mut bits = vec![0u32; n * words];
             for t in 0..n {
@@ -695,7 +699,7 @@ impl Backend for Cuda {
         cache: &CudaTensor,
         pos0: usize,
         scale: f32,
-        keep: Option<&[i32]>,
+        keep: Option<&CudaSlice<i32>>,
     ) -> CudaTensor {
         let n = q_lat.rows;
         let heads = (q_lat.cols + q_pe.cols) / cache.cols;
@@ -706,7 +710,6 @@ impl Backend for Cuda {
             "latent_attention: cache rows of {}",
             cache.cols
         );
-        let ids = keep.map(|k| self.upload_i32(k));
         let out = self.empty(n, heads * dl);
         let a = MlaDecode {
             q_lat: self.p(q_lat, 0),
@@ -719,7 +722,7 @@ impl Backend for Cuda {
             heads,
             tokens: n,
             pos0,
-            key_ids: ids.as_ref().map_or(0, |i| self.gpu.ptr(i, 0)),
+            key_ids: keep.map_or(0, |i| self.gpu.ptr(i, 0)),
             n_ids: keep.map_or(0, |k| k.len() / n.max(1)),
             scale,
             out: self.p(&out, 0),
@@ -737,7 +740,7 @@ impl Backend for Cuda {
         pos0: usize,
         scale: f32,
         top_k: usize,
-    ) -> Vec<i32> {
+    ) -> CudaSlice<i32> {
         let n = q.rows;
         let (nh, d) = (head_weights.cols, keys.cols);
         let s_len = pos0 + n;
@@ -770,7 +773,11 @@ impl Backend for Cuda {
             ),
             "topk_rows",
         );
-        ok(self.gpu.download(&out), "download")
+        out
+    }
+
+    fn ids_to_host(&self, ids: &CudaSlice<i32>) -> Vec<i32> {
+        ok(self.gpu.download(ids), "download")
     }
 
     fn moe_experts(

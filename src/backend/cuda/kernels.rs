@@ -112,10 +112,16 @@ pub fn attention_smem_bytes(dqk: usize, dv: usize) -> usize {
 pub const DSA_DIM_MAX: usize = 256;
 pub const DSA_Q_MAX: usize = 8192;
 
-/// Dynamic shared memory of dsa_scores: the query [heads][dim] and a tile of 32 keys, rows
+/// Threads of topk_rows (one block per row; at decode the block is alone on the GPU, and more
+/// threads keep more loads in flight), and the most leading positions of a row whose keys it
+/// keeps in shared memory for its later passes (88 KiB).
+pub const TOPK_THREADS: u32 = 1024;
+pub const TOPK_CACHE_KEYS: usize = 22528;
+
+/// Dynamic shared memory of dsa_scores: the query [heads][dim] and two tiles of 32 keys, rows
 /// padded by 4 floats.
 pub fn dsa_scores_smem_bytes(heads: usize, dim: usize) -> usize {
-    4 * (heads * dim + 32 * (dim + 4))
+    4 * (heads * dim + 2 * 32 * (dim + 4))
 }
 
 /// Dynamic shared memory of the cp.async matmul kernels (CpCfg in kernels/matmul.cu, whose
@@ -151,7 +157,9 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
     match kernel {
         "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
         // heads * dim <= DSA_Q_MAX and dim <= DSA_DIM_MAX.
-        "dsa_scores" => 4 * (DSA_Q_MAX + 32 * (DSA_DIM_MAX + 4)),
+        // heads * dim <= DSA_Q_MAX, dim <= DSA_DIM_MAX: the widest keys make the largest tiles.
+        "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX),
+        "topk_rows" => 4 * TOPK_CACHE_KEYS,
         "mla_decode_split" | "mla_decode_split16" => mla_decode_smem_bytes(),
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),

@@ -9,7 +9,7 @@ use super::device::{launch, DevicePtrRaw as Ptr, Gpu};
 use super::error::{check, CudaError};
 use super::kernels::{
     attention_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX, ATT_DV_MAX, ATT_THREADS,
-    DSA_DIM_MAX, DSA_Q_MAX, MLA_DL_MAX, MLA_DR_MAX,
+    DSA_DIM_MAX, DSA_Q_MAX, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS, TOPK_THREADS,
 };
 
 /// The ggml types the matvec, matmul and embedding kernels read: every type the CPU reference
@@ -1123,9 +1123,15 @@ impl Gpu {
         if keys == 0 || tokens == 0 {
             return Ok(());
         }
-        let smem = dsa_scores_smem_bytes(heads, dim) as u32;
-        launch!(self, "dsa_scores", (grid1(keys, 32), tokens as u32, 1), 128, smem;
-            q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores, s_stride as i64);
+        // Tiles of 32 keys per block: as many as spread all tiles over one wave of blocks, so
+        // that a long row loads its query once per block rather than once per tile.
+        let smem = dsa_scores_smem_bytes(heads, dim);
+        let slots = self.multiprocessors * self.blocks_per_sm("dsa_scores", 128, smem)?.max(1);
+        let tiles = (keys.div_ceil(32) * tokens).div_ceil(slots).max(1);
+        launch!(self, "dsa_scores", (grid1(keys, 32 * tiles), tokens as u32, 1), 128,
+            smem as u32;
+            q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores,
+            s_stride as i64, tiles as i32);
         Ok(())
     }
 
@@ -1139,8 +1145,10 @@ impl Gpu {
         k: usize,
         out: Ptr,
     ) -> Result<(), CudaError> {
-        launch!(self, "topk_rows", (tokens as u32, 1, 1), 256, 0;
-            scores, s_stride as i64, pos0 as i32, k as i32, out);
+        // The longest row's keys, as far as they fit.
+        let cache_keys = (pos0 + tokens).min(TOPK_CACHE_KEYS);
+        launch!(self, "topk_rows", (tokens as u32, 1, 1), TOPK_THREADS, 4 * cache_keys as u32;
+            scores, s_stride as i64, pos0 as i32, k as i32, cache_keys as i32, out);
         Ok(())
     }
 }
