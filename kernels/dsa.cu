@@ -114,6 +114,18 @@ extern "C" __global__ void __launch_bounds__(128) dsa_scores(
     }
 }
 
+// keep_mask: the selection as bits for attention_prefill: bits[t, s / 32] bit s % 32 is set for
+//   every position s = ids[t, j] in 0 .. n_keys (bits zeroed before; -1 padding sets none).
+//   One thread per id.
+extern "C" __global__ void keep_mask(const int* ids, int rows, int k, int n_keys, int words,
+                                     u32* bits) {
+    pdl_enter();
+    i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    if (i >= (i64)rows * k) return;
+    int s = ids[i];
+    if (s >= 0 && s < n_keys) atomicOr(&bits[i / k * words + s / 32], 1u << (s % 32));
+}
+
 // Larger float <=> larger key; -inf is the smallest non-NaN key.
 __device__ __forceinline__ u32 order_key(float f) {
     u32 b = __float_as_uint(f);

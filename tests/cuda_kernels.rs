@@ -1557,6 +1557,16 @@ fn dsa_scores_and_topk_match() {
         let want = topk_twin(&rows[t * s_len..][..s_len], pos0 + t + 1, k);
         assert_eq!(&got[t * k..][..k], &want[..], "topk row {t}");
     }
+    // Those selections as attention_prefill's bit mask, against the bits made here.
+    let words = s_len.div_ceil(32);
+    let dbits = g.upload(&vec![0u32; tokens * words]).unwrap();
+    g.keep_mask(g.ptr(&dout, 0), (tokens, k), s_len, words, g.ptr(&dbits, 0))
+        .unwrap();
+    let mut bits = vec![0u32; tokens * words];
+    for (i, &s) in got.iter().enumerate().filter(|(_, &s)| s >= 0) {
+        bits[i / k * words + s as usize / 32] |= 1 << (s % 32);
+    }
+    assert_eq!(g.download(&dbits).unwrap(), bits, "keep_mask");
     // Fewer keys than k: all of them, then -1.
     let dout = poisoned_i32(&g, 2 * k);
     g.topk_rows(g.ptr(&drows, 0), s_len, 2, 10, k, g.ptr(&dout, 0))

@@ -646,20 +646,16 @@ impl Backend for Cuda {
         let (dn, dv) = (k_nope.cols / heads, v.cols / heads);
         let s_len = pos0 + n;
         let words = s_len.div_ceil(32);
-        // The selection as a bit mask per query row, made on the host: prefill downloads the
-        // ids (one wait per layer, against a prefill's milliseconds).
+        // The selection as a bit mask per query row [n, words].
         let mask = keep.map(|keep| {
-            let keep = ok(self.gpu.download(keep), "download");
-            let top_k = keep.len() / n;
-            let mut bits = vec![0u32; n * words];
-            for t in 0..n {
-                for &s in &keep[t * top_k..(t + 1) * top_k] {
-                    if s >= 0 && (s as usize) < s_len {
-                        bits[t * words + s as usize / 32] |= 1 << (s % 32);
-                    }
-                }
-            }
-            ok(self.gpu.upload(&bits), "upload")
+            let bits: CudaSlice<u32> = ok(self.gpu.zeros(n * words), "alloc");
+            let ids = self.gpu.ptr(keep, 0);
+            let rows_k = (n, keep.len() / n);
+            let made = self
+                .gpu
+                .keep_mask(ids, rows_k, s_len, words, self.gpu.ptr(&bits, 0));
+            ok(made, "keep_mask");
+            bits
         });
         let out = self.empty(n, heads * dv);
         let a = AttentionPrefill {

@@ -60,7 +60,7 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         "silu_mul" | "add_inplace" | "copy_block" => "elementwise",
         "attention_prefill" => "attention",
         "mla_decode_split" | "mla_decode_split16" | "mla_decode_combine" => "mla_decode",
-        "dsa_scores" | "topk_rows" => "dsa",
+        "dsa_scores" | "topk_rows" | "keep_mask" => "dsa",
         "moe_router" | "moe_combine" => "moe",
         "argmax_rows" | "top_p_sample" => "sampling",
         _ => return None,

@@ -1135,6 +1135,23 @@ impl Gpu {
         Ok(())
     }
 
+    /// bits [rows, words] (zeroed) |= the positions ids [rows, k] in 0 .. n_keys, as bits.
+    pub fn keep_mask(
+        &self,
+        ids: Ptr,
+        (rows, k): (usize, usize),
+        n_keys: usize,
+        words: usize,
+        bits: Ptr,
+    ) -> Result<(), CudaError> {
+        check(n_keys <= 32 * words, "keep_mask", || {
+            format!("{n_keys} keys need more than {words} words")
+        })?;
+        launch!(self, "keep_mask", (grid1(rows * k, 256), 1, 1), 256, 0;
+            ids, rows as i32, k as i32, n_keys as i32, words as i32, bits);
+        Ok(())
+    }
+
     /// Per row t: the k best of scores[t, 0 ..= pos0 + t], ascending positions, -1 padded.
     pub fn topk_rows(
         &self,
