@@ -12,7 +12,8 @@
 // Long contexts are split over the sequence (flash decoding): mla_decode_split handles
 // `keys_per_split` keys for a group of heads and writes an unnormalized partial result
 // (running max m, sum l, acc = sum p c_kv); mla_decode_combine merges the splits (at most
-// MLA_MAX_SPLITS, kernels.rs).
+// MLA_MAX_SPLITS, kernels.rs). With one split (a short context) the split kernel writes the
+// output itself and there is no combine.
 //
 // mla_decode_split runs on tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation)
 // with split precision: every f32 operand x is carried as x_hi = bf16(x) and
@@ -159,7 +160,7 @@ template <int W>
 __device__ __forceinline__ void mla_split_body(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache, int dl,
     int dr, int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,
-    float scale, float* part_acc, float* part_ml) {
+    float scale, float* part_acc, float* part_ml, float* out, i64 out_tok) {
     constexpr int HB = 16 * (8 / W);     // heads per block
     constexpr int D = MLA_DL_MAX / W;    // latent dims per warp
     constexpr int KL = D / 16;           // its latent k steps (a rope one follows)
@@ -355,6 +356,18 @@ __device__ __forceinline__ void mla_split_body(
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         int h = h_tile + grp + 8 * r;
         if (h >= n_heads) continue;
+        if (gridDim.y == 1) {
+            // One split: the result itself, as mla_decode_combine would make it (the same
+            // operations, so the same bits), and no combine launch.
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            float* orow = out + t * out_tok + (i64)h * dl;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                int d = D * c + 8 * n + 2 * tig;
+                if (d < dl) *(float2*)(orow + d) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+            }
+            continue;
+        }
         i64 base = ((i64)t * gridDim.y + split) * n_heads + h;
 #pragma unroll
         for (int n = 0; n < NT; n++) {
@@ -372,9 +385,10 @@ __device__ __forceinline__ void mla_split_body(
     extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) name(                        \
         const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache,    \
         int dl, int dr, int n_heads, const int* key_ids, int n_ids, int pos0,                 \
-        int keys_per_split, float scale, float* part_acc, float* part_ml) {                   \
+        int keys_per_split, float scale, float* part_acc, float* part_ml, float* out,         \
+        i64 out_tok) {                                                                        \
         mla_split_body<W>(q_lat, ql_tok, q_pe, qp_tok, cache, dl, dr, n_heads, key_ids, n_ids, \
-                          pos0, keys_per_split, scale, part_acc, part_ml);                    \
+                          pos0, keys_per_split, scale, part_acc, part_ml, out, out_tok);      \
     }
 MLA_SPLIT(mla_decode_split, 4)
 MLA_SPLIT(mla_decode_split16, 8)

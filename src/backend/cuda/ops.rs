@@ -1088,7 +1088,11 @@ impl Gpu {
         launch!(@dependent pdl, self, kernel, grid, MLA_THREADS,
             mla_decode_smem_bytes() as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
-            a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm);
+            a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm,
+            a.out, a.out_tok as i64);
+        if splits == 1 {
+            return Ok(()); // the split kernel wrote the output
+        }
         let (chunks, threads) = mla_combine_shape(self.multiprocessors, a, splits);
         launch!(@dependent pdl, self, "mla_decode_combine",
             (a.heads as u32, a.tokens as u32, chunks), threads, 0;
