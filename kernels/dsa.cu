@@ -37,7 +37,8 @@ extern "C" __global__ void __launch_bounds__(128) dsa_scores(
     float* qs = dsmem;                 // [heads][dim]
     float* kbuf = dsmem + heads * dim; // [2][DSA_KEYS][dim + 4]: this tile and the next
     const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int tile0 = blockIdx.x * tiles, tile1 = min(tile0 + tiles, (S + DSA_KEYS - 1) / DSA_KEYS);
+    const int tile0 = blockIdx.x * tiles;
+    const int tile1 = min(tile0 + tiles, (S + DSA_KEYS - 1) / DSA_KEYS);
 
     // Key tile `tile` into buffer b by cp.async (rows past S zero-filled), one commit group.
     auto copy_tile = [&](int tile, int b) {
@@ -247,7 +248,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
             for (int j = 0; j < TOPK_BATCH; j++) {
                 int i = b0 + 32 * j + lane;
                 bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
-                u32 bgt = __ballot_sync(0xffffffffu, is_gt), beq = __ballot_sync(0xffffffffu, is_eq);
+                u32 bgt = __ballot_sync(0xffffffffu, is_gt);
+                u32 beq = __ballot_sync(0xffffffffu, is_eq);
                 if (pass == 1) {
                     int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
                     if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = i;

@@ -364,7 +364,8 @@ __device__ __forceinline__ void mla_split_body(
 #pragma unroll
             for (int n = 0; n < NT; n++) {
                 int d = D * c + 8 * n + 2 * tig;
-                if (d < dl) *(float2*)(orow + d) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+                if (d < dl)
+                    *(float2*)(orow + d) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
             }
             continue;
         }

@@ -156,7 +156,6 @@ pub fn dependent_launch_helps(kernel: &str) -> bool {
 pub fn max_dynamic_smem(kernel: &str) -> usize {
     match kernel {
         "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
-        // heads * dim <= DSA_Q_MAX and dim <= DSA_DIM_MAX.
         // heads * dim <= DSA_Q_MAX, dim <= DSA_DIM_MAX: the widest keys make the largest tiles.
         "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX),
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
