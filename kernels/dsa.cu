@@ -133,9 +133,9 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive prefix sum over the block (whole warps, at most 32); *total gets the block's sum.
-__device__ int block_scan(int v, int* scratch, int* total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+// Exclusive prefix sum over the block (whole warps, at most 32).
+__device__ int block_scan(int v, int* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl = v;
     for (int o = 1; o < 32; o <<= 1) {
         int n = __shfl_up_sync(0xffffffffu, incl, o);
@@ -143,13 +143,9 @@ __device__ int block_scan(int v, int* scratch, int* total) {
     }
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
-    int before = 0, sum = 0;
-    for (int i = 0; i < warps; i++) {
-        if (i < warp) before += scratch[i];
-        sum += scratch[i];
-    }
+    int before = 0;
+    for (int i = 0; i < warp; i++) before += scratch[i];
     __syncthreads();
-    *total = sum;
     return before + incl - v;
 }
 
@@ -206,9 +202,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
         // Bins from the top (thread j: the `per` digits from bins - 1 - per * j down): the
         // digit where the count of larger keys first reaches `remaining`.
         const int per = bins / TOPK_THREADS;
-        int count = 0, total;
+        int count = 0;
         for (int b = 0; b < per; b++) count += hist[bins - 1 - per * tid - b];
-        int larger = block_scan(count, scratch, &total);
+        int larger = block_scan(count, scratch);
         if (larger < remaining && larger + count >= remaining) {
             for (int b = 0; b < per; b++) {
                 int d = bins - 1 - per * tid - b, c = hist[d];
