@@ -347,7 +347,7 @@ template <int ELEMS, int BYTES, int PIECES, PieceFn PIECE>
 __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
                             i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y,
                             i64 y_stride, const MatvecParts& parts) {
-    __shared__ float partial[MATVEC_WIDE_WARPS][MATVEC_ROWS];
+    __shared__ float partial[2 * MATVEC_WIDE_WARPS][MATVEC_ROWS];  // per warp or half warp
     int b = blockIdx.y;
     if (parts.w1) {
         if (b > 0) {
@@ -357,10 +357,11 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
         }
         b = 0;
     }
-    // Groups per block: the fewest (so the most warps per group) that still cover every row.
+    // Groups per block: the fewest (so the most warps per group) that still cover every row;
+    // up to two per warp (half a warp each), which the host picks for short rows.
     int groups = (rows + MATVEC_ROWS - 1) / MATVEC_ROWS, per_block = 1, warps = blockDim.x >> 5;
-    while (per_block < warps && (int)gridDim.x * per_block < groups) per_block *= 2;
-    int lanes = blockDim.x / per_block;  // threads per group, a multiple of 32
+    while (per_block < 2 * warps && (int)gridDim.x * per_block < groups) per_block *= 2;
+    int lanes = blockDim.x / per_block;  // threads per group, a multiple of 16
     int t = threadIdx.x % lanes, group = threadIdx.x / lanes;
     int r0 = (blockIdx.x * per_block + group) * MATVEC_ROWS;
     if (ids) pdl_wait();  // the MoE choice comes from the router kernel
@@ -393,17 +394,17 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
             PIECE(blk, p, xb + (i64)(q / PIECES) * ELEMS, acc);
         }
     }
-    int warp = threadIdx.x >> 5;
+    const int span = min(lanes, 32);  // a group's lanes within one warp
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) {
-        float s = warp_sum(acc[r]);
-        if ((threadIdx.x & 31) == 0) partial[warp][r] = s;
+        float s = span == 32 ? warp_sum(acc[r]) : half_warp_sum(acc[r]);
+        if ((threadIdx.x & (span - 1)) == 0) partial[threadIdx.x / span][r] = s;
     }
     __syncthreads();
     if (t < MATVEC_ROWS && r0 + t < rows) {
-        int first = group * (lanes >> 5);
+        int per = lanes / span, first = group * per;
         float s = 0.0f;
-        for (int i = 0; i < (lanes >> 5); i++) s += partial[first + i][t];
+        for (int i = 0; i < per; i++) s += partial[first + i][t];
         y[b * y_stride + r0 + t] = s;
     }
 }

@@ -300,6 +300,25 @@ fn matvec_every_type_matches_dequantized_dot() {
     }
 }
 
+/// Rows of 128 values (MLA's per-head k_b: a few blocks a row), where matvec puts two row
+/// groups in each warp (half a warp each), with a tail group and an input per item.
+#[test]
+fn matvec_short_rows_match_dequantized_dot() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_short");
+    let (rows, k) = (67, 128);
+    for &t in KERNEL_TYPES.iter().filter(|t| t.row_bytes(128).is_some()) {
+        let mats = 5;
+        let w = random_rows(&mut rng, t, rows * mats, k);
+        let wf = dequant_rows(t, &w, rows * mats, k);
+        let ids = [4i32, 0, 3, 1, 2, 0];
+        let x = rng.normals(ids.len() * k);
+        let y = expert_matvec(&g, t, &w, (rows, k), &x, 1, &ids);
+        let want = expert_matvec_want(&wf, (rows, k), &x, 1, &ids);
+        assert_close(&format!("matvec {t}, rows of {k}"), &y, &want, F32_OP);
+    }
+}
+
 /// The outputs of the items whose id is a held matrix, in order, after checking that the items
 /// of a choice held elsewhere (id -1) were left alone (still the poison NaN).
 fn chosen_outputs(y: &[f32], rows: usize, ids: &[i32], what: &str) -> Vec<f32> {

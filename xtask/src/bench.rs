@@ -517,6 +517,47 @@ impl Bench {
         Ok(())
     }
 
+    /// MLA's absorbed k_b product of one decode token: per head h, q_lat[h] (512) = k_b[h]
+    /// (512 x dn) q_nope[h], one launch over the heads (types whose blocks fit dn: Q5_0, Q8_0).
+    fn heads(&mut self, arena: &CudaSlice<u8>, x: u64, y: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        for (fam, heads, dn) in [("ds3", 128usize, 128usize), ("glm5", 64, 192)] {
+            for ty in [GgmlType::Q5_0, GgmlType::Q8_0] {
+                let rows = 512;
+                let name = format!("matvec_heads {} {fam}.k_b {heads} x {rows}x{dn}", tname(ty));
+                if !self.wanted(&name) {
+                    continue;
+                }
+                let row_bytes = ty.row_bytes(dn).context("whole blocks")?;
+                let bytes = heads * rows * row_bytes;
+                let (copies, step) = rotation(bytes, ARENA_BYTES);
+                let gpu = self.gpu.clone();
+                let timed = self.time(|i| {
+                    let w = base + ((i % copies) * step) as u64;
+                    let mut a = Matvec::single(ty, w, (x, y), (rows, dn));
+                    a.batch = heads;
+                    a.mat_stride = rows * row_bytes;
+                    a.y_stride = rows;
+                    Ok(gpu.matvec(&a)?)
+                });
+                let Some((secs, host)) = self.ok_or_report("matvec", &name, timed) else {
+                    continue;
+                };
+                let moved = (bytes + 4 * heads * (dn + rows)) as f64;
+                self.push_bw(
+                    "matvec",
+                    name,
+                    moved,
+                    secs,
+                    host,
+                    json!({"type": tname(ty), "rows": rows, "k": dn, "heads": heads,
+                           "family": fam}),
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The routed experts of one token as the CUDA backend runs them at decode: gate and up
     /// (8 items sharing x), silu * up, down (8 items), each item picking its expert by id.
     fn moe(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
@@ -826,6 +867,7 @@ impl Bench {
         let y = self.gpu.ptr(&out, 0);
         self.gpu.sync()?;
         self.matvec(&arena, x, y)?;
+        self.heads(&arena, x, y)?;
         self.moe(&arena, x)?;
         self.mla(&arena, y)?;
         self.dsa(&arena, y)?;

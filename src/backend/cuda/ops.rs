@@ -148,6 +148,11 @@ fn matvec_blocks(
     (split.max(MATVEC_WARPS), MATVEC_WARPS.div_ceil(split))
 }
 
+/// Rows shorter than this take half a warp per row group: a whole warp left half of its lanes
+/// without a piece on MLA's per-head k_b (88-byte Q5_0 rows of 16 pieces: 128 heads x 512 rows
+/// ran at ~10% of copy in 16,384 one-round warps, docs/performance.md).
+const MATVEC_HALF_WARP_BYTES: usize = 256;
+
 /// (grid x, block) of matvec_<type> for `batch` items of `rows` rows: row groups sharing
 /// blocks.
 fn matvec_geometry(ty: GgmlType, rows: usize, batch: usize, row_bytes: usize) -> (u32, u32) {
@@ -157,7 +162,10 @@ fn matvec_geometry(ty: GgmlType, rows: usize, batch: usize, row_bytes: usize) ->
     } else {
         MATVEC_WARPS
     };
-    let (warps, per_block) = matvec_blocks(groups, batch, row_bytes, max_warps);
+    let (warps, mut per_block) = matvec_blocks(groups, batch, row_bytes, max_warps);
+    if row_bytes < MATVEC_HALF_WARP_BYTES && per_block == warps {
+        per_block *= 2; // two groups per warp (matvec_body reads it back from the grid)
+    }
     (grid1(groups, per_block), 32 * warps as u32)
 }
 
