@@ -383,7 +383,8 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
     float acc[MATVEC_ROWS];
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) acc[r] = 0.0f;
-    // PIECES divides 32, so each thread keeps one piece index p and walks the blocks.
+    // PIECES divides a group's lanes (the host puts no 32-piece type on half warps), so each
+    // thread keeps one piece index p and walks the blocks.
     if (r0 < rows) {
 #pragma unroll 4
         for (int q = t; q < pieces; q += lanes) {

@@ -148,14 +148,24 @@ fn matvec_blocks(
     (split.max(MATVEC_WARPS), MATVEC_WARPS.div_ceil(split))
 }
 
-/// Rows shorter than this take half a warp per row group: a whole warp left half of its lanes
-/// without a piece on MLA's per-head k_b (88-byte Q5_0 rows of 16 pieces: 128 heads x 512 rows
-/// ran at ~10% of copy in 16,384 one-round warps, docs/performance.md).
-const MATVEC_HALF_WARP_BYTES: usize = 256;
+/// Rows of at most this many values take half a warp per row group: a whole warp left half of
+/// its lanes without a piece on MLA's per-head k_b (DeepSeek-V3: 128 values, 88-byte Q5_0 rows of
+/// 16 pieces; 128 heads x 512 rows ran at ~10% of copy in 16,384 one-round warps,
+/// docs/performance.md). Such a row is at most 16 pieces (one per 8 values or fewer) for every
+/// type but f32 (32: two rounds), and it keeps 256-value types (32 pieces per block, which
+/// must divide a group's lanes) off half warps. Longer rows keep whole warps: GLM-5's
+/// 192-value k_b (24 pieces) on half warps took two rounds, and its decode lost 4% (H200).
+const MATVEC_HALF_WARP_K: usize = 128;
 
-/// (grid x, block) of matvec_<type> for `batch` items of `rows` rows: row groups sharing
-/// blocks.
-fn matvec_geometry(ty: GgmlType, rows: usize, batch: usize, row_bytes: usize) -> (u32, u32) {
+/// (grid x, block) of matvec_<type> for `batch` items of `rows` rows of `k` values: row groups
+/// sharing blocks.
+fn matvec_geometry(
+    ty: GgmlType,
+    rows: usize,
+    batch: usize,
+    k: usize,
+    row_bytes: usize,
+) -> (u32, u32) {
     let groups = rows.div_ceil(MATVEC_ROWS);
     let max_warps = if ty == GgmlType::F32 {
         MATVEC_WIDE_WARPS
@@ -163,7 +173,7 @@ fn matvec_geometry(ty: GgmlType, rows: usize, batch: usize, row_bytes: usize) ->
         MATVEC_WARPS
     };
     let (warps, mut per_block) = matvec_blocks(groups, batch, row_bytes, max_warps);
-    if row_bytes < MATVEC_HALF_WARP_BYTES && per_block == warps {
+    if k <= MATVEC_HALF_WARP_K && per_block == warps {
         per_block *= 2; // two groups per warp (matvec_body reads it back from the grid)
     }
     (grid1(groups, per_block), 32 * warps as u32)
@@ -329,7 +339,7 @@ impl Gpu {
                 a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64);
             return Ok(());
         }
-        let (grid_x, block) = matvec_geometry(a.ty, a.rows, a.batch, rb as usize);
+        let (grid_x, block) = matvec_geometry(a.ty, a.rows, a.batch, a.k, rb as usize);
         launch!(self, kernel, (grid_x, a.batch as u32, 1), block, 0;
             a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, rb, a.x,
             a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, MatvecParts::default());
@@ -376,7 +386,7 @@ impl Gpu {
         };
         // The grid of the longest part; the others' surplus blocks find no rows and return.
         let rows = parts.iter().map(|p| p.rows).max().unwrap();
-        let (grid_x, block) = matvec_geometry(ty, rows, 1, rb);
+        let (grid_x, block) = matvec_geometry(ty, rows, 1, k, rb);
         launch!(self, kernel, (grid_x, parts.len() as u32, 1), block, 0;
             p0.w, 0i64, 0 as Ptr, p0.rows as i32, k as i32, rb as i64, x, 1i32, 0i64, p0.y, 0i64,
             extra);
