@@ -429,15 +429,20 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 // f64, like the CUDA-core kernel).
 //
 // Each thread block turns its x into planes in shared memory first (tc_prepare_x) while the
-// first weight loads are in flight; that costs a pass over x per block, which is why
-// Gpu::matvec uses this kernel only for matrices with many rows (ops.rs, uses_tensor_cores).
+// first weight loads are in flight; that costs a pass over x, which is why Gpu::matvec uses
+// this kernel only for matrices with many rows (ops.rs, uses_tensor_cores).
 //
-// Grid (ceil(tiles / T), batch), a tile = 16 rows, T tiles per block (read back from the grid
-// size as in matvec_body); block W = 4 (matvec_tc_q4_k) or 8 (matvec_tc8_q4_k, for the MoE
-// experts: one x prepared for twice the rows) warps, W / T per tile, which take its 256-blocks
-// in turn and meet in shared memory. Dynamic shared memory tc_smem_bytes(k) (ops.rs): 4 planes
-// of k + 32 bytes (the padding puts the 16 lanes reading one sub-block on distinct banks),
-// k / 256 scales (rounded up to even), k / 32 sums.
+// A tile = 16 rows; a group = T tiles of one item, computed by one thread block of W = 4
+// (matvec_tc_q4_k) or 8 (matvec_tc8_q4_k) warps, W / T per tile, which take its 256-blocks in
+// turn and meet in shared memory. Grid (blocks, 1): block b takes groups b, b + blocks, ...
+// (the items' groups one after the other). The host gives every group its own block, or,
+// where all items read one x (the MoE gate and up of one token, the dense gate and up),
+// launches one wave of blocks that prepare x once and walk their groups, the weight loads
+// running on across group boundaries (lab, H200: DS3's gate and up of 9 choices 62.1 -> 53.9
+// us; as one block per group, the last of three waves was mostly idle). A block prepares x
+// again when its next group's item reads another one. Dynamic shared memory tc_smem_bytes(k)
+// (ops.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block on
+// distinct banks), k / 256 scales (rounded up to even), k / 32 sums.
 
 
 __device__ __forceinline__ void mma_s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
@@ -605,85 +610,129 @@ struct TcQ4k {
     }
 };
 
-// Same arguments and addressing as matvec_q4_k; rows 16-byte aligned, k a multiple of 256.
-// w2 (or null): items gridDim.y / 2 .. take their matrices from w2 instead, with ids and x
-// counted from gridDim.y / 2 again (the MoE gate and up products of the same choices in one
-// launch); outputs stay item b at y + b y_stride. An item whose id is MOE_SHARED reads the
-// matrix at sw instead (sw2 in the second half): the shared expert as one more choice.
+// One item of the tensor-core product: its matrix, its x (index into x's rows) and whether
+// this rank holds it. Items items / 2 .. of a pair (w2 non-null) take their matrices from w2
+// (the shared one from sw2), with ids and x counted from items / 2 again (the MoE gate and up
+// products of the same choices in one launch); an id MOE_SHARED reads the matrix at sw (the
+// shared expert as one more choice), a negative one is held by another rank.
+struct TcItem {
+    const u8* mat;
+    int xi;
+    bool held;
+};
+__device__ __forceinline__ TcItem tc_item(int b, int items, const u8* w, const u8* w2,
+                                          const u8* sw, const u8* sw2, i64 mat_stride,
+                                          const int* ids, int x_group) {
+    int bi = b;
+    if (w2 && b >= items / 2) {
+        w = w2;
+        sw = sw2;
+        bi = b - items / 2;
+    }
+    i64 id = ids ? ids[bi] : bi;
+    TcItem it;
+    it.mat = id == MOE_SHARED ? sw : w + id * mat_stride;
+    it.xi = bi / x_group;
+    it.held = id >= 0 || id == MOE_SHARED;
+    return it;
+}
+
+// Same addressing as matvec_q4_k for `items` items (outputs at y + b y_stride); rows 16-byte
+// aligned, k a multiple of 256; `per_block` tiles per group (a power of two up to TC_WARPS).
 template <int TC_WARPS>
 __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, const u8* sw,
                                                     const u8* sw2, i64 mat_stride,
-                                                    const int* ids, int rows, int k,
+                                                    const int* ids, int items, int rows, int k,
                                                     i64 row_bytes, const float* x, int x_group,
-                                                    i64 x_stride, float* y, i64 y_stride) {
+                                                    i64 x_stride, float* y, i64 y_stride,
+                                                    int per_block) {
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
-    int b = blockIdx.y, bi = b;  // output item, input item
-    if (w2 && b >= (int)gridDim.y / 2) {
-        w = w2;
-        sw = sw2;
-        bi = b - gridDim.y / 2;
-    }
-    if (ids) pdl_wait();  // the MoE choice comes from the router kernel
-    i64 mat = ids ? ids[bi] : bi;
-    if (mat == MOE_SHARED) {
-        w = sw;
-        mat = 0;
-    }
-    if (mat < 0) return;  // a MoE choice held by another rank (uniform per block)
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
     const float* sums = scales + tc_scales_len(k);
-
-    int tiles = (rows + 15) / 16, per_block = 1;
-    while (per_block < TC_WARPS && (int)gridDim.x * per_block < tiles) per_block *= 2;
+    int tiles = (rows + 15) / 16, per_item = (tiles + per_block - 1) / per_block;
+    int groups = items * per_item;
     int ks = TC_WARPS / per_block;  // warps per tile
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int tile = blockIdx.x * per_block + warp / ks, part = warp % ks;
-    const u8* row_lo = w + mat * mat_stride + (i64)min(tile * 16 + g, rows - 1) * row_bytes;
-    const u8* row_hi = w + mat * mat_stride + (i64)min(tile * 16 + g + 8, rows - 1) * row_bytes;
-    // Three blocks in flight per warp: the first two load while the block prepares x.
+    int part = warp % ks, steps = (nb - part + ks - 1) / ks;  // the warp's 256-blocks per tile
+    auto item_of = [&](int grp) {
+        return tc_item(grp / per_item, items, w, w2, sw, sw2, mat_stride, ids, x_group);
+    };
+    // The block's next group from grp on whose item this rank holds (the same for all warps).
+    auto next_group = [&](int grp) {
+        while (grp < groups && !item_of(grp).held) grp += gridDim.x;
+        return grp;
+    };
+    auto tile_of = [&](int grp) { return (grp % per_item) * per_block + warp / ks; };
+    // The loads run two steps (256-blocks) ahead of the products, across group boundaries:
+    // (lgrp, ls) is the next step to load.
+    int lgrp, ls = 0;
+    const u8 *lrow_lo, *lrow_hi;
+    auto seek = [&](int grp) {
+        lgrp = grp;
+        const u8* m = grp < groups ? item_of(grp).mat : w;
+        int r = min(tile_of(grp) * 16 + g, rows - 1);
+        lrow_lo = m + (i64)r * row_bytes;
+        lrow_hi = m + (i64)min(r + 8, rows - 1) * row_bytes;
+    };
+    auto load_next = [&](TcQ4k& q) {
+        if (lgrp >= groups || steps == 0) return;
+        i64 off = (i64)(part + ls * ks) * TcQ4k::BYTES;
+        q.load(lrow_lo + off, lrow_hi + off, t);
+        if (++ls == steps) {
+            ls = 0;
+            seek(next_group(lgrp + gridDim.x));
+        }
+    };
+    if (ids) pdl_wait();  // the MoE choices come from the router kernel
+    int grp = next_group(blockIdx.x);
+    seek(grp);
     TcQ4k cur, nxt;
-    cur.load(row_lo + (i64)min(part, nb - 1) * TcQ4k::BYTES,
-             row_hi + (i64)min(part, nb - 1) * TcQ4k::BYTES, t);
-    nxt.load(row_lo + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES,
-             row_hi + (i64)min(part + ks, nb - 1) * TcQ4k::BYTES, t);
+    load_next(cur);
+    load_next(nxt);
     pdl_enter();  // the weight loads above may overlap the previous kernel, x may not
-    tc_prepare_x(x + (i64)(bi / x_group) * x_stride, k, tc_sm);
-    __syncthreads();
 
     // B fragment: this lane's column g holds plane g % 4.
     const u8* bcol = tc_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
     // C columns 2t, 2t + 1 are planes 2t, 2t + 1 (weights 2^21, 2^14, 2^7, 1); t >= 2: repeats.
     float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
     float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
-
-    float acc_lo = 0.0f, acc_hi = 0.0f;
-    if (tile * 16 < rows) {
-        for (int kb = part; kb < nb; kb += ks) {
-            int kn = min(kb + 2 * ks, nb - 1);
+    int prepared = -1;  // the x in shared memory
+    for (; grp < groups; grp = next_group(grp + gridDim.x)) {
+        int xi = item_of(grp).xi, tile = tile_of(grp);
+        if (xi != prepared) {
+            tc_prepare_x(x + (i64)xi * x_stride, k, tc_sm);
+            __syncthreads();
+            prepared = xi;
+        }
+        float acc_lo = 0.0f, acc_hi = 0.0f;
+        for (int s = 0; s < steps; s++) {
             TcQ4k nn;
-            nn.load(row_lo + (i64)kn * TcQ4k::BYTES, row_hi + (i64)kn * TcQ4k::BYTES, t);
-            cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
+            load_next(nn);
+            int kb = part + s * ks;
+            if (tile * 16 < rows)
+                cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
             cur = nxt;
             nxt = nn;
         }
-    }
-    // Row g's sum is spread over its quad (plane columns, minimum shares), then over the warps
-    // of the tile.
-    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
-    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
-    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
-    if (t == 0) {
-        partial[warp][g] = acc_lo;
-        partial[warp][g + 8] = acc_hi;
-    }
-    __syncthreads();
-    if (part == 0 && lane < 16 && tile * 16 + lane < rows) {
-        float sum = 0.0f;
-        for (int i = 0; i < ks; i++) sum += partial[warp + i][lane];
-        y[b * y_stride + tile * 16 + lane] = sum;
+        // Row g's sum is spread over its quad (plane columns, minimum shares), then over the
+        // warps of the tile.
+        acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
+        acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
+        acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+        acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+        if (t == 0) {
+            partial[warp][g] = acc_lo;
+            partial[warp][g + 8] = acc_hi;
+        }
+        __syncthreads();
+        if (part == 0 && lane < 16 && tile * 16 + lane < rows) {
+            float sum = 0.0f;
+            for (int i = 0; i < ks; i++) sum += partial[warp + i][lane];
+            y[(grp / per_item) * y_stride + tile * 16 + lane] = sum;
+        }
+        __syncthreads();  // partial and the x planes are free again
     }
 }
 
@@ -691,10 +740,10 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
 #define DEFINE_MATVEC_TC(kname, warps)                                                         \
     extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
-        const int* ids, int rows, int k, i64 row_bytes, const float* x, int x_group,           \
-        i64 x_stride, float* y, i64 y_stride) {                                                \
-        matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, rows, k, row_bytes, x,     \
-                                   x_group, x_stride, y, y_stride);                            \
+        const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,             \
+        int x_group, i64 x_stride, float* y, i64 y_stride, int per_block) {                    \
+        matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
+                                   x, x_group, x_stride, y, y_stride, per_block);              \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)

@@ -595,47 +595,59 @@ fn matvec_q4_k_pair_matches_two_products() {
         random_rows(&mut rng, t, rows, k),
     );
     let (dsa, dsb) = (g.upload(&sa).unwrap(), g.upload(&sb).unwrap());
-    let ids = [2i32, MOE_SHARED, -1, 1];
-    let di = g.upload(&ids).unwrap();
-    let dy = poisoned(&g, 2 * ids.len() * rows);
-    let with_shared = Matvec {
-        ids: g.ptr(&di, 0),
-        y: g.ptr(&dy, 0),
-        shared: (g.ptr(&dsa, 0), g.ptr(&dsb, 0)),
-        ..a
-    };
-    assert!(
-        g.takes_shared(&with_shared),
-        "the tensor-core kernel takes a shared matrix"
-    );
-    g.matvec(&with_shared).unwrap();
-    let y = g.download(&dy).unwrap();
-    let (sfa, sfb) = (dequant_rows(t, &sa, rows, k), dequant_rows(t, &sb, rows, k));
-    for (half, wf, sf) in [(0, &wfa, &sfa), (1, &wfb, &sfb)] {
-        let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
-        let (mut got, mut want) = (Vec::new(), Vec::new());
-        for (b, &m) in ids.iter().enumerate() {
-            let (yb, xb) = (&yh[b * rows..][..rows], &x[(b / 2) * k..][..k]);
-            let mat = match m {
-                -1 => {
-                    assert!(
-                        yb.iter().all(|v| v.is_nan()),
-                        "half {half} item {b} written"
-                    );
-                    continue;
-                }
-                MOE_SHARED => &sf[..],
-                m => &wf[m as usize * rows * k..][..rows * k],
-            };
-            got.extend_from_slice(yb);
-            want.extend((0..rows).map(|r| dot64(&mat[r * k..][..k], xb)));
-        }
-        assert_close(
-            &format!("matvec q4_k pair with the shared matrix, half {half}"),
-            &got,
-            &want,
-            F32_OP,
+    // Two inputs; then twelve choices (24 items of 128 tiles) of one input: one wave of blocks
+    // walking their groups past the choices held elsewhere.
+    let short = [2i32, MOE_SHARED, -1, 1];
+    let long = [2i32, MOE_SHARED, -1, 1, 0, 1, 2, -1, 0, 2, MOE_SHARED, 0];
+    for (ids, x_group) in [(&short[..], 2), (&long[..], long.len())] {
+        let di = g.upload(ids).unwrap();
+        let x = rng.normals(ids.len().div_ceil(x_group) * k);
+        let dx = g.upload(&x).unwrap();
+        let dy = poisoned(&g, 2 * ids.len() * rows);
+        let with_shared = Matvec {
+            ids: g.ptr(&di, 0),
+            y: g.ptr(&dy, 0),
+            shared: (g.ptr(&dsa, 0), g.ptr(&dsb, 0)),
+            x: g.ptr(&dx, 0),
+            x_group,
+            batch: 2 * ids.len(),
+            ..a
+        };
+        assert!(
+            g.takes_shared(&with_shared),
+            "the tensor-core kernel takes a shared matrix"
         );
+        g.matvec(&with_shared).unwrap();
+        let y = g.download(&dy).unwrap();
+        let (sfa, sfb) = (dequant_rows(t, &sa, rows, k), dequant_rows(t, &sb, rows, k));
+        for (half, wf, sf) in [(0, &wfa, &sfa), (1, &wfb, &sfb)] {
+            let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            for (b, &m) in ids.iter().enumerate() {
+                let (yb, xb) = (&yh[b * rows..][..rows], &x[(b / x_group) * k..][..k]);
+                let mat = match m {
+                    -1 => {
+                        assert!(
+                            yb.iter().all(|v| v.is_nan()),
+                            "half {half} item {b} written"
+                        );
+                        continue;
+                    }
+                    MOE_SHARED => &sf[..],
+                    m => &wf[m as usize * rows * k..][..rows * k],
+                };
+                got.extend_from_slice(yb);
+                want.extend((0..rows).map(|r| dot64(&mat[r * k..][..k], xb)));
+            }
+            assert_close(
+                &format!(
+                    "matvec q4_k pair with the shared matrix, inputs of {x_group}, half {half}"
+                ),
+                &got,
+                &want,
+                F32_OP,
+            );
+        }
     }
 }
 

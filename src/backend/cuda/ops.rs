@@ -232,6 +232,13 @@ fn tc8_tiles_per_block(tiles: usize, items: usize, slots: usize) -> usize {
     }
 }
 
+/// Tiles per group of matvec_tc8_q4_k launched as one wave of blocks (items that all read one
+/// x): two warps per tile, each taking half of a row's 256-blocks. H200, the engine's kernel in
+/// a lab, gate and up of 9 choices (18 items of 128 tiles), 8 / 4 / 2 / 1 tiles per group: DS3
+/// 64.6 / 53.9 / 54.1 / 56.2 us (62.1 as a block per group of 4 tiles), GLM-5 56.4 / 47.8 /
+/// 49.1 / 51.9 (56.0); of 8 choices (DS3) 45.2 / 43.9 / 46.1 / 51.1 (45.6).
+const ONE_WAVE_TILES: usize = 4;
+
 fn uses_int_q6_k(a: &Matvec) -> bool {
     a.ty == GgmlType::Q6_K
         && !a.transposed
@@ -299,34 +306,36 @@ impl Gpu {
         if uses_tensor_cores(a, row_bytes) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
             // each, all of k) on large grids or short rows, else 2 (two warps each, half of k).
-            // Several items (the MoE experts): blocks of 8 warps, 8 tiles, or 4 where k is long
-            // and the grid small (expert gate / up). k beyond TC_K_MAX: 8 warps, 2 tiles. The
-            // faster choices in the lab runs (H200: 8 warps took 10-12% off the expert
-            // products, and lost 9% on ffn_up).
+            // Several items (the MoE experts): blocks of 8 warps; where they all read one x,
+            // one wave of blocks walking their groups of ONE_WAVE_TILES, else a block
+            // per group of 8 tiles, or 4 where k is long and the grid small (the expert down
+            // products). k beyond TC_K_MAX: 8 warps, 2 tiles. The faster choices in the lab
+            // runs (H200: 8 warps took 10-12% off the expert products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
             let long_k = a.k >= 4096;
             let smem = tc_smem_bytes(a.k);
-            let (kernel, warps, per_block) = match (a.batch > 1, tiles * a.batch) {
-                _ if a.k > TC_K_MAX => ("matvec_tc8_q4_k", 8, 2),
-                (false, t) if t >= 2048 || !long_k => ("matvec_tc_q4_k", 4, 4),
-                (false, _) => ("matvec_tc_q4_k", 4, 2),
-                (true, _) if long_k => {
-                    let slots = self.multiprocessors
-                        * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1);
-                    (
-                        "matvec_tc8_q4_k",
-                        8,
-                        tc8_tiles_per_block(tiles, a.batch, slots),
-                    )
-                }
-                (true, _) => ("matvec_tc8_q4_k", 8, 8),
+            let inputs = if a.pair != 0 { a.batch / 2 } else { a.batch };
+            let one_x = a.x_group >= inputs;
+            let tc8_slots = || -> Result<usize, CudaError> {
+                Ok(self.multiprocessors * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1))
             };
-            launch!(self, kernel, (grid1(tiles, per_block), a.batch as u32, 1), 32 * warps,
-                smem as u32;
-                a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids, a.rows as i32,
-                a.k as i32,
-                row_bytes as i64, a.x, a.x_group as i32, a.x_stride as i64, a.y,
-                a.y_stride as i64);
+            let (kernel, warps, per_block, one_wave) = match (a.batch > 1, tiles * a.batch) {
+                _ if a.k > TC_K_MAX => ("matvec_tc8_q4_k", 8, 2, None),
+                (false, t) if t >= 2048 || !long_k => ("matvec_tc_q4_k", 4, 4, None),
+                (false, _) => ("matvec_tc_q4_k", 4, 2, None),
+                (true, _) if one_x => ("matvec_tc8_q4_k", 8, ONE_WAVE_TILES, Some(tc8_slots()?)),
+                (true, _) if long_k => {
+                    let per_block = tc8_tiles_per_block(tiles, a.batch, tc8_slots()?);
+                    ("matvec_tc8_q4_k", 8, per_block, None)
+                }
+                (true, _) => ("matvec_tc8_q4_k", 8, 8, None),
+            };
+            let groups = tiles.div_ceil(per_block) * a.batch;
+            let blocks = one_wave.map_or(groups, |slots| groups.min(slots));
+            launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps, smem as u32;
+                a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
+                a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x,
+                a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, per_block as i32);
             return Ok(());
         }
         if uses_int_q6_k(a) {
