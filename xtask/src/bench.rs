@@ -1024,9 +1024,9 @@ fn print_row(row: &Value) {
     println!("{line}");
 }
 
-/// One decode token between cuProfilerStart and cuProfilerStop.
-/// Loads the model and runs one decode token (`prefill` None) or one prefill of `prefill`
-/// tokens between cuProfilerStart and cuProfilerStop, after warming the same shapes up.
+/// Loads the model and runs one decode token (`prefill` None; after a prompt of `context`
+/// tokens, at least 4) or one prefill of `prefill` tokens between cuProfilerStart and
+/// cuProfilerStop, after warming the same shapes up.
 fn profile_one_step(path: &Path, prefill: Option<usize>, context: usize) -> Result<()> {
     let file = Arc::new(GgufFile::open(path)?);
     let cfg = ModelConfig::from_gguf(&file)?;
