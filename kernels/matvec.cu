@@ -342,12 +342,16 @@ __device__ __forceinline__ void generic_piece(const u8* const* blk, int p, const
 
 // The rows of one block of threads (see the launch geometry above) with PIECES pieces per
 // quant block of ELEMS elements / BYTES bytes. Every thread reaches the barrier: rows past the
-// end are computed on the last row and not stored.
-template <int ELEMS, int BYTES, int PIECES, PieceFn PIECE>
+// end are computed on the last row and not stored. HALF: up to two row groups per warp (half
+// a warp each), for short rows (matvec_half_<type>); a kernel of its own, because the
+// whole-warp kernels lost up to 8% wherever they also held the half-warp form (H200, ncu:
+// GLM-5's 6144 x 16384 attn_output 32 -> 34.5 us with the form chosen at run time in one
+// body, 33 -> 42 us with both forms instantiated in one kernel).
+template <int ELEMS, int BYTES, int PIECES, PieceFn PIECE, bool HALF>
 __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
                             i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y,
                             i64 y_stride, const MatvecParts& parts) {
-    __shared__ float partial[2 * MATVEC_WIDE_WARPS][MATVEC_ROWS];  // per warp or half warp
+    __shared__ float partial[(HALF ? 2 : 1) * MATVEC_WIDE_WARPS][MATVEC_ROWS];
     int b = blockIdx.y;
     if (parts.w1) {
         if (b > 0) {
@@ -357,11 +361,11 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
         }
         b = 0;
     }
-    // Groups per block: the fewest (so the most warps per group) that still cover every row;
-    // up to two per warp (half a warp each), which the host picks for short rows.
+    // Groups per block: the fewest (so the most warps per group) that still cover every row.
     int groups = (rows + MATVEC_ROWS - 1) / MATVEC_ROWS, per_block = 1, warps = blockDim.x >> 5;
-    while (per_block < 2 * warps && (int)gridDim.x * per_block < groups) per_block *= 2;
-    int lanes = blockDim.x / per_block;  // threads per group, a multiple of 16
+    while (per_block < (HALF ? 2 : 1) * warps && (int)gridDim.x * per_block < groups)
+        per_block *= 2;
+    int lanes = blockDim.x / per_block;  // threads per group, a multiple of 16 (HALF) or 32
     int t = threadIdx.x % lanes, group = threadIdx.x / lanes;
     int r0 = (blockIdx.x * per_block + group) * MATVEC_ROWS;
     if (ids) pdl_wait();  // the MoE choice comes from the router kernel
@@ -395,7 +399,8 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
             PIECE(blk, p, xb + (i64)(q / PIECES) * ELEMS, acc);
         }
     }
-    const int span = min(lanes, 32);  // a group's lanes within one warp
+    // A group's lanes within one warp: all 32, or 16 when a half warp is a whole group.
+    const int span = HALF && lanes == 16 ? 16 : 32;
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) {
         float s = span == 32 ? warp_sum(acc[r]) : half_warp_sum(acc[r]);
@@ -1030,24 +1035,24 @@ FAST_PIECE(q6_k, 8, false)
 FAST_PIECE(iq4_nl, 1, false)
 FAST_PIECE(iq4_xs, 8, false)
 
-template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
+template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*), bool HALF>
 __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int rows, int k,
                                 i64 row_bytes, const float* x, int x_group, i64 x_stride,
                                 float* y, i64 y_stride, const MatvecParts& parts) {
     typedef FastPiece<DQ8> F;
     u64 addresses = (u64)w | (u64)parts.w1 | (u64)parts.w2;
     if constexpr (F::PIECES == 0) {
-        matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>>(
+        matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>, HALF>(
             w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride, parts);
     } else if constexpr (!F::ALIGN16) {
-        matvec_body<ELEMS, BYTES, F::PIECES, F::FN>(w, mat_stride, ids, rows, k, row_bytes, x,
+        matvec_body<ELEMS, BYTES, F::PIECES, F::FN, HALF>(w, mat_stride, ids, rows, k, row_bytes, x,
                                                     x_group, x_stride, y, y_stride, parts);
     } else if (((addresses | mat_stride | row_bytes) & 15) == 0) {
-        matvec_body<ELEMS, BYTES, F::PIECES, F::FN>(w, mat_stride, ids, rows, k, row_bytes, x,
+        matvec_body<ELEMS, BYTES, F::PIECES, F::FN, HALF>(w, mat_stride, ids, rows, k, row_bytes, x,
                                                     x_group, x_stride, y, y_stride, parts);
     } else {
         // A 16-byte piece type at an odd address (never seen in practice): the unit walk.
-        matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>>(
+        matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>, HALF>(
             w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride, parts);
     }
 }
@@ -1057,8 +1062,9 @@ __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int
         matvec_##name(const u8* w, i64 mat_stride, const int* ids, int rows, int k,          \
                       i64 row_bytes, const float* x, int x_group, i64 x_stride, float* y,    \
                       i64 y_stride, MatvecParts parts) {                                     \
-        matvec_dispatch<elems, bytes, dq8_##name>(w, mat_stride, ids, rows, k, row_bytes, x, \
-                                                  x_group, x_stride, y, y_stride, parts);    \
+        matvec_dispatch<elems, bytes, dq8_##name, false>(w, mat_stride, ids, rows, k,        \
+                                                         row_bytes, x, x_group, x_stride, y, \
+                                                         y_stride, parts);                   \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_t_##name(                       \
         const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,         \
@@ -1074,3 +1080,20 @@ __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int
     }
 
 FOR_EACH_QTYPE(DEFINE_MATVEC)
+
+// Half-warp row groups for the types of MLA's per-head k_b (rows of 128 values: 16 pieces or
+// fewer). The host takes them through `matvec_half_kernel` (ops.rs).
+#define DEFINE_MATVEC_HALF(name, elems, bytes)                                              \
+    extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS) matvec_half_##name(    \
+        const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,        \
+        const float* x, int x_group, i64 x_stride, float* y, i64 y_stride,                  \
+        MatvecParts parts) {                                                                \
+        matvec_dispatch<elems, bytes, dq8_##name, true>(w, mat_stride, ids, rows, k,        \
+                                                        row_bytes, x, x_group, x_stride, y, \
+                                                        y_stride, parts);                   \
+    }
+DEFINE_MATVEC_HALF(q4_0, 32, 18)
+DEFINE_MATVEC_HALF(q5_0, 32, 22)
+DEFINE_MATVEC_HALF(q8_0, 32, 34)
+DEFINE_MATVEC_HALF(f16, 8, 16)
+DEFINE_MATVEC_HALF(bf16, 8, 16)

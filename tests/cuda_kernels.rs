@@ -301,7 +301,8 @@ fn matvec_every_type_matches_dequantized_dot() {
 }
 
 /// Rows of 128 values (MLA's per-head k_b: a few blocks a row), where matvec puts two row
-/// groups in each warp (half a warp each), with a tail group and an input per item.
+/// groups in each warp (half a warp each; matvec_half_<type> for Q4_0, Q5_0, Q8_0, F16 and
+/// BF16, whole warps for the others), with a tail group and an input per item.
 #[test]
 fn matvec_short_rows_match_dequantized_dot() {
     let Some(g) = gpu() else { return };

@@ -148,25 +148,31 @@ fn matvec_blocks(
     (split.max(MATVEC_WARPS), MATVEC_WARPS.div_ceil(split))
 }
 
-/// Rows of at most this many values take half a warp per row group: a whole warp left half of
-/// its lanes without a piece on MLA's per-head k_b (DeepSeek-V3: 128 values, 88-byte Q5_0 rows of
-/// 16 pieces; 128 heads x 512 rows ran at ~10% of copy in 16,384 one-round warps,
-/// docs/performance.md). Such a row is at most 16 pieces (one per 8 values or fewer) for every
-/// type but f32 (32: two rounds), and it keeps 256-value types (32 pieces per block, which
-/// must divide a group's lanes) off half warps. Longer rows keep whole warps: GLM-5's
-/// 192-value k_b (24 pieces) would take two rounds on half warps. H200, ncu per layer: DS3's
-/// k_b 14.1 -> 9.4 us; GLM-5's (whole warps) 8.8 before and 9.2 after.
+/// Rows of at most this many values take half a warp per row group (matvec_half_<type>, for
+/// the types of HALF_WARP_TYPES): a whole warp left half of its lanes without a piece on MLA's
+/// per-head k_b (DeepSeek-V3: 128 values, 88-byte Q5_0 rows of 16 pieces; 128 heads x 512
+/// rows ran at ~10% of copy in 16,384 one-round warps, docs/performance.md). Such a row is at
+/// most 16 pieces for those types, one round of a half warp. Longer rows keep whole warps:
+/// GLM-5's 192-value k_b (24 pieces) would take two rounds on half warps. H200, ncu per layer:
+/// DS3's k_b 14.1 -> 9.4 us.
 const MATVEC_HALF_WARP_K: usize = 128;
+const HALF_WARP_TYPES: [GgmlType; 5] = [
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::F16,
+    GgmlType::BF16,
+];
 
-/// (grid x, block) of matvec_<type> for `batch` items of `rows` rows of `k` values: row groups
-/// sharing blocks.
+/// The CUDA-core matvec for `batch` items of `rows` rows of `k` values of type `ty`: its
+/// kernel (matvec_<type> or matvec_half_<type>), grid x and block (row groups sharing blocks).
 fn matvec_geometry(
     ty: GgmlType,
     rows: usize,
     batch: usize,
     k: usize,
     row_bytes: usize,
-) -> (u32, u32) {
+) -> Result<(String, u32, u32), CudaError> {
     let groups = rows.div_ceil(MATVEC_ROWS);
     let max_warps = if ty == GgmlType::F32 {
         MATVEC_WIDE_WARPS
@@ -174,10 +180,16 @@ fn matvec_geometry(
         MATVEC_WARPS
     };
     let (warps, mut per_block) = matvec_blocks(groups, batch, row_bytes, max_warps);
-    if k <= MATVEC_HALF_WARP_K && per_block == warps {
+    let mut prefix = "matvec";
+    if k <= MATVEC_HALF_WARP_K && per_block == warps && HALF_WARP_TYPES.contains(&ty) {
         per_block *= 2; // two groups per warp (matvec_body reads it back from the grid)
+        prefix = "matvec_half";
     }
-    (grid1(groups, per_block), 32 * warps as u32)
+    Ok((
+        typed_kernel(prefix, ty)?,
+        grid1(groups, per_block),
+        32 * warps as u32,
+    ))
 }
 
 /// matvec_tc_q4_k / matvec_tc8_q4_k (kernels/matvec.cu), the Q4_K product on the integer
@@ -349,7 +361,7 @@ impl Gpu {
                 a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64);
             return Ok(());
         }
-        let (grid_x, block) = matvec_geometry(a.ty, a.rows, a.batch, a.k, rb as usize);
+        let (kernel, grid_x, block) = matvec_geometry(a.ty, a.rows, a.batch, a.k, rb as usize)?;
         launch!(self, kernel, (grid_x, a.batch as u32, 1), block, 0;
             a.w, a.mat_stride as i64, a.ids, a.rows as i32, a.k as i32, rb, a.x,
             a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, MatvecParts::default());
@@ -372,7 +384,7 @@ impl Gpu {
         x: Ptr,
         parts: &[MatvecPart],
     ) -> Result<(), CudaError> {
-        let (kernel, rb) = typed_rows("matvec", ty, k)?;
+        let (_, rb) = typed_rows("matvec", ty, k)?;
         check(
             (2..=3).contains(&parts.len()) && x % 16 == 0,
             "matvec_parts",
@@ -396,7 +408,7 @@ impl Gpu {
         };
         // The grid of the longest part; the others' surplus blocks find no rows and return.
         let rows = parts.iter().map(|p| p.rows).max().unwrap();
-        let (grid_x, block) = matvec_geometry(ty, rows, 1, k, rb);
+        let (kernel, grid_x, block) = matvec_geometry(ty, rows, 1, k, rb)?;
         launch!(self, kernel, (grid_x, parts.len() as u32, 1), block, 0;
             p0.w, 0i64, 0 as Ptr, p0.rows as i32, k as i32, rb as i64, x, 1i32, 0i64, p0.y, 0i64,
             extra);
