@@ -147,13 +147,20 @@ __device__ __forceinline__ void mla_stash(const float4 (&pf)[9], unsigned char* 
     }
 }
 
-// Query value of head h at tile dim d (latent below 512, rope from 512), zero outside.
-__device__ __forceinline__ float mla_q(const float* ql, const float* qp, int h, int n_heads,
-                                       int d, int dl, int dr) {
-    if (h >= n_heads) return 0.0f;
-    if (d < MLA_DL_MAX) return d < dl ? ql[(i64)h * dl + d] : 0.0f;
-    d -= MLA_DL_MAX;
-    return d < dr ? qp[(i64)h * dr + d] : 0.0f;
+// Query values d, d + 1 (d even) of head h at tile dims (latent below 512, rope from 512),
+// zero outside. `pair` (rows of even length, 8-byte aligned): one 8-byte load, from q_lat's
+// first value where (h, d) is outside, so that no load waits on a branch.
+__device__ __forceinline__ float2 mla_q2(const float* ql, const float* qp, int h, int n_heads,
+                                         int d, int dl, int dr, bool pair) {
+    const bool latent = d < MLA_DL_MAX;
+    const int dd = latent ? d : d - MLA_DL_MAX;
+    const float* p = latent ? ql + (i64)h * dl + dd : qp + (i64)h * dr + dd;
+    const int n = h >= n_heads ? 0 : (latent ? dl : dr) - dd;  // values left in the row
+    if (pair) {
+        float2 v = __ldg((const float2*)(n >= 2 ? p : ql));
+        return n >= 2 ? v : make_float2(0.0f, 0.0f);
+    }
+    return make_float2(n >= 1 ? __ldg(p) : 0.0f, n >= 2 ? __ldg(p + 1) : 0.0f);
 }
 
 template <int W>
@@ -185,23 +192,47 @@ __device__ __forceinline__ void mla_split_body(
     const int n_tiles = j_end > j_begin ? (j_end - j_begin + MLA_BK - 1) / MLA_BK : 0;
     const float scale2 = scale * MLA_LOG2E;
 
+    // Loader: thread tid fetches key kr of a tile, 16 threads a key. The first tile's loads
+    // go out before the query's, and all of those before the first use: a short context is
+    // a few tiles, where each round trip to memory waited on alone was most of the time
+    // (ncu, H200, DS3 at one key: half of the stall samples on the query's conversions).
+    const int kr = tid >> 4, sub = tid & 15;
+    const bool vec = (dk & 3) == 0;
+    float4 pf[9];
+    int s_next = -1;
+    if (n_tiles > 0) {
+        s_next = mla_key(ids, j_begin + kr, j_end, last);
+        mla_fetch(pf, cache, s_next, dk, dl, dr, sub, vec);
+    }
+
     // Q fragments (A, m16k16) of the KL + 1 k steps, hi and lo: k step ks < KL covers latent
     // dims D c + 16ks, ks = KL rope dims 16c.
     u32 qh[KL + 1][4], qlo[KL + 1][4];
     {
         const float* ql = q_lat + t * ql_tok;
         const float* qp = q_pe + t * qp_tok;
+        const bool pair = ((ql_tok | qp_tok | dr) & 1) == 0 &&
+                          (((unsigned long long)q_lat | (unsigned long long)q_pe) & 7) == 0;
+        float2 qv[KL + 1][4];
+        auto load_q = [&](bool pair) {
 #pragma unroll
-        for (int ks = 0; ks < KL + 1; ks++) {
-            int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
+            for (int ks = 0; ks < KL + 1; ks++) {
+                int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int h = h_tile + grp + 8 * (e & 1), d = d0 + 2 * tig + 8 * (e >> 1);
-                float x0 = mla_q(ql, qp, h, n_heads, d, dl, dr);
-                float x1 = mla_q(ql, qp, h, n_heads, d + 1, dl, dr);
-                mla_split2(x0, x1, qh[ks][e], qlo[ks][e]);
+                for (int e = 0; e < 4; e++)
+                    qv[ks][e] = mla_q2(ql, qp, h_tile + grp + 8 * (e & 1), n_heads,
+                                       d0 + 2 * tig + 8 * (e >> 1), dl, dr, pair);
             }
+        };
+        if (pair) {
+            load_q(true);
+        } else {
+            load_q(false);
         }
+#pragma unroll
+        for (int ks = 0; ks < KL + 1; ks++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) mla_split2(qv[ks][e].x, qv[ks][e].y, qh[ks][e], qlo[ks][e]);
     }
 
     // Rows grp and grp + 8 of the tile: running max, this thread's part of the sum, and
@@ -219,14 +250,7 @@ __device__ __forceinline__ void mla_split_body(
     const u32 qk_off = (lr + 8 * (li >> 1)) * MLA_ROWB + 16 * (li & 1);
     const u32 pv_off = (lr + 8 * (li & 1)) * MLA_ROWB + 16 * (li >> 1);
 
-    // Loader: thread tid fetches key kr of a tile, 16 threads a key.
-    const int kr = tid >> 4, sub = tid & 15;
-    const bool vec = (dk & 3) == 0;
-    float4 pf[9];
-    int s_next = -1;
     if (n_tiles > 0) {
-        s_next = mla_key(ids, j_begin + kr, j_end, last);
-        mla_fetch(pf, cache, s_next, dk, dl, dr, sub, vec);
         mla_stash(pf, mla_smem, kr, sub);
         if (sub == 0) vflag[kr] = s_next >= 0;
     }
