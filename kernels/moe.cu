@@ -14,11 +14,20 @@
 //   Tensor parallelism: a rank holds experts held_lo .. held_hi - 1 (all at TP = 1); its ids
 //   count from held_lo, and a choice held elsewhere gets id -1 and weight 0 (its output arrives
 //   through the all-reduce; the normalization above still counts it).
+// moe_route_f32: the router product of an f32 router and moe_router in one launch (decode):
+//   block e of token t computes logit e = router row e . x_t into logits [T, n_exp]; the last
+//   block of token t to finish routes it. grid (n_exp, T), block ROUTER_THREADS; x rows and
+//   router rows of dim % 4 == 0 values, 16-byte aligned; `done` [T] ints, zero before the
+//   launch and after it (the routing block resets its token's).
 //
 //   Selection by rank, not by k rounds of argmax: each thread counts, for its experts, the
 //   experts that come before them (larger choice, or equal and lower id, in the total order of
 //   float_key), and the one of rank j < k is choice j. All experts at once, no serial rounds
 //   of warp reductions (one warp doing k of them took ~10 us per decode token on an H200).
+//   Only experts of the kept groups are counted against (one that comes before a kept expert
+//   is kept too), and an expert out with its group needs no rank while the kept experts alone
+//   fill the k choices: DeepSeek-V3 ranks 128 experts against 128 instead of 256 against 256.
+//   A group's two best are a shuffle reduction over the lanes sharing it.
 // moe_combine: out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] (slots < 0 skipped);
 //   rows are the expert outputs, one per (token, choice), in any order. A weight of 0 adds
 //   nothing, so its row is not read (a choice held by another rank has no row here).
@@ -28,26 +37,135 @@
 #define ROUTER_THREADS 256
 
 // f's bits as an int that orders like f (Rust's f32::total_cmp): -0 < +0, NaN at the ends.
+// Its own inverse.
 __device__ __forceinline__ int float_key(float f) {
     int b = __float_as_int(f);
     return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
+__device__ __forceinline__ float key_float(int k) { return __int_as_float(float_key(__int_as_float(k))); }
 
-// How many of `keys[0, n)` (16-byte aligned) come before key `kv` of entry `v`: larger, or
-// equal and lower index. Four keys per shared-memory load, several loads in flight.
+// How many of `keys[from, from + n)` (16-byte aligned, n % 4 == 0 unless from == 0) come
+// before key `kv` of entry `v`: larger, or equal and lower index. Four keys per shared-memory
+// load, several loads in flight.
 __device__ __forceinline__ int before(int ku, int u, int kv, int v) {
     return (ku > kv) | ((ku == kv) & (u < v));
 }
-__device__ __forceinline__ int rank_of(const int* keys, int n, int kv, int v) {
-    int r = 0, u = 0;
+__device__ __forceinline__ int rank_of(const int* keys, int from, int n, int kv, int v) {
+    int r = 0, u = from, end = from + n;
 #pragma unroll 4
-    for (; u + 4 <= n; u += 4) {
+    for (; u + 4 <= end; u += 4) {
         int4 k4 = *(const int4*)(keys + u);
         r += before(k4.x, u, kv, v) + before(k4.y, u + 1, kv, v) + before(k4.z, u + 2, kv, v) +
              before(k4.w, u + 3, kv, v);
     }
-    for (; u < n; u++) r += before(keys[u], u, kv, v);
+    for (; u < end; u++) r += before(keys[u], u, kv, v);
     return r;
+}
+
+// The choice of one token from its logits `lg` [n_exp] (read through L2: in moe_route_f32
+// other blocks wrote them), by the whole block (ROUTER_THREADS); outputs at ids, weights.
+__device__ void route_token(const float* lg, const float* bias, int n_exp, int k, int gating,
+                            int n_group, int group_used, int norm, float scale, int held_lo,
+                            int held_hi, int shared, int* ids, float* weights) {
+    __shared__ float s[ROUTER_MAX_EXP], scratch[32];
+    __shared__ __align__(16) int key[ROUTER_MAX_EXP], group_key[32];
+    __shared__ int kept[32], chosen[32], live;
+    const int tid = threadIdx.x;
+    const int NEG_KEY = float_key(NEG_INF);
+
+    if (tid == 0) live = 0;
+    if (gating == 1) {
+        float mx = NEG_INF;
+        for (int e = tid; e < n_exp; e += blockDim.x) mx = fmaxf(mx, __ldcg(lg + e));
+        mx = block_max(mx, scratch);
+        float sum = 0.0f;
+        for (int e = tid; e < n_exp; e += blockDim.x) sum += expf(__ldcg(lg + e) - mx);
+        sum = block_sum(sum, scratch);
+        for (int e = tid; e < n_exp; e += blockDim.x) s[e] = expf(__ldcg(lg + e) - mx) / sum;
+    } else {
+        for (int e = tid; e < n_exp; e += blockDim.x) s[e] = 1.0f / (1.0f + expf(-__ldcg(lg + e)));
+    }
+    for (int e = tid; e < n_exp; e += blockDim.x)
+        key[e] = float_key(s[e] + (bias ? bias[e] : 0.0f));
+    __syncthreads();
+
+    // Kept groups: kept[0 .. n_kept) their ids (all experts as one group without groups).
+    int per = n_exp, n_kept = 1;
+    if (n_group > 1) {
+        per = n_exp / n_group;
+        // L lanes per group (a power of two, dividing 32): each keeps the two best of its
+        // experts, then the lanes merge theirs.
+        const int L = n_group <= 8 ? 32 : n_group <= 16 ? 16 : 8;
+        const int g = tid / L;
+        int a = NEG_KEY, b = NEG_KEY;  // a >= b
+        if (g < n_group) {
+            for (int j = tid % L; j < per; j += L) {
+                int c = key[g * per + j];
+                b = max(b, min(a, c));
+                a = max(a, c);
+            }
+        }
+        for (int o = L / 2; o > 0; o >>= 1) {
+            int a2 = __shfl_xor_sync(0xffffffffu, a, o), b2 = __shfl_xor_sync(0xffffffffu, b, o);
+            b = max(max(b, b2), min(a, a2));
+            a = max(a, a2);
+        }
+        if (g < n_group && tid % L == 0)
+            group_key[g] = float_key(gating == 1 ? key_float(a) : key_float(a) + key_float(b));
+        __syncthreads();
+        if (tid < n_group) {
+            int r = rank_of(group_key, 0, n_group, group_key[tid], tid);
+            if (r < group_used) kept[r] = tid;  // kept in order of score (any order would do)
+        }
+        __syncthreads();
+        n_kept = min(group_used, n_group);
+        for (int e = tid; e < n_exp; e += blockDim.x) {
+            int gr = e / per;
+            bool in = false;
+            for (int i = 0; i < n_kept; i++) in |= kept[i] == gr;
+            if (!in) key[e] = NEG_KEY;
+        }
+    } else {
+        if (tid == 0) kept[0] = 0;
+    }
+    __syncthreads();
+    int mine = 0;
+    for (int e = tid; e < n_exp; e += blockDim.x) mine += key[e] != NEG_KEY;
+    atomicAdd(&live, mine);
+    __syncthreads();
+
+    // Ranks. A kept expert above -inf comes after no expert out (those are all -inf), so it
+    // counts against the kept groups only (their key ranges are 16-byte aligned when per % 4
+    // == 0; else all keys). An expert at -inf needs a rank only when fewer than k are above.
+    const bool by_group = n_group > 1 && per % 4 == 0;
+    for (int e = tid; e < n_exp; e += blockDim.x) {
+        int ke = key[e], r;
+        if (ke == NEG_KEY) {
+            if (live >= k) continue;  // at least `live` come before it
+            r = rank_of(key, 0, n_exp, ke, e);
+        } else if (by_group) {
+            r = 0;
+            for (int i = 0; i < n_kept; i++) r += rank_of(key, kept[i] * per, per, ke, e);
+        } else {
+            r = rank_of(key, 0, n_exp, ke, e);
+        }
+        if (r < k) chosen[r] = e;
+    }
+    __syncthreads();
+    // k <= 32: lane j of the first warp finishes choice j.
+    if (tid < 32) {
+        int e = tid < k ? chosen[tid] : 0;
+        float wj = tid < k ? s[e] : 0.0f;
+        float wsum = warp_sum(wj);
+        if (tid < k) {
+            bool held = e >= held_lo && e < held_hi;
+            ids[tid] = held ? e - held_lo : -1;
+            weights[tid] = held ? (norm ? wj / wsum : wj) * scale : 0.0f;
+        } else if (tid == k && shared) {
+            ids[k] = MOE_SHARED;
+            weights[k] = 1.0f;
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_router(
@@ -55,71 +173,42 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_router(
     int group_used, int norm, float scale, int held_lo, int held_hi, int shared, int* ids,
     float* weights) {
     pdl_enter();
-    __shared__ float s[ROUTER_MAX_EXP], scratch[32];
-    __shared__ __align__(16) int key[ROUTER_MAX_EXP], group_key[32];
-    __shared__ int chosen[32];
-    int t = blockIdx.x, tid = threadIdx.x;
-    const float* lg = logits + (i64)t * n_exp;
+    const int t = blockIdx.x, row = k + (shared ? 1 : 0);
+    route_token(logits + (i64)t * n_exp, bias, n_exp, k, gating, n_group, group_used, norm,
+                scale, held_lo, held_hi, shared, ids + (i64)t * row, weights + (i64)t * row);
+}
 
-    if (gating == 1) {
-        float mx = NEG_INF;
-        for (int e = tid; e < n_exp; e += blockDim.x) mx = fmaxf(mx, lg[e]);
-        mx = block_max(mx, scratch);
-        float sum = 0.0f;
-        for (int e = tid; e < n_exp; e += blockDim.x) sum += expf(lg[e] - mx);
-        sum = block_sum(sum, scratch);
-        for (int e = tid; e < n_exp; e += blockDim.x) s[e] = expf(lg[e] - mx) / sum;
-    } else {
-        for (int e = tid; e < n_exp; e += blockDim.x) s[e] = 1.0f / (1.0f + expf(-lg[e]));
+extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_route_f32(
+    const float* x, const float* w, int dim, float* logits, int* done, const float* bias,
+    int n_exp, int k, int gating, int n_group, int group_used, int norm, float scale,
+    int held_lo, int held_hi, int shared, int* ids, float* weights) {
+    __shared__ float scratch[32];
+    __shared__ bool last;
+    const int e = blockIdx.x, t = blockIdx.y, n4 = dim / 4;
+    const float4* wr = (const float4*)(w + (i64)e * dim);
+    // The router row into L2 while the previous kernel finishes (x may not be read yet).
+    for (int i = threadIdx.x * 8; i < n4; i += blockDim.x * 8) prefetch_l2(wr + i);
+    pdl_enter();
+    const float4* xr = (const float4*)(x + (i64)t * dim);
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+        float4 a = __ldg(wr + i), b = xr[i];
+        acc += (a.x * b.x + a.y * b.y) + (a.z * b.z + a.w * b.w);
     }
-    for (int e = tid; e < n_exp; e += blockDim.x)
-        key[e] = float_key(s[e] + (bias ? bias[e] : 0.0f));
-    __syncthreads();
-
-    if (n_group > 1) {
-        int per = n_exp / n_group;
-        if (tid < n_group) {
-            float a = NEG_INF, b = NEG_INF;  // the group's two largest choices
-            for (int e = tid * per; e < (tid + 1) * per; e++) {
-                float c = s[e] + (bias ? bias[e] : 0.0f);
-                if (c > a) {
-                    b = a;
-                    a = c;
-                } else if (c > b) {
-                    b = c;
-                }
-            }
-            group_key[tid] = float_key(gating == 1 ? a : a + b);
-        }
-        __syncthreads();
-        for (int e = tid; e < n_exp; e += blockDim.x) {
-            int g = e / per;
-            if (rank_of(group_key, n_group, group_key[g], g) >= group_used)
-                key[e] = float_key(NEG_INF);
-        }
-        __syncthreads();
-    }
-
-    for (int e = tid; e < n_exp; e += blockDim.x) {
-        int r = rank_of(key, n_exp, key[e], e);
-        if (r < k) chosen[r] = e;
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) {
+        logits[(i64)t * n_exp + e] = acc;
+        __threadfence();  // the logit before the count that may let another block read it
+        last = atomicAdd(done + t, 1) == (int)gridDim.x - 1;
     }
     __syncthreads();
-    // k <= 32: lane j of the first warp finishes choice j.
-    int row = k + (shared ? 1 : 0);
-    if (tid < 32) {
-        int e = tid < k ? chosen[tid] : 0;
-        float wj = tid < k ? s[e] : 0.0f;
-        float wsum = warp_sum(wj);
-        if (tid < k) {
-            bool held = e >= held_lo && e < held_hi;
-            ids[(i64)t * row + tid] = held ? e - held_lo : -1;
-            weights[(i64)t * row + tid] = held ? (norm ? wj / wsum : wj) * scale : 0.0f;
-        } else if (tid == k && shared) {
-            ids[(i64)t * row + k] = MOE_SHARED;
-            weights[(i64)t * row + k] = 1.0f;
-        }
-    }
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) done[t] = 0;  // for the next launch (stream order)
+    const int row = k + (shared ? 1 : 0);
+    route_token(logits + (i64)t * n_exp, bias, n_exp, k, gating, n_group, group_used, norm,
+                scale, held_lo, held_hi, shared, ids + (i64)t * row, weights + (i64)t * row);
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_combine(

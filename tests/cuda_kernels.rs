@@ -12,7 +12,7 @@ use mla_engine::backend::cuda::ops::{
     AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, KERNEL_TYPES,
     MOE_SHARED,
 };
-use mla_engine::backend::cuda::{Cuda, CudaError, Gpu};
+use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
 use mla_engine::config::{Gating, MoeConfig};
 use mla_engine::gguf::ggml_type::GgmlType;
@@ -1679,6 +1679,19 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
     }
     let bias: Vec<f32> = (0..n_exp).map(|i| 0.01 * (i % 3) as f32).collect();
     let x = rng.normals(e);
+    // An f32 router whose row i is logits[i] x / |x|^2, so that router x = logits.
+    let xx: f32 = x.iter().map(|v| v * v).sum();
+    let router: Vec<u8> = logits
+        .iter()
+        .flat_map(|&l| x.iter().map(move |&v| l * v / xx))
+        .flat_map(f32::to_le_bytes)
+        .collect();
+    let router = TensorRef {
+        name: "ffn_gate_inp".into(),
+        ggml_type: GgmlType::F32,
+        ne: vec![e, n_exp],
+        bytes: MappedBytes::owned(router),
+    };
 
     let gw: Vec<_> = tensors[..3]
         .iter()
@@ -1689,12 +1702,13 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
         up: cuda.load_weight(&tensors[4], WeightRole::Matrix).unwrap(),
         down: cuda.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
     };
-    let (gx, gl) = (cuda.upload(&x, 1, e), cuda.upload(&logits, 1, n_exp));
+    let gx = cuda.upload(&x, 1, e);
+    let gr = cuda.load_weight(&router, WeightRole::Matrix).unwrap();
     let experts = (&gw[0], &gw[1], &gw[2]);
     let (out, with_shared) = cuda
         .moe_routed(
             &gx,
-            &gl,
+            &gr,
             Some(&bias),
             &m,
             &(0..n_exp),
@@ -1714,7 +1728,8 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
         .map(|t| cpu.load_weight(t, WeightRole::Matrix).unwrap())
         .collect();
     let cx = cpu.upload(&x, 1, e);
-    let r = route(&logits, Some(&bias), &m);
+    let cl = cpu.linear(&cx, &cpu.load_weight(&router, WeightRole::Matrix).unwrap());
+    let r = route(&cpu.download(&cl), Some(&bias), &m);
     let mut want = cpu.moe_experts(&cx, &cw[0], &cw[1], &cw[2], &r.ids, &r.weights, m.n_used);
     let cpu_shared = DenseFfn {
         gate: cpu.load_weight(&tensors[3], WeightRole::Matrix).unwrap(),
@@ -1796,7 +1811,8 @@ fn moe_router_and_combine_match() {
     // (experts, k, gating, groups, groups used, norm, scale, held): V3-like sigmoid with groups
     // and bias (and its real 256 x 8 of 8 groups, 4 used), GLM-5-like sigmoid without groups
     // (all experts, and a TP rank's middle half), V2-Lite-like softmax, V2-like softmax with
-    // groups, and more experts than the kernel has threads.
+    // groups, more experts than the kernel has threads, and groups of a size not a multiple
+    // of 4 (ranked against all experts rather than the kept groups).
     for (n_exp, k, gating, n_group, group_used, norm, scale, held) in [
         (64, 6, 2u32, 8, 3, true, 2.5f32, 0..64),
         (256, 8, 2, 8, 4, true, 2.5, 0..256),
@@ -1805,21 +1821,16 @@ fn moe_router_and_combine_match() {
         (64, 6, 1, 1, 1, false, 1.0, 0..64),
         (160, 6, 1, 8, 3, false, 16.0, 0..160),
         (1024, 32, 2, 32, 8, true, 1.0, 0..1024),
+        (96, 6, 2, 16, 5, true, 1.0, 0..96),
     ] {
-        let logits: Vec<f32> = rng
-            .normals(tokens * n_exp)
-            .iter()
-            .map(|v| v * 2.0)
-            .collect();
         let bias: Vec<f32> = rng.normals(n_exp).iter().map(|v| v * 0.1).collect();
         let use_bias = gating == 2;
         // The V3 case also with the shared expert as choice k + 1 (id MOE_SHARED, weight 1).
         let shared = n_exp == 256 && n_group == 8;
         let row = k + shared as usize;
-        let (dl, db) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
-        let (dids, dw) = (poisoned_i32(&g, tokens * row), poisoned(&g, tokens * row));
-        g.moe_router(&MoeRouter {
-            logits: g.ptr(&dl, 0),
+        let db = g.upload(&bias).unwrap();
+        let router = |logits: Ptr, ids: Ptr, weights: Ptr| MoeRouter {
+            logits,
             bias: if use_bias { g.ptr(&db, 0) } else { 0 },
             n_exp,
             k,
@@ -1831,55 +1842,99 @@ fn moe_router_and_combine_match() {
             tokens,
             held: held.clone(),
             shared,
-            ids: g.ptr(&dids, 0),
-            weights: g.ptr(&dw, 0),
-        })
-        .unwrap();
+            ids,
+            weights,
+        };
+        let label =
+            format!("{n_exp}x{k} gating {gating} groups {n_group} held {held:?} shared {shared}");
+        // The choice of every token against router_twin on the same logits.
+        let check = |what: &str, logits: &[f32], ids: &[i32], w: &[f32]| {
+            let mut want_w = Vec::new();
+            for t in 0..tokens {
+                let (wi, ww) = router_twin(
+                    &logits[t * n_exp..][..n_exp],
+                    use_bias.then_some(&bias[..]),
+                    k,
+                    gating,
+                    n_group,
+                    group_used,
+                    norm,
+                    scale as f64,
+                );
+                // Choices held elsewhere: id -1, weight 0; held ones count from held.start.
+                let on_rank = |e: i32| held.contains(&(e as usize));
+                let wi: Vec<i32> = wi
+                    .iter()
+                    .map(|&e| {
+                        if on_rank(e) {
+                            e - held.start as i32
+                        } else {
+                            -1
+                        }
+                    })
+                    .collect();
+                let ww = ww
+                    .iter()
+                    .zip(&wi)
+                    .map(|(&w, &e)| if e < 0 { 0.0 } else { w });
+                assert_eq!(&ids[t * row..][..k], &wi[..], "{what} ids, token {t}");
+                want_w.extend(ww);
+                if shared {
+                    assert_eq!(ids[t * row + k], MOE_SHARED, "shared expert id, token {t}");
+                    want_w.push(1.0);
+                }
+            }
+            assert_close(&format!("{what} {label}"), w, &want_w, F32_OP);
+        };
+
+        // moe_router on given logits.
+        let logits: Vec<f32> = rng
+            .normals(tokens * n_exp)
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        let dl = g.upload(&logits).unwrap();
+        let (dids, dw) = (poisoned_i32(&g, tokens * row), poisoned(&g, tokens * row));
+        g.moe_router(&router(g.ptr(&dl, 0), g.ptr(&dids, 0), g.ptr(&dw, 0)))
+            .unwrap();
         let (ids, w) = (g.download(&dids).unwrap(), g.download(&dw).unwrap());
-        let mut want_w = Vec::new();
-        for t in 0..tokens {
-            let (wi, ww) = router_twin(
-                &logits[t * n_exp..][..n_exp],
-                use_bias.then_some(&bias[..]),
-                k,
-                gating,
-                n_group,
-                group_used,
-                norm,
-                scale as f64,
+        check("moe_router", &logits, &ids, &w);
+
+        // moe_route_f32: its logits against an f64 product, its choice against the twin on
+        // those logits; launched twice (its per-token counters must be back at zero).
+        let dim = 1000;
+        let x = rng.normals(tokens * dim);
+        let wr: Vec<f32> = rng.normals(n_exp * dim).iter().map(|v| v * 0.05).collect();
+        let want_logits: Vec<f64> = (0..tokens * n_exp)
+            .map(|i| {
+                let (t, e) = (i / n_exp, i % n_exp);
+                (0..dim)
+                    .map(|j| x[t * dim + j] as f64 * wr[e * dim + j] as f64)
+                    .sum()
+            })
+            .collect();
+        let (dx, dwr) = (g.upload(&x).unwrap(), g.upload(&wr).unwrap());
+        let mut first = None;
+        for launch in 0..2 {
+            let dl = poisoned(&g, tokens * n_exp);
+            let (dids, dw) = (poisoned_i32(&g, tokens * row), poisoned(&g, tokens * row));
+            let a = router(g.ptr(&dl, 0), g.ptr(&dids, 0), g.ptr(&dw, 0));
+            g.moe_route_f32(&a, (g.ptr(&dx, 0), g.ptr(&dwr, 0), dim))
+                .unwrap();
+            let logits = g.download(&dl).unwrap();
+            assert_close(
+                &format!("moe_route_f32 logits {label}"),
+                &logits,
+                &want_logits,
+                F32_OP,
             );
-            // Choices held elsewhere: id -1, weight 0; held ones count from held.start.
-            let on_rank = |e: i32| held.contains(&(e as usize));
-            let wi: Vec<i32> = wi
-                .iter()
-                .map(|&e| {
-                    if on_rank(e) {
-                        e - held.start as i32
-                    } else {
-                        -1
-                    }
-                })
-                .collect();
-            let ww = ww
-                .iter()
-                .zip(&wi)
-                .map(|(&w, &e)| if e < 0 { 0.0 } else { w });
-            assert_eq!(&ids[t * row..][..k], &wi[..], "router ids, token {t}");
-            want_w.extend(ww);
-            if shared {
-                assert_eq!(ids[t * row + k], MOE_SHARED, "shared expert id, token {t}");
-                want_w.push(1.0);
+            let (ids, w) = (g.download(&dids).unwrap(), g.download(&dw).unwrap());
+            check("moe_route_f32", &logits, &ids, &w);
+            match &first {
+                None => first = Some((ids, w)),
+                Some(f) => assert_eq!(f, &(ids, w), "moe_route_f32 launch {launch}"),
             }
         }
-        assert_close(
-            &format!(
-                "moe_router {n_exp}x{k} gating {gating} groups {n_group} held {held:?} \
-                 shared {shared}"
-            ),
-            &w,
-            &want_w,
-            F32_OP,
-        );
     }
 
     // combine: 5 tokens x 3 choices over 12 expert-output rows, one slot skipped, and one of

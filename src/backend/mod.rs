@@ -317,9 +317,10 @@ pub trait Backend: Send + Sync {
 
     // ----- mixture of experts -------------------------------------------------------------
 
-    /// The routed experts of a batch straight from the router logits [n, n_expert], routed on
-    /// the device by the rules of `model::moe::route`, so that decode pays no host round trip
-    /// per MoE layer (and prefill no host routing of every token). `held`: the experts this
+    /// The routed experts of a batch, its router logits [n, n_expert] (`router` times `x`)
+    /// computed and routed on the device by the rules of `model::moe::route`, so that decode
+    /// pays no host round trip per MoE layer (and prefill no host routing of every token) and
+    /// may take the product and the choice in one launch. `held`: the experts this
     /// rank's stacks hold (all at TP = 1); choices held elsewhere add nothing here. `shared`:
     /// the shared expert, which the backend may run as one more choice of every token. Returns
     /// the output and whether it includes the shared expert's (else the caller adds it). None
@@ -328,7 +329,7 @@ pub trait Backend: Send + Sync {
     fn moe_routed(
         &self,
         _x: &Self::Tensor,
-        _logits: &Self::Tensor,
+        _router: &Self::Weight,
         _bias: Option<&[f32]>,
         _m: &crate::config::MoeConfig,
         _held: &Range<usize>,

@@ -140,18 +140,28 @@ pub fn forward<B: Backend>(
     let b = &model.backend;
     let m = model.cfg.moe.as_ref().expect("MoE layer in a MoE model");
 
-    let logits = b.linear(x, &w.router); // [n, n_expert]
-    taps.tensor(b, || format!("L{il}.router_logits"), &logits);
     let bias = w.selection_bias.as_deref();
     let on_device = if taps.on() {
-        None // the trace records the reference routing, below
+        None // the trace records the logits and the reference routing, below
     } else {
         let experts = (&w.gate_exps, &w.up_exps, &w.down_exps);
-        b.moe_routed(x, &logits, bias, m, &w.experts, experts, w.shared.as_ref())
+        b.moe_routed(
+            x,
+            &w.router,
+            bias,
+            m,
+            &w.experts,
+            experts,
+            w.shared.as_ref(),
+        )
     };
     let (mut out, with_shared) = match on_device {
         Some(routed) => routed,
-        None => (routed_on_host(model, il, w, x, &logits, taps), false),
+        None => {
+            let logits = b.linear(x, &w.router); // [n, n_expert]
+            taps.tensor(b, || format!("L{il}.router_logits"), &logits);
+            (routed_on_host(model, il, w, x, &logits, taps), false)
+        }
     };
     if with_shared {
         return out; // the backend ran the shared expert as one more choice

@@ -899,7 +899,7 @@ impl Backend for Cuda {
     fn moe_routed(
         &self,
         x: &CudaTensor,
-        logits: &CudaTensor,
+        router_w: &CudaWeight,
         bias: Option<&[f32]>,
         m: &MoeConfig,
         held: &Range<usize>,
@@ -920,8 +920,9 @@ impl Backend for Cuda {
         let row = k + with_shared as usize; // choices per token
         let dids = ok(self.gpu.empty_i32(n * row), "alloc");
         let dw = self.empty(n, row);
+        let logits = self.empty(n, m.n_expert);
         let router = MoeRouter {
-            logits: self.p(logits, 0),
+            logits: self.p(&logits, 0),
             bias: bias.map_or(0, |b| self.constant(b)),
             n_exp: m.n_expert,
             k,
@@ -939,7 +940,25 @@ impl Backend for Cuda {
             ids: self.gpu.ptr(&dids, 0),
             weights: self.p(&dw, 0),
         };
-        ok(self.gpu.moe_router(&router), "moe router");
+        let dim = router_w.ne[0];
+        assert_eq!(
+            x.cols, dim,
+            "router {}: x has {} columns",
+            router_w.name, x.cols
+        );
+        let (xp, wp) = (self.p(x, 0), self.w(router_w));
+        if n < MATMUL_MIN_ROWS
+            && router_w.ty == GgmlType::F32
+            && dim % 4 == 0
+            && (xp | wp) % 16 == 0
+        {
+            ok(self.gpu.moe_route_f32(&router, (xp, wp, dim)), "moe route");
+        } else {
+            let rows = router_w.dim(1);
+            let yp = self.p(&logits, 0);
+            self.product(router_w.ty, wp, rows, dim, xp, dim, n, yp, rows);
+            ok(self.gpu.moe_router(&router), "moe router");
+        }
         if n >= MATMUL_MIN_ROWS {
             // Prefill: the choices come to the host (n * k ids, not n * n_expert logits) to be
             // grouped by expert for the tensor-core products.

@@ -36,6 +36,9 @@ pub struct Gpu {
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
+    /// Grow-only per-token counters of `moe_route_f32` (ops.rs), zero between launches: the
+    /// kernel's routing block puts its token's back.
+    pub(super) route_done: Mutex<Option<CudaSlice<i32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -74,6 +77,7 @@ impl Gpu {
             functions: Mutex::default(),
             occupancy: Mutex::default(),
             mla_work: Mutex::default(),
+            route_done: Mutex::default(),
         })
     }
 

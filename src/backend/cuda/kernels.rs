@@ -61,7 +61,7 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         "attention_prefill" => "attention",
         "mla_decode_split" | "mla_decode_split16" | "mla_decode_combine" => "mla_decode",
         "dsa_scores" | "topk_rows" | "keep_mask" => "dsa",
-        "moe_router" | "moe_combine" => "moe",
+        "moe_router" | "moe_route_f32" | "moe_combine" => "moe",
         "argmax_rows" | "top_p_sample" => "sampling",
         _ => return None,
     };
