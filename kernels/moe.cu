@@ -69,24 +69,25 @@ __device__ void route_token(const float* lg, const float* bias, int n_exp, int k
                             int held_hi, int shared, int* ids, float* weights) {
     __shared__ float s[ROUTER_MAX_EXP], scratch[32];
     __shared__ __align__(16) int key[ROUTER_MAX_EXP], group_key[32];
-    __shared__ int kept[32], chosen[32], live;
+    __shared__ int kept[32], chosen[32];
     const int tid = threadIdx.x;
     const int NEG_KEY = float_key(NEG_INF);
 
-    if (tid == 0) live = 0;
+    float mx = 0.0f, sum = 1.0f;  // softmax's max and sum
     if (gating == 1) {
-        float mx = NEG_INF;
+        mx = NEG_INF;
         for (int e = tid; e < n_exp; e += blockDim.x) mx = fmaxf(mx, __ldcg(lg + e));
         mx = block_max(mx, scratch);
-        float sum = 0.0f;
+        sum = 0.0f;
         for (int e = tid; e < n_exp; e += blockDim.x) sum += expf(__ldcg(lg + e) - mx);
         sum = block_sum(sum, scratch);
-        for (int e = tid; e < n_exp; e += blockDim.x) s[e] = expf(__ldcg(lg + e) - mx) / sum;
-    } else {
-        for (int e = tid; e < n_exp; e += blockDim.x) s[e] = 1.0f / (1.0f + expf(-__ldcg(lg + e)));
     }
-    for (int e = tid; e < n_exp; e += blockDim.x)
-        key[e] = float_key(s[e] + (bias ? bias[e] : 0.0f));
+    for (int e = tid; e < n_exp; e += blockDim.x) {
+        float l = __ldcg(lg + e), b = bias ? __ldg(bias + e) : 0.0f;  // both loads at once
+        float se = gating == 1 ? expf(l - mx) / sum : 1.0f / (1.0f + expf(-l));
+        s[e] = se;
+        key[e] = float_key(se + b);
+    }
     __syncthreads();
 
     // Kept groups: kept[0 .. n_kept) their ids (all experts as one group without groups).
@@ -129,10 +130,9 @@ __device__ void route_token(const float* lg, const float* bias, int n_exp, int k
         if (tid == 0) kept[0] = 0;
     }
     __syncthreads();
-    int mine = 0;
-    for (int e = tid; e < n_exp; e += blockDim.x) mine += key[e] != NEG_KEY;
-    atomicAdd(&live, mine);
-    __syncthreads();
+    int live = 0;  // experts above -inf
+    for (int e0 = 0; e0 < n_exp; e0 += blockDim.x)
+        live += __syncthreads_count(e0 + tid < n_exp && key[e0 + tid] != NEG_KEY);
 
     // Ranks. A kept expert above -inf comes after no expert out (those are all -inf), so it
     // counts against the kept groups only (their key ranges are 16-byte aligned when per % 4
@@ -218,9 +218,27 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     if (d >= dim) return;
     const float* wt = weights + (i64)t * k;
     float sum = 0.0f;
-    for (int j = 0; j < k; j++) {
-        int r = slots ? slots[(i64)t * k + j] : t * k + j;
-        if (r >= 0 && wt[j] != 0.0f) sum += wt[j] * rows[(i64)r * dim + d];
+    // Eight choices at a time: their slots and weights, then all of their rows' loads (row 0
+    // stands in for a skipped one), then the sum in choice order. One choice after the other
+    // waited a round trip each (ncu, H200: 6.2 us for 9 choices).
+    for (int j0 = 0; j0 < k; j0 += 8) {
+        int r[8];
+        float w[8], v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int j = j0 + u;
+            r[u] = j >= k ? -1 : slots ? slots[(i64)t * k + j] : t * k + j;
+            w[u] = j < k ? wt[j] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            bool use = r[u] >= 0 && w[u] != 0.0f;
+            float a = rows[(i64)(use ? r[u] : 0) * dim + d];
+            v[u] = use ? a : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            if (r[u] >= 0 && w[u] != 0.0f) sum += w[u] * v[u];
     }
     out[(i64)t * dim + d] = sum;
 }
