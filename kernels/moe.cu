@@ -35,6 +35,7 @@
 
 #define ROUTER_MAX_EXP 1024
 #define ROUTER_THREADS 256
+#define ROUTE_VALS 8
 
 // f's bits as an int that orders like f (Rust's f32::total_cmp): -0 < +0, NaN at the ends.
 // Its own inverse.
@@ -178,7 +179,10 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_router(
                 scale, held_lo, held_hi, shared, ids + (i64)t * row, weights + (i64)t * row);
 }
 
-extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_route_f32(
+// Minimum one block per SM: with none, ptxas fit 8 blocks (32 registers) by spreading the
+// eight loads of a thread over four round trips; 2 blocks of 91 registers fit, as many as
+// 256 experts need of an H200.
+extern "C" __global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_route_f32(
     const float* x, const float* w, int dim, float* logits, int* done, const float* bias,
     int n_exp, int k, int gating, int n_group, int group_used, int norm, float scale,
     int held_lo, int held_hi, int shared, int* ids, float* weights) {
@@ -191,10 +195,22 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS) moe_route_f32(
     pdl_enter();
     const float4* xr = (const float4*)(x + (i64)t * dim);
     float acc = 0.0f;
-#pragma unroll 8
-    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-        float4 a = __ldg(wr + i), b = xr[i];
-        acc += (a.x * b.x + a.y * b.y) + (a.z * b.z + a.w * b.w);
+    // ROUTE_VALS float4 of the row and of x per thread in flight at once (unconditional loads
+    // at clamped indexes): as a plain loop each load waited for the one before (ncu, H200:
+    // 7 round trips for DeepSeek-V3's 7168-value rows, most of the kernel's 11.7 us).
+    for (int i0 = threadIdx.x; i0 < n4; i0 += ROUTE_VALS * blockDim.x) {
+        float4 a[ROUTE_VALS], b[ROUTE_VALS];
+#pragma unroll
+        for (int u = 0; u < ROUTE_VALS; u++) {
+            int i = min(i0 + u * (int)blockDim.x, n4 - 1);
+            a[u] = __ldg(wr + i);
+            b[u] = __ldg(xr + i);
+        }
+#pragma unroll
+        for (int u = 0; u < ROUTE_VALS; u++) {
+            float p = (a[u].x * b[u].x + a[u].y * b[u].y) + (a[u].z * b[u].z + a[u].w * b[u].w);
+            acc += i0 + u * (int)blockDim.x < n4 ? p : 0.0f;
+        }
     }
     acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) {
