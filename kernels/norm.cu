@@ -110,12 +110,22 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
 //   cache[t, 0..dl)     = rmsnorm(kv[t, 0..dl)) * w
 //   cache[t, dl..dl+dr) = kv[t, dl..dl+dr) rotated as adjacent pairs at position pos0 + t,
 //                         exactly as rope_pairs turns them (angle = f32 pos * inv_freq[i]).
-// One block per token, blockDim.x >= dl / NORM_VALS (the rmsnorm launch of a dl-wide row).
+// With qx (not null), blocks (t, 1) also norm the query latent: qy[t] = rmsnorm(qx[t]) * qw,
+// rows of dq (q-LoRA's q_a: the two norms of MLA in one launch). Grid (T, qx ? 2 : 1), block
+// x >= max(dl, dq) / NORM_VALS (the rmsnorm launch of the wider row).
 extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
     const float* kv, const float* w, float* cache, int dl, int dr, int pos0,
-    const float* inv_freq, float mscale, float eps) {
+    const float* inv_freq, float mscale, float eps, const float* qx, const float* qw, float* qy,
+    int dq) {
     pdl_enter();
     __shared__ float scratch[32];
+    if (blockIdx.y == 1) {
+        float v[NORM_VALS], wv[NORM_VALS];
+        load_row(v, qx + (i64)blockIdx.x * dq, dq);
+        load_row(wv, qw, dq);
+        rms_store(v, wv, qy + (i64)blockIdx.x * dq, dq, eps, scratch);
+        return;
+    }
     const i64 width = dl + dr;
     const float* xr = kv + blockIdx.x * width;
     float* yr = cache + blockIdx.x * width;

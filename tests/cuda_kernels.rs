@@ -9,8 +9,8 @@
 
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::ops::{
-    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, KERNEL_TYPES,
-    MOE_SHARED,
+    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm,
+    KERNEL_TYPES, MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -343,17 +343,19 @@ fn chosen_outputs(y: &[f32], rows: usize, ids: &[i32], what: &str) -> Vec<f32> {
 /// tile, shared and per-item inputs, a MoE choice held elsewhere (id -1: output left alone), an
 /// odd number of 256-blocks (k = 4352: the shared-memory layout's padding), and each block
 /// geometry of ops.rs: 8 warps with 8 and 4 tiles (items), 4 warps with 2 tiles (one matrix),
-/// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory).
+/// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory), and
+/// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long).
 #[test]
 fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_tc");
     let t = GgmlType::Q4_K;
-    let cases: [(usize, usize, usize, &[i32]); 4] = [
+    let cases: [(usize, usize, usize, &[i32]); 5] = [
         (2100, 1536, 3, &[2, 0, -1, 1, 1]),
         (2048, 4608, 2, &[1, 0, -1, 1]),
         (8200, 4352, 1, &[0]),
         (7200, 9216, 1, &[0]),
+        (6150, 12288, 1, &[0]),
     ];
     for (rows, k, mats, ids) in cases {
         let w = random_rows(&mut rng, t, rows * mats, k);
@@ -1093,8 +1095,9 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
     let mut rng = Rng::new("latent_norm_rope");
     let eps = 1e-6;
     let mscale = 1.15f32;
-    // GLM-5's latent (512 + 64) and a small odd one.
-    for (dl, dr, tokens, ctx, row0) in [(512, 64, 5, 12, 4), (72, 8, 3, 4000, 3990)] {
+    // GLM-5's latent (512 + 64) with its q-LoRA latent (2048) normed in the same launch, a
+    // small odd one without.
+    for (dl, dr, tokens, ctx, row0, dq) in [(512, 64, 5, 12, 4, 2048), (72, 8, 3, 4000, 3990, 0)] {
         let width = dl + dr;
         let kv: Vec<f32> = rng
             .normals(tokens * width)
@@ -1114,6 +1117,19 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             g.upload(&inv_freq).unwrap(),
             g.upload(&cache).unwrap(),
         );
+        let qx = rng.normals(tokens * dq);
+        let qw = rng.normals(dq);
+        let (dqx, dqw, dqy) = (
+            g.upload(&qx).unwrap(),
+            g.upload(&qw).unwrap(),
+            poisoned(&g, tokens * dq),
+        );
+        let query = RowsNorm {
+            x: g.ptr(&dqx, 0),
+            w: g.ptr(&dqw, 0),
+            y: g.ptr(&dqy, 0),
+            width: dq,
+        };
         g.latent_norm_rope(
             g.ptr(&dkv, 0),
             g.ptr(&dw, 0),
@@ -1125,8 +1141,16 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             g.ptr(&df, 0),
             mscale,
             eps,
+            (dq > 0).then_some(&query),
         )
         .unwrap();
+        if dq > 0 {
+            let want: Vec<f64> = (0..tokens)
+                .flat_map(|t| rmsnorm_twin(&qx[t * dq..(t + 1) * dq], &qw, eps))
+                .collect();
+            let got = g.download(&dqy).unwrap();
+            assert_close(&format!("latent_norm_rope query {dq}"), &got, &want, F32_OP);
+        }
         let mut want: Vec<f64> = cache.iter().map(|&v| v as f64).collect();
         for t in 0..tokens {
             let x = &kv[t * width..(t + 1) * width];

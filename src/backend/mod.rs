@@ -188,8 +188,10 @@ pub trait Backend: Send + Sync {
 
     /// The MLA latent of n positions into its cache: `kv` [n, kv_lora + dr] (the kv_a_mqa
     /// output, dr = `rope.rot_dims()`) -> rows `row0..row0+n` of `cache` [ctx, kv_lora + dr],
-    /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`. A GPU does it in one
-    /// pass over the rows, without the intermediate slices.
+    /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`; and with `query`
+    /// (q-LoRA's latent [n, q_lora] and its norm), returns `rms_norm(query, eps)`. A GPU does
+    /// it all in one launch, without the intermediate slices.
+    #[allow(clippy::too_many_arguments)]
     fn latent_append(
         &self,
         cache: &mut Self::Tensor,
@@ -198,7 +200,8 @@ pub trait Backend: Send + Sync {
         w: &Self::Weight,
         eps: f32,
         rope: &Rope,
-    ) {
+        query: Option<(&Self::Tensor, &Self::Weight)>,
+    ) -> Option<Self::Tensor> {
         let (n, width) = self.shape(kv);
         let kv_lora = width - rope.rot_dims();
         let c_kv = self.rms_norm(&self.slice(kv, 0..n, 0..kv_lora), w, eps);
@@ -206,6 +209,7 @@ pub trait Backend: Send + Sync {
         self.rope(&mut k_pe, 1, 0, row0, rope);
         self.write_block(cache, row0, 0, &c_kv);
         self.write_block(cache, row0, kv_lora, &k_pe);
+        query.map(|(x, w)| self.rms_norm(x, w, eps))
     }
 
     // ----- matrix products ----------------------------------------------------------------

@@ -50,22 +50,33 @@ pub fn attention<B: Backend>(
     let mut of_x = b.linears(x, &of_x).into_iter();
     let (x_q, kv, x_index_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
 
-    // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a (the q-LoRA latent) feeds DSA.
-    let (mut q, q_a) = match &w.q {
-        QueryProj::Lora { norm, b: q_b, .. } => {
-            let q_a = b.rms_norm(&x_q, norm, LATENT_NORM_EPS); // [n, q_lora]
-            (b.linear(&q_a, q_b), Some(q_a))
+    // The latent of these positions, straight into the cache: c_kv [n, kv_lora] normed,
+    // k_pe [n, dr] roped; with q-LoRA, its latent q_a [n, q_lora] normed in the same pass.
+    let q_norm = match &w.q {
+        QueryProj::Lora { norm, .. } => Some((&x_q, norm)),
+        QueryProj::Direct(_) => None,
+    };
+    let latent = &mut cache.latent[il];
+    let q_a = b.latent_append(
+        latent,
+        pos0,
+        &kv,
+        &w.kv_a_norm,
+        LATENT_NORM_EPS,
+        &m.rope,
+        q_norm,
+    );
+
+    // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a feeds DSA too.
+    let mut q = match &w.q {
+        QueryProj::Lora { b: q_b, .. } => {
+            b.linear(q_a.as_ref().expect("latent_append norms the query"), q_b)
         }
-        QueryProj::Direct(_) => (x_q, None),
+        QueryProj::Direct(_) => x_q,
     };
     taps.tensor(b, || format!("L{il}.q"), &q);
     let q_pe = b.rope_columns(&mut q, h, dn, pos0, &m.rope); // [n, H*dr], q's own roped too
     taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
-
-    // The latent of these positions, straight into the cache: c_kv [n, kv_lora] normed,
-    // k_pe [n, dr] roped.
-    let latent = &mut cache.latent[il];
-    b.latent_append(latent, pos0, &kv, &w.kv_a_norm, LATENT_NORM_EPS, &m.rope);
     if taps.on() {
         let rows = pos0..pos0 + n;
         let c_kv = b.slice(latent, rows.clone(), 0..kv_lora);

@@ -16,7 +16,8 @@ use cudarc::driver::CudaSlice;
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::ops::{
-    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, KERNEL_TYPES,
+    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm,
+    KERNEL_TYPES,
 };
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
@@ -455,7 +456,8 @@ impl Backend for Cuda {
         w: &CudaWeight,
         eps: f32,
         rope: &Rope,
-    ) {
+        query: Option<(&CudaTensor, &CudaWeight)>,
+    ) -> Option<CudaTensor> {
         let dr = rope.rot_dims();
         assert!(
             kv.cols == cache.cols && dr < kv.cols && row0 + kv.rows <= cache.rows,
@@ -465,6 +467,16 @@ impl Backend for Cuda {
             cache.rows,
             cache.cols
         );
+        let q_out = query.map(|(x, _)| {
+            assert_eq!(x.rows, kv.rows, "latent_append: query rows");
+            self.empty(x.rows, x.cols)
+        });
+        let q_norm = query.zip(q_out.as_ref()).map(|((x, qw), y)| RowsNorm {
+            x: self.p(x, 0),
+            w: self.w(qw),
+            y: self.p(y, 0),
+            width: x.cols,
+        });
         ok(
             self.gpu.latent_norm_rope(
                 self.p(kv, 0),
@@ -477,9 +489,11 @@ impl Backend for Cuda {
                 self.constant(&rope.inv_freq),
                 rope.cos_sin_scale,
                 eps,
+                q_norm.as_ref(),
             ),
             "latent_norm_rope",
         );
+        q_out
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {

@@ -204,9 +204,10 @@ const TC_MIN_ROWS: usize = 8192;
 const TC_K_MAX: usize = 8192;
 /// Longer k (DeepSeek-V3's attn_output, k = 16384, and dense ffn_down, 18432) goes to the
 /// 8-warp kernel from TC_LONG_MIN_ROWS rows on (lab, H200: 34.9 -> 30.6 us and 40.1 -> 33.7
-/// us; at GLM-5's 6144 rows it only tied the CUDA-core kernel), up to TC_LONG_K_MAX (its x
-/// planes fill 85 KiB of shared memory).
-const TC_LONG_MIN_ROWS: usize = 7168;
+/// us), up to TC_LONG_K_MAX (its x planes fill 85 KiB of shared memory). GLM-5's 6144 rows
+/// only tied the CUDA-core kernel as a block per group; as one wave of blocks walking their
+/// groups (a single matrix reads one x) its attn_output takes it too.
+const TC_LONG_MIN_ROWS: usize = 6144;
 pub(super) const TC_LONG_K_MAX: usize = 20480;
 
 fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
@@ -442,7 +443,8 @@ impl Gpu {
         y: Ptr,
     ) -> Result<(), CudaError> {
         let (kernel, row_bytes) = typed_rows("embed", ty, n)?;
-        launch!(self, kernel, (tokens as u32, 1, 1), 128, 0;
+        let threads = (n / 8).next_multiple_of(32).clamp(32, 1024) as u32;
+        launch!(self, kernel, (tokens as u32, 1, 1), threads, 0;
             w, row_bytes as i64, ids, n as i32, y);
         Ok(())
     }
@@ -778,7 +780,8 @@ impl Gpu {
 
     /// The MLA latent of `rows` tokens: row t of kv [rows, dl + dr] -> row t of `cache`
     /// (pointing at the first row to fill, rows dl + dr wide), c_kv RMS-normed with w, k_pe
-    /// roped at position pos0 + t (inv_freq: [dr / 2] f32). See kernels/norm.cu.
+    /// roped at position pos0 + t (inv_freq: [dr / 2] f32); with `query`, its rows RMS-normed
+    /// in the same launch (q-LoRA's latent, the same eps). See kernels/norm.cu.
     #[allow(clippy::too_many_arguments)]
     pub fn latent_norm_rope(
         &self,
@@ -792,8 +795,10 @@ impl Gpu {
         inv_freq: Ptr,
         mscale: f32,
         eps: f32,
+        query: Option<&RowsNorm>,
     ) -> Result<(), CudaError> {
-        let block = norm_block(dl, "latent_norm_rope")?;
+        let dq = query.map_or(0, |q| q.width);
+        let block = norm_block(dl.max(dq), "latent_norm_rope")?;
         check(
             dr % 2 == 0 && pos0 + rows <= i32::MAX as usize,
             "latent_norm_rope",
@@ -802,8 +807,11 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        launch!(self, "latent_norm_rope", (rows as u32, 1, 1), block, 0;
-            kv, w, cache, dl as i32, dr as i32, pos0 as i32, inv_freq, mscale, eps);
+        let (qx, qw, qy) = query.map_or((0, 0, 0), |q| (q.x, q.w, q.y));
+        let grid = (rows as u32, 1 + query.is_some() as u32, 1);
+        launch!(self, "latent_norm_rope", grid, block, 0;
+            kv, w, cache, dl as i32, dr as i32, pos0 as i32, inv_freq, mscale, eps, qx, qw, qy,
+            dq as i32);
         Ok(())
     }
 
@@ -1225,6 +1233,14 @@ pub struct PairRope {
     pub pos0: usize,
     pub inv_freq: Ptr,
     pub mscale: f32,
+}
+
+/// Rows of `width` values at x RMS-normed with w into y (contiguous rows).
+pub struct RowsNorm {
+    pub x: Ptr,
+    pub w: Ptr,
+    pub y: Ptr,
+    pub width: usize,
 }
 
 /// The MoE router's choice for T tokens (see kernels/moe.cu).
