@@ -25,9 +25,10 @@
 // Types without such a piece walk 8-element units through dq8_<type> (generic_piece).
 
 #define MATVEC_WARPS 4
-// Scalar (f32) matrices take blocks of up to 16 warps per row group (MatvecWarps below): the
-// only ones in decode are MoE routers, 256 rows of 24-28 KiB, whose 64 groups on 4-warp blocks
-// left half of an H200's SMs idle and the rest with few loads in flight.
+// Scalar (f32) matrices take blocks of up to 16 warps per row group (MatvecWarps below): short
+// ones like MoE routers, 256 rows of 24-28 KiB, whose 64 groups on 4-warp blocks left half of
+// an H200's SMs idle and the rest with few loads in flight (decode now runs an f32 router's
+// product inside moe_route_f32, kernels/moe.cu).
 #define MATVEC_WIDE_WARPS 16
 // Four rows share each x load (x comes from L1). Rows per thread and how lanes share x loads
 // were measured not to matter (2, 4 or 8 rows; 1-8 row sets per warp): the kernel is issue-bound

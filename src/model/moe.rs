@@ -3,9 +3,10 @@
 //!
 //! Routing is the step where subtle bugs hide (bias used for weights, groups masked with 0
 //! instead of -inf, top-k over the group mask), so its reference is written plainly here and
-//! runs on the host for the CPU backend, for traces and for prefill. The CUDA backend routes
-//! decode batches on the GPU (kernels/moe.cu `moe_router`, held to `route` by its test and by
-//! prefill == decode), which spares a host round trip per MoE layer.
+//! runs on the host for the CPU backend, for traces and for a tensor-parallel rank's prefill.
+//! The CUDA backend routes on the GPU (kernels/moe.cu: `moe_route_f32`, the router product and
+//! the choice in one launch for decode, `moe_router` on given logits; held to `route` by their
+//! test and by prefill == decode), which spares a host round trip per MoE layer.
 
 use super::{dense_ffn, Model, Taps};
 use crate::backend::Backend;
