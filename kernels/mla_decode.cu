@@ -224,7 +224,7 @@ __device__ __forceinline__ void mla_split_body(
                                        d0 + 2 * tig + 8 * (e >> 1), dl, dr, pair);
             }
         };
-        if (pair) {
+        if (pair) {  // a constant `pair` in each loop: no branch between its loads
             load_q(true);
         } else {
             load_q(false);

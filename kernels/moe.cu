@@ -43,11 +43,13 @@ __device__ __forceinline__ int float_key(float f) {
     int b = __float_as_int(f);
     return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
-__device__ __forceinline__ float key_float(int k) { return __int_as_float(float_key(__int_as_float(k))); }
+__device__ __forceinline__ float key_float(int k) {
+    return __int_as_float(float_key(__int_as_float(k)));
+}
 
-// How many of `keys[from, from + n)` (16-byte aligned, n % 4 == 0 unless from == 0) come
-// before key `kv` of entry `v`: larger, or equal and lower index. Four keys per shared-memory
-// load, several loads in flight.
+// How many of `keys[from, from + n)` (keys + from 16-byte aligned) come before key `kv` of
+// entry `v`: larger, or equal and lower index. Four keys per shared-memory load, several
+// loads in flight.
 __device__ __forceinline__ int before(int ku, int u, int kv, int v) {
     return (ku > kv) | ((ku == kv) & (u < v));
 }
