@@ -242,21 +242,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     for (int j0 = 0; j0 < k; j0 += 8) {
         int r[8];
         float w[8], v[8];
+        bool use[8];
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             int j = j0 + u;
             r[u] = j >= k ? -1 : slots ? slots[(i64)t * k + j] : t * k + j;
             w[u] = j < k ? wt[j] : 0.0f;
+            use[u] = r[u] >= 0 && w[u] != 0.0f;
         }
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
-            bool use = r[u] >= 0 && w[u] != 0.0f;
-            float a = rows[(i64)(use ? r[u] : 0) * dim + d];
-            v[u] = use ? a : 0.0f;
-        }
+        for (int u = 0; u < 8; u++) v[u] = rows[(i64)(use[u] ? r[u] : 0) * dim + d];
 #pragma unroll
         for (int u = 0; u < 8; u++)
-            if (r[u] >= 0 && w[u] != 0.0f) sum += w[u] * v[u];
+            if (use[u]) sum += w[u] * v[u];
     }
     out[(i64)t * dim + d] = sum;
 }

@@ -16,8 +16,8 @@ use cudarc::driver::CudaSlice;
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::ops::{
-    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm,
-    KERNEL_TYPES,
+    route_f32_takes, AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
+    RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
@@ -934,7 +934,21 @@ impl Backend for Cuda {
         let row = k + with_shared as usize; // choices per token
         let dids = ok(self.gpu.empty_i32(n * row), "alloc");
         let dw = self.empty(n, row);
-        let logits = self.empty(n, m.n_expert);
+        let dim = router_w.ne[0];
+        assert_eq!(
+            x.cols, dim,
+            "router {}: x has {} columns",
+            router_w.name, x.cols
+        );
+        // Decode with an f32 router: the product and the choice in one launch.
+        let (xp, wp) = (self.p(x, 0), self.w(router_w));
+        let fused =
+            n < MATMUL_MIN_ROWS && router_w.ty == GgmlType::F32 && route_f32_takes(dim, xp, wp);
+        let logits = if fused {
+            self.empty(n, m.n_expert) // the kernel writes them
+        } else {
+            self.linear(x, router_w)
+        };
         let router = MoeRouter {
             logits: self.p(&logits, 0),
             bias: bias.map_or(0, |b| self.constant(b)),
@@ -954,23 +968,9 @@ impl Backend for Cuda {
             ids: self.gpu.ptr(&dids, 0),
             weights: self.p(&dw, 0),
         };
-        let dim = router_w.ne[0];
-        assert_eq!(
-            x.cols, dim,
-            "router {}: x has {} columns",
-            router_w.name, x.cols
-        );
-        let (xp, wp) = (self.p(x, 0), self.w(router_w));
-        if n < MATMUL_MIN_ROWS
-            && router_w.ty == GgmlType::F32
-            && dim % 4 == 0
-            && (xp | wp) % 16 == 0
-        {
+        if fused {
             ok(self.gpu.moe_route_f32(&router, (xp, wp, dim)), "moe route");
         } else {
-            let rows = router_w.dim(1);
-            let yp = self.p(&logits, 0);
-            self.product(router_w.ty, wp, rows, dim, xp, dim, n, yp, rows);
             ok(self.gpu.moe_router(&router), "moe router");
         }
         if n >= MATMUL_MIN_ROWS {

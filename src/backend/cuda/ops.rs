@@ -1243,6 +1243,12 @@ pub struct RowsNorm {
     pub width: usize,
 }
 
+/// Whether `Gpu::moe_route_f32` takes router rows of `dim` floats at `w` and x rows at `x`
+/// (float4 rows).
+pub fn route_f32_takes(dim: usize, x: Ptr, w: Ptr) -> bool {
+    dim % 4 == 0 && (x | w) % 16 == 0
+}
+
 /// The MoE router's choice for T tokens (see kernels/moe.cu).
 pub struct MoeRouter {
     /// [T, n_exp] f32: what `moe_router` reads, what `moe_route_f32` writes.
@@ -1287,7 +1293,7 @@ impl Gpu {
         (x, w, dim): (Ptr, Ptr, usize),
     ) -> Result<(), CudaError> {
         Self::check_router(a)?;
-        check(dim % 4 == 0 && (x | w) % 16 == 0, "moe_route_f32", || {
+        check(route_f32_takes(dim, x, w), "moe_route_f32", || {
             format!("rows of {dim} floats at {x:#x}, {w:#x}: not float4 rows")
         })?;
         if a.tokens == 0 {
