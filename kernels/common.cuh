@@ -52,6 +52,10 @@ __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The SwiGLU gate, silu(g) = g / (1 + exp(-g)): one expression for silu_mul and the
+// tensor-core matvec's x_up, so that both give the same bits.
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
 // IEEE half -> float (exact).
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

@@ -1,12 +1,11 @@
 // Element-wise operations over n contiguous f32 values.
 
-// out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). out may alias gate or up.
+// out = silu(gate) * up. out may alias gate or up.
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, i64 n) {
     pdl_enter();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
+        out[i] = silu(gate[i]) * up[i];
     }
 }
 

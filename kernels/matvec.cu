@@ -483,16 +483,26 @@ __device__ __forceinline__ int tc_scales_len(int k) { return (k / 256 + 1) & ~1;
 // One warp's share of x's 256-element block blk as digit planes (lane l owns elements
 // 8l .. 8l + 7): the block's scale s (0 for a zero block), the sum of the lane's 4-lane group
 // (32 values), and the lane's 8 digits of each plane p as bytes (words[p]) with their sum.
+// With `up`, x is silu(x) * up (the FFN's gate and up outputs: its silu folded into the down
+// product).
 struct XDigits {
     float s, sum;
     uint2 words[4];
     int dsum[4];
 };
-__device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int lane) {
+__device__ __forceinline__ XDigits x_block_digits(const float* x, const float* up, int blk,
+                                                  int lane) {
     XDigits r;
     const float4* xp = (const float4*)(x + 256 * blk + 8 * lane);
     float4 u = xp[0], v = xp[1];
     float e[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+    if (up) {
+        const float4* upp = (const float4*)(up + 256 * blk + 8 * lane);
+        float4 a = upp[0], b = upp[1];
+        float m[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) e[i] = silu(e[i]) * m[i];
+    }
     float mx = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
@@ -530,15 +540,15 @@ __device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int l
     return r;
 }
 
-// Planes, scales and sums of x[0, k) into shared memory, one warp per 256-element block at a
-// time.
-__device__ void tc_prepare_x(const float* x, int k, u8* sm) {
+// Planes, scales and sums of x[0, k) (silu(x) * up with `up`) into shared memory, one warp per
+// 256-element block at a time.
+__device__ void tc_prepare_x(const float* x, const float* up, int k, u8* sm) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
     float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     for (int blk = warp; blk < k / 256; blk += nwarps) {
-        XDigits xd = x_block_digits(x, blk, lane);
+        XDigits xd = x_block_digits(x, up, blk, lane);
         if (lane == 0) scales[blk] = xd.s;
         if ((lane & 3) == 0) sums[8 * blk + lane / 4] = xd.sum;
 #pragma unroll
@@ -645,11 +655,14 @@ __device__ __forceinline__ TcItem tc_item(int b, int items, const u8* w, const u
 
 // Same addressing as matvec_q4_k for `items` items (outputs at y + b y_stride); rows 16-byte
 // aligned, k a multiple of 256; `per_block` tiles per group (a power of two up to TC_WARPS).
+// x_up (or null) has x's layout: the items multiply silu(x) * x_up (the down product of a
+// gated FFN takes its gate and up outputs, one launch instead of silu_mul's and its own).
 template <int TC_WARPS>
 __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, const u8* sw,
                                                     const u8* sw2, i64 mat_stride,
                                                     const int* ids, int items, int rows, int k,
-                                                    i64 row_bytes, const float* x, int x_group,
+                                                    i64 row_bytes, const float* x,
+                                                    const float* x_up, int x_group,
                                                     i64 x_stride, float* y, i64 y_stride,
                                                     int per_block) {
     extern __shared__ __align__(16) u8 tc_sm[];
@@ -708,7 +721,8 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     for (; grp < groups; grp = next_group(grp + gridDim.x)) {
         int xi = item_of(grp).xi, tile = tile_of(grp);
         if (xi != prepared) {
-            tc_prepare_x(x + (i64)xi * x_stride, k, tc_sm);
+            tc_prepare_x(x + (i64)xi * x_stride, x_up ? x_up + (i64)xi * x_stride : nullptr, k,
+                         tc_sm);
             __syncthreads();
             prepared = xi;
         }
@@ -747,9 +761,9 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
         const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,             \
-        int x_group, i64 x_stride, float* y, i64 y_stride, int per_block) {                    \
+        const float* x_up, int x_group, i64 x_stride, float* y, i64 y_stride, int per_block) { \
         matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
-                                   x, x_group, x_stride, y, y_stride, per_block);              \
+                                   x, x_up, x_group, x_stride, y, y_stride, per_block);        \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)
@@ -776,7 +790,7 @@ extern "C" __global__ void matvec_x_digits(const float* x, int k, u8* digits) {
     if (blk >= k / 256) return;
     int* dsums = (int*)(digits + 4 * (i64)k);
     float* scales = (float*)(digits + 5 * (i64)k);
-    XDigits xd = x_block_digits(x, blk, lane);
+    XDigits xd = x_block_digits(x, nullptr, blk, lane);
     if (lane == 0) scales[blk] = xd.s;
     int ds[4];
 #pragma unroll

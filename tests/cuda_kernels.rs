@@ -251,6 +251,7 @@ fn expert_matvec(
         rows,
         k,
         x: g.ptr(&dx, 0),
+        x_up: 0,
         x_group,
         x_stride: k,
         y: g.ptr(&dy, 0),
@@ -533,6 +534,7 @@ fn matvec_q4_k_pair_matches_two_products() {
         rows,
         k,
         x: g.ptr(&dx, 0),
+        x_up: 0,
         x_group: 2,
         x_stride: k,
         y: g.ptr(&dy, 0),
@@ -654,6 +656,73 @@ fn matvec_q4_k_pair_matches_two_products() {
     }
 }
 
+/// The down product of a gated FFN with its silu folded into the input (`Matvec::x_up`): items
+/// multiply silu(gate) * up, equal to the f64 product of the dequantized matrices, and bit for
+/// bit to silu_mul followed by the plain product; a single matrix (the dense FFN) and experts
+/// with a choice held elsewhere (left alone).
+#[test]
+fn matvec_q4_k_x_up_folds_the_silu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_x_up");
+    let (t, rows, k, mats) = (GgmlType::Q4_K, 1024, 2048, 3);
+    let w = random_rows(&mut rng, t, rows * mats, k);
+    let wf = dequant_rows(t, &w, rows * mats, k);
+    let dw = g.upload(&w).unwrap();
+    for given in [None, Some(&[2i32, 0, -1, 1, 1][..])] {
+        let ids = given.unwrap_or(&[0]); // no ids: item b uses matrix b
+        let n = ids.len();
+        let gate: Vec<f32> = rng.normals(n * k).iter().map(|v| 4.0 * v).collect();
+        let up = rng.normals(n * k);
+        let (dg, du, di) = (
+            g.upload(&gate).unwrap(),
+            g.upload(&up).unwrap(),
+            g.upload(ids).unwrap(),
+        );
+        let (folded_y, plain_y) = (poisoned(&g, n * rows), poisoned(&g, n * rows));
+        let a = Matvec {
+            mat_stride: rows * t.row_bytes(k).unwrap(),
+            ids: given.map_or(0, |_| g.ptr(&di, 0)),
+            x_up: g.ptr(&du, 0),
+            batch: n,
+            ..Matvec::single(
+                t,
+                g.ptr(&dw, 0),
+                (g.ptr(&dg, 0), g.ptr(&folded_y, 0)),
+                (rows, k),
+            )
+        };
+        assert!(g.takes_x_up(&a), "the tensor-core kernel takes x_up");
+        g.matvec(&a).unwrap();
+        let folded = g.download(&folded_y).unwrap();
+        let x: Vec<f32> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&gv, &u)| (gv as f64 / (1.0 + (-gv as f64).exp()) * u as f64) as f32)
+            .collect();
+        let got = chosen_outputs(&folded, rows, ids, "x_up ");
+        let want = expert_matvec_want(&wf, (rows, k), &x, 1, ids);
+        assert_close(&format!("matvec q4_k x_up, {n} items"), &got, &want, F32_OP);
+
+        g.silu_mul(g.ptr(&dg, 0), g.ptr(&du, 0), g.ptr(&dg, 0), n * k)
+            .unwrap();
+        g.matvec(&Matvec {
+            x_up: 0,
+            y: g.ptr(&plain_y, 0),
+            ..a
+        })
+        .unwrap();
+        let plain = g.download(&plain_y).unwrap();
+        let same = folded
+            .iter()
+            .zip(&plain)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "x_up differs from silu_mul then the product, {n} items"
+        );
+    }
+}
+
 #[test]
 fn matvec_transposed_every_type_matches() {
     let Some(g) = gpu() else { return };
@@ -681,6 +750,7 @@ fn matvec_transposed_every_type_matches() {
             rows,
             k,
             x: g.ptr(&dx, 0),
+            x_up: 0,
             x_group: 1,
             x_stride: rows,
             y: g.ptr(&dy, 0),

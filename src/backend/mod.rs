@@ -223,15 +223,19 @@ pub trait Backend: Send + Sync {
         ws.iter().map(|w| self.linear(x, w)).collect()
     }
 
-    /// The gated FFN's first half, `swiglu(linear(x, gate), linear(x, up))` -> [n, f]; a
-    /// backend may run the two products as one.
-    fn swiglu_linear(
+    /// The gated FFN, `linear(swiglu(linear(x, gate), linear(x, up)), down)` -> [n, E]; a
+    /// backend may run the gate and up products as one, and the swiglu inside the down product.
+    fn swiglu_ffn(
         &self,
         x: &Self::Tensor,
         gate: &Self::Weight,
         up: &Self::Weight,
+        down: &Self::Weight,
     ) -> Self::Tensor {
-        self.swiglu(&self.linear(x, gate), &self.linear(x, up))
+        self.linear(
+            &self.swiglu(&self.linear(x, gate), &self.linear(x, up)),
+            down,
+        )
     }
 
     /// Per-head products with a `Heads` weight {a, b, H}: head `h` is a matrix `M_h` of `b`

@@ -559,7 +559,8 @@ impl Bench {
     }
 
     /// The routed experts of one token as the CUDA backend runs them at decode: gate and up
-    /// (8 items sharing x), silu * up, down (8 items), each item picking its expert by id.
+    /// (8 items sharing x), silu * up, down (8 items), each item picking its expert by id; the
+    /// silu inside the down product where the kernel takes it (`Matvec::x_up`).
     fn moe(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
         // 64 sets of 8 distinct experts, so consecutive tokens read different experts.
@@ -606,17 +607,27 @@ impl Bench {
                     rows,
                     k,
                     x,
+                    x_up: 0,
                     x_group,
                     x_stride,
                     y,
                     y_stride: rows,
                     batch: MOE_USED,
                 };
+                let folded = |i| Matvec {
+                    x_up: u,
+                    ..item(down_w, down_bytes, e, f, g, 1, f, d, i)
+                };
+                let fold = gpu.takes_x_up(&folded(0));
                 let timed = self.time(|i| {
                     gpu.matvec(&item(gate_w, gate_bytes, f, e, x, MOE_USED, e, g, i))?;
                     gpu.matvec(&item(up_w, gate_bytes, f, e, x, MOE_USED, e, u, i))?;
-                    gpu.silu_mul(g, u, g, MOE_USED * f)?;
-                    gpu.matvec(&item(down_w, down_bytes, e, f, g, 1, f, d, i))?;
+                    if fold {
+                        gpu.matvec(&folded(i))?;
+                    } else {
+                        gpu.silu_mul(g, u, g, MOE_USED * f)?;
+                        gpu.matvec(&item(down_w, down_bytes, e, f, g, 1, f, d, i))?;
+                    }
                     Ok(())
                 });
                 let Some((secs, host)) = self.ok_or_report("moe", &name, timed) else {
@@ -630,7 +641,7 @@ impl Bench {
                     moved,
                     secs,
                     host,
-                    json!({"type": tname(ty), "family": fam.name, "launches": 4}),
+                    json!({"type": tname(ty), "family": fam.name, "launches": if fold { 3 } else { 4 }}),
                 );
             }
         }

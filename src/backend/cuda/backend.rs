@@ -569,7 +569,13 @@ impl Backend for Cuda {
         ys
     }
 
-    fn swiglu_linear(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> CudaTensor {
+    fn swiglu_ffn(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+    ) -> CudaTensor {
         let (n, k, f) = (x.rows, gate.ne[0], gate.dim(1));
         assert_eq!(x.cols, k, "linear {}: x has {} columns", gate.name, x.cols);
         // Decode: gate and up in one launch where the tensor-core kernel takes the pair (item
@@ -584,7 +590,10 @@ impl Backend for Cuda {
         let as_pair = n < MATMUL_MIN_ROWS && same && self.gpu.takes_pair(&both);
         let as_parts = same && self.takes_parts(x, &[gate, up]);
         if !(as_pair || as_parts) {
-            return self.swiglu(&self.linear(x, gate), &self.linear(x, up));
+            return self.linear(
+                &self.swiglu(&self.linear(x, gate), &self.linear(x, up)),
+                down,
+            );
         }
         let gu = self.empty(2 * n, f);
         if as_pair {
@@ -601,9 +610,34 @@ impl Backend for Cuda {
                 "gate and up",
             );
         }
-        let y = self.empty(n, f);
+        // The down product of silu(gate) * up: in one launch where the kernel folds the silu
+        // into its input (x_up).
         let (g, u) = (self.p(&gu, 0), self.p(&gu, n * f));
-        ok(self.gpu.silu_mul(g, u, self.p(&y, 0), n * f), "silu_mul");
+        assert_eq!(down.ne[0], f, "linear {}: x has {f} columns", down.name);
+        let y = self.empty(n, down.dim(1));
+        let folded = Matvec {
+            x_up: u,
+            x_stride: f,
+            y_stride: down.dim(1),
+            batch: n,
+            ..Matvec::single(down.ty, self.w(down), (g, self.p(&y, 0)), (down.dim(1), f))
+        };
+        if self.gpu.takes_x_up(&folded) {
+            ok(self.gpu.matvec(&folded), "down");
+        } else {
+            ok(self.gpu.silu_mul(g, u, g, n * f), "silu_mul");
+            self.product(
+                down.ty,
+                self.w(down),
+                down.dim(1),
+                f,
+                g,
+                f,
+                n,
+                self.p(&y, 0),
+                down.dim(1),
+            );
+        }
         y
     }
 
@@ -1078,6 +1112,7 @@ impl Cuda {
                 rows: b,
                 k: a,
                 x: self.p(x, col0),
+                x_up: 0,
                 x_group,
                 x_stride,
                 y: self.p(&y, 0),
@@ -1150,12 +1185,22 @@ impl Cuda {
             };
             ok(self.gpu.matvec(&up_item), "moe up");
         }
-        ok(
-            self.gpu
-                .silu_mul(g_out, self.p(&gu_out, rows * f), g_out, rows * f),
-            "moe silu",
-        );
-        ok(self.gpu.matvec(&down_item), "moe down");
+        // The down products of silu(gate) * up: in one launch where the kernel folds the silu
+        // into its input (x_up).
+        let up_out = self.p(&gu_out, rows * f);
+        let folded = Matvec {
+            x_up: up_out,
+            ..down_item
+        };
+        if self.gpu.takes_x_up(&folded) {
+            ok(self.gpu.matvec(&folded), "moe down");
+        } else {
+            ok(
+                self.gpu.silu_mul(g_out, up_out, g_out, rows * f),
+                "moe silu",
+            );
+            ok(self.gpu.matvec(&down_item), "moe down");
+        }
     }
 
     /// The launches of `experts_per_choice` for `k` choices per token: the gate experts, gate
@@ -1181,6 +1226,7 @@ impl Cuda {
                 rows: rows_w,
                 k: k_w,
                 x,
+                x_up: 0,
                 x_group,
                 x_stride,
                 y,

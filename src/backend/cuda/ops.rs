@@ -51,6 +51,10 @@ pub struct Matvec {
     pub k: usize,
     /// f32 inputs: item b reads x + (b / x_group) * x_stride.
     pub x: Ptr,
+    /// Or 0: the up outputs of a gated FFN in x's layout, x holding its gate outputs; the
+    /// items multiply silu(x) * x_up, the FFN's down product with its silu in the same launch.
+    /// Only the tensor-core kernels take it (`Gpu::takes_x_up`).
+    pub x_up: Ptr,
     pub x_group: usize,
     pub x_stride: usize,
     /// f32 outputs: item b writes y + b * y_stride, `rows` values.
@@ -83,6 +87,7 @@ impl Matvec {
             rows,
             k,
             x,
+            x_up: 0,
             x_group: 1,
             x_stride: k,
             y,
@@ -296,6 +301,11 @@ impl Gpu {
         a.batch % 2 == 0 && on_tensor_cores(a)
     }
 
+    /// Whether `matvec` takes `a` with an `x_up` (the tensor-core kernels).
+    pub fn takes_x_up(&self, a: &Matvec) -> bool {
+        on_tensor_cores(a)
+    }
+
     /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
     pub fn takes_shared(&self, a: &Matvec) -> bool {
         a.ids != 0 && on_tensor_cores(a)
@@ -304,9 +314,11 @@ impl Gpu {
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
         let prefix = if a.transposed { "matvec_t" } else { "matvec" };
         let (kernel, row_bytes) = typed_rows(prefix, a.ty, a.k)?;
-        check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matvec", || {
-            "x rows must be 16-byte aligned".into()
-        })?;
+        check(
+            a.x % 16 == 0 && a.x_up % 16 == 0 && a.x_stride % 4 == 0,
+            "matvec",
+            || "x rows must be 16-byte aligned".into(),
+        )?;
         check(a.x_group > 0 && a.batch > 0, "matvec", || {
             "empty batch".into()
         })?;
@@ -315,6 +327,9 @@ impl Gpu {
         })?;
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
+        })?;
+        check(a.x_up == 0 || self.takes_x_up(a), "matvec", || {
+            "x_up needs the tensor-core kernel".into()
         })?;
         if uses_tensor_cores(a, row_bytes) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
@@ -347,7 +362,7 @@ impl Gpu {
             let blocks = one_wave.map_or(groups, |slots| groups.min(slots));
             launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps, smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
-                a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x,
+                a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.x_up,
                 a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, per_block as i32);
             return Ok(());
         }
