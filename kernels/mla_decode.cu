@@ -5,7 +5,11 @@
 //   out[h] = softmax_s(score) . c_kv
 //
 // Query token t (grid.z) sits at position pos0 + t: q_lat row t [H, dl] (q_nope absorbed by
-// W_UK), q_pe row t [H, dr]; cache: [S, dl + dr] rows [c_kv | k_pe]. Its keys are positions
+// W_UK), q_pe row t [H, dr] (heads qp_head apart: dr, or dn + dr inside the whole query);
+// with qp_freq (the rope's inv_freq, and its cos/sin scale qp_mscale) q_pe is not roped yet
+// and the kernel ropes it as it loads it, by rope_pair as rope_pairs does (the decode query:
+// one launch fewer), else (null) it is roped already. cache: [S, dl + dr] rows
+// [c_kv | k_pe]. Its keys are positions
 // 0 ..= pos0 + t, or, when key_ids is not null, the n_ids entries of key_ids row t (DSA top-k;
 // -1 entries, and entries past pos0 + t, are skipped).
 //
@@ -150,11 +154,11 @@ __device__ __forceinline__ void mla_stash(const float4 (&pf)[9], unsigned char* 
 // Query values d, d + 1 (d even) of head h at tile dims (latent below 512, rope from 512),
 // zero outside. `pair` (rows of even length, 8-byte aligned): one 8-byte load, from q_lat's
 // first value where (h, d) is outside, so that no load waits on a branch.
-__device__ __forceinline__ float2 mla_q2(const float* ql, const float* qp, int h, int n_heads,
-                                         int d, int dl, int dr, bool pair) {
+__device__ __forceinline__ float2 mla_q2(const float* ql, const float* qp, int qp_head, int h,
+                                         int n_heads, int d, int dl, int dr, bool pair) {
     const bool latent = d < MLA_DL_MAX;
     const int dd = latent ? d : d - MLA_DL_MAX;
-    const float* p = latent ? ql + (i64)h * dl + dd : qp + (i64)h * dr + dd;
+    const float* p = latent ? ql + (i64)h * dl + dd : qp + (i64)h * qp_head + dd;
     const int n = h >= n_heads ? 0 : (latent ? dl : dr) - dd;  // values left in the row
     if (pair) {
         float2 v = __ldg((const float2*)(n >= 2 ? p : ql));
@@ -165,9 +169,10 @@ __device__ __forceinline__ float2 mla_q2(const float* ql, const float* qp, int h
 
 template <int W>
 __device__ __forceinline__ void mla_split_body(
-    const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache, int dl,
-    int dr, int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,
-    float scale, float* part_acc, float* part_ml, float* out, i64 out_tok) {
+    const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
+    const float* qp_freq, float qp_mscale, const float* cache, int dl, int dr, int n_heads,
+    const int* key_ids, int n_ids, int pos0, int keys_per_split, float scale, float* part_acc,
+    float* part_ml, float* out, i64 out_tok) {
     constexpr int HB = 16 * (8 / W);     // heads per block
     constexpr int D = MLA_DL_MAX / W;    // latent dims per warp
     constexpr int KL = D / 16;           // its latent k steps (a rope one follows)
@@ -211,8 +216,16 @@ __device__ __forceinline__ void mla_split_body(
     {
         const float* ql = q_lat + t * ql_tok;
         const float* qp = q_pe + t * qp_tok;
-        const bool pair = ((ql_tok | qp_tok | dr) & 1) == 0 &&
+        const bool pair = ((ql_tok | qp_tok | qp_head | dr) & 1) == 0 &&
                           (((unsigned long long)q_lat | (unsigned long long)q_pe) & 7) == 0;
+        // The rope step's pairs of this lane: 8c + tig and 8c + tig + 4 (e >> 1), their
+        // frequencies loaded with the query.
+        const bool turn = qp_freq && rope;  // warp-uniform
+        float freq[2] = {0.0f, 0.0f};
+        if (turn) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) freq[i] = __ldg(qp_freq + min(8 * c + tig + 4 * i, dr / 2 - 1));
+        }
         float2 qv[KL + 1][4];
         auto load_q = [&](bool pair) {
 #pragma unroll
@@ -220,7 +233,7 @@ __device__ __forceinline__ void mla_split_body(
                 int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
 #pragma unroll
                 for (int e = 0; e < 4; e++)
-                    qv[ks][e] = mla_q2(ql, qp, h_tile + grp + 8 * (e & 1), n_heads,
+                    qv[ks][e] = mla_q2(ql, qp, qp_head, h_tile + grp + 8 * (e & 1), n_heads,
                                        d0 + 2 * tig + 8 * (e >> 1), dl, dr, pair);
             }
         };
@@ -228,6 +241,14 @@ __device__ __forceinline__ void mla_split_body(
             load_q(true);
         } else {
             load_q(false);
+        }
+        if (turn) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float r[2];
+                rope_pair(qv[KL][e].x, qv[KL][e].y, (float)last, freq[e >> 1], qp_mscale, r);
+                qv[KL][e] = make_float2(r[0], r[1]);
+            }
         }
 #pragma unroll
         for (int ks = 0; ks < KL + 1; ks++)
@@ -408,12 +429,13 @@ __device__ __forceinline__ void mla_split_body(
 
 #define MLA_SPLIT(name, W)                                                                  \
     extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) name(                        \
-        const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, const float* cache,    \
-        int dl, int dr, int n_heads, const int* key_ids, int n_ids, int pos0,                 \
-        int keys_per_split, float scale, float* part_acc, float* part_ml, float* out,         \
-        i64 out_tok) {                                                                        \
-        mla_split_body<W>(q_lat, ql_tok, q_pe, qp_tok, cache, dl, dr, n_heads, key_ids, n_ids, \
-                          pos0, keys_per_split, scale, part_acc, part_ml, out, out_tok);      \
+        const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,           \
+        const float* qp_freq, float qp_mscale, const float* cache, int dl, int dr,            \
+        int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,             \
+        float scale, float* part_acc, float* part_ml, float* out, i64 out_tok) {              \
+        mla_split_body<W>(q_lat, ql_tok, q_pe, qp_tok, qp_head, qp_freq, qp_mscale, cache, dl, \
+                          dr, n_heads, key_ids, n_ids, pos0, keys_per_split, scale, part_acc,  \
+                          part_ml, out, out_tok);                                             \
     }
 MLA_SPLIT(mla_decode_split, 4)
 MLA_SPLIT(mla_decode_split16, 8)

@@ -1502,47 +1502,79 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize) {
     let q_pe = rng.normals(tokens * heads * dr);
     let cache = rng.normals(s_len * (dl + dr));
     let scale = 0.07f32;
-    let (dq, dp, dc) = (
+    // The decode query as the model passes it: whole heads [q_nope | q_pe] (dn 16), q_pe not
+    // roped yet, with the rope the kernel applies as it loads it (MlaDecode::qp_rope); its
+    // twin q_pe roped here in f64 from the same f32 angles.
+    let dn = 16;
+    let q_whole = rng.normals(tokens * heads * (dn + dr));
+    let inv_freq: Vec<f32> = (0..dr / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / dr as f32))
+        .collect();
+    let mscale = 1.1f32;
+    let q_roped: Vec<f32> = (0..tokens * heads * dr)
+        .map(|j| {
+            let (th, d) = (j / dr, j % dr);
+            let p = &q_whole[th * (dn + dr) + dn..][..dr];
+            let angle = ((pos0 + th / heads) as f32 * inv_freq[d / 2]) as f64;
+            let (s, c) = angle.sin_cos();
+            let (x0, x1) = (p[d & !1] as f64, p[d | 1] as f64);
+            let y = if d % 2 == 0 {
+                x0 * c - x1 * s
+            } else {
+                x0 * s + x1 * c
+            };
+            (y * mscale as f64) as f32
+        })
+        .collect();
+    let (dq, dp, dc, dw, df) = (
         g.upload(&q_lat).unwrap(),
         g.upload(&q_pe).unwrap(),
         g.upload(&cache).unwrap(),
+        g.upload(&q_whole).unwrap(),
+        g.upload(&inv_freq).unwrap(),
     );
     for dsa in [false, true] {
         let n_ids = 300;
         let keep = random_keep(rng, tokens, pos0, n_ids);
         let dk = g.upload(&keep).unwrap();
-        let mut want = Vec::new();
-        for t in 0..tokens {
-            let visible: Vec<usize> = if dsa {
-                keep[t * n_ids..][..n_ids]
-                    .iter()
-                    .filter(|&&s| s >= 0)
-                    .map(|&s| s as usize)
-                    .collect()
-            } else {
-                (0..=pos0 + t).collect()
-            };
-            for h in 0..heads {
-                let ql = &q_lat[(t * heads + h) * dl..][..dl];
-                let qp = &q_pe[(t * heads + h) * dr..][..dr];
-                let scores: Vec<(usize, f64)> = visible
-                    .iter()
-                    .map(|&s| {
-                        let row = &cache[s * (dl + dr)..][..dl + dr];
-                        (
-                            s,
-                            (dot64(ql, &row[..dl]) + dot64(qp, &row[dl..])) * scale as f64,
-                        )
-                    })
-                    .collect();
-                want.extend(attend(&scores, |s, d| cache[s * (dl + dr) + d] as f64, dl));
+        let want_of = |q_pe: &[f32]| {
+            let mut want = Vec::new();
+            for t in 0..tokens {
+                let visible: Vec<usize> = if dsa {
+                    keep[t * n_ids..][..n_ids]
+                        .iter()
+                        .filter(|&&s| s >= 0)
+                        .map(|&s| s as usize)
+                        .collect()
+                } else {
+                    (0..=pos0 + t).collect()
+                };
+                for h in 0..heads {
+                    let ql = &q_lat[(t * heads + h) * dl..][..dl];
+                    let qp = &q_pe[(t * heads + h) * dr..][..dr];
+                    let scores: Vec<(usize, f64)> = visible
+                        .iter()
+                        .map(|&s| {
+                            let row = &cache[s * (dl + dr)..][..dl + dr];
+                            (
+                                s,
+                                (dot64(ql, &row[..dl]) + dot64(qp, &row[dl..])) * scale as f64,
+                            )
+                        })
+                        .collect();
+                    want.extend(attend(&scores, |s, d| cache[s * (dl + dr) + d] as f64, dl));
+                }
             }
-        }
+            want
+        };
+        let want = want_of(&q_pe);
         let a = |out: u64| MlaDecode {
             q_lat: g.ptr(&dq, 0),
             ql_tok: heads * dl,
             q_pe: g.ptr(&dp, 0),
             qp_tok: heads * dr,
+            qp_head: dr,
+            qp_rope: (0, 0.0),
             cache: g.ptr(&dc, 0),
             dl,
             dr,
@@ -1575,6 +1607,26 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize) {
             let dout = poisoned(g, tokens * heads * dl);
             g.mla_decode_with(&a(g.ptr(&dout, 0)), per).unwrap();
             let got = g.download(&dout).unwrap();
+            assert_close(&what, &got, &want, 1e-9);
+        }
+        // q_pe roped by the kernel, read in place from the whole query.
+        let roped = |out: u64| MlaDecode {
+            q_pe: g.ptr(&dw, dn),
+            qp_tok: heads * (dn + dr),
+            qp_head: dn + dr,
+            qp_rope: (g.ptr(&df, 0), mscale),
+            ..a(out)
+        };
+        let want = want_of(&q_roped);
+        for per in [None, Some(16)] {
+            let per = per.unwrap_or_else(|| g.mla_decode_splits(n_keys, heads).1);
+            let dout = poisoned(g, tokens * heads * dl);
+            g.mla_decode_with(&roped(g.ptr(&dout, 0)), per).unwrap();
+            let got = g.download(&dout).unwrap();
+            let what = format!(
+                "mla_decode dl {dl} dr {dr} {heads} heads, q_pe roped in the kernel, {per} keys a split{}",
+                if dsa { " dsa" } else { "" }
+            );
             assert_close(&what, &got, &want, 1e-9);
         }
         if !dsa {
@@ -2270,6 +2322,8 @@ fn decode_and_prefill_kernel_timings() {
             ql_tok: heads * dl,
             q_pe: g.ptr(&qp, 0),
             qp_tok: heads * dr,
+            qp_head: dr,
+            qp_rope: (0, 0.0),
             cache: g.ptr(&cache, 0),
             dl,
             dr,

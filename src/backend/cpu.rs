@@ -411,18 +411,22 @@ impl Backend for Cpu {
     fn latent_attention(
         &self,
         q_lat: &Mat,
-        q_pe: &Mat,
+        q: &Mat,
+        heads: usize,
+        rope: Option<&Rope>,
         cache: &Mat,
         pos0: usize,
         scale: f32,
         keep: Option<&Vec<i32>>,
     ) -> Mat {
         let n = q_lat.rows;
-        let kv_lora_plus_dr = cache.cols;
-        // q_lat is H*kv_lora and q_pe H*dr wide; the cache row is kv_lora + dr.
-        let heads = (q_lat.cols + q_pe.cols) / kv_lora_plus_dr;
         let kv_lora = q_lat.cols / heads;
-        let dr = q_pe.cols / heads;
+        let dr = cache.cols - kv_lora;
+        let dn = q.cols / heads - dr;
+        let q_pe = match rope {
+            Some(rope) => self.rope_columns(&mut q.clone(), heads, dn, pos0, rope),
+            None => self.head_columns(q, heads, dn..dn + dr),
+        };
         let mut y = Mat::zeros(n, heads * kv_lora);
         y.data
             .par_chunks_mut(kv_lora)

@@ -75,8 +75,13 @@ pub fn attention<B: Backend>(
         QueryProj::Direct(_) => x_q,
     };
     taps.tensor(b, || format!("L{il}.q"), &q);
-    let q_pe = b.rope_columns(&mut q, h, dn, pos0, &m.rope); // [n, H*dr], q's own roped too
-    taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
+    // q_pe's rope: here for the expanded form and the trace; the absorbed form ropes it in
+    // latent_attention (on a GPU as the kernel loads the query: one launch fewer).
+    let roped = n > 1 || taps.on();
+    if roped {
+        let q_pe = b.rope_columns(&mut q, h, dn, pos0, &m.rope); // [n, H*dr], q's own roped too
+        taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
+    }
     if taps.on() {
         let rows = pos0..pos0 + n;
         let c_kv = b.slice(latent, rows.clone(), 0..kv_lora);
@@ -121,7 +126,8 @@ pub fn attention<B: Backend>(
     } else {
         // Absorbed: queries move into the latent space instead.
         let q_lat = b.head_matmul_cols(&q, h, 0..dn, &w.k_b, false); // k_b q_nope [n, H*kv_lora]
-        let out_lat = b.latent_attention(&q_lat, &q_pe, latent, pos0, scale, keep); // [n, H*kv_lora]
+        let rope = (!roped).then_some(&m.rope);
+        let out_lat = b.latent_attention(&q_lat, &q, h, rope, latent, pos0, scale, keep); // [n, H*kv_lora]
         b.head_matmul(&out_lat, &w.v_b, false) // [n, H*dv]
     };
     taps.tensor(b, || format!("L{il}.attn_core"), &core);

@@ -648,10 +648,16 @@ impl Bench {
         Ok(())
     }
 
-    /// Absorbed MLA decode of one token over an f32 latent cache of S rows [c_kv 512 | k_pe 64].
+    /// Absorbed MLA decode of one token over an f32 latent cache of S rows [c_kv 512 | k_pe 64],
+    /// q_pe roped by the kernel as the model's decode has it (`MlaDecode::qp_rope`).
     fn mla(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
         let (dl, dr) = (512usize, 64usize);
+        let inv_freq: Vec<f32> = (0..dr / 2)
+            .map(|i| 10000f32.powf(-2.0 * i as f32 / dr as f32))
+            .collect();
+        let inv_freq = self.gpu.upload(&inv_freq)?;
+        let qp_rope = (self.gpu.ptr(&inv_freq, 0), 1.0);
         for fam in families() {
             for &s in MLA_CONTEXTS {
                 let name = format!("mla_decode {} {}K context", fam.name, s / 1024);
@@ -670,6 +676,8 @@ impl Bench {
                         ql_tok: h * dl,
                         q_pe: at + (cache_bytes + 4 * h * dl) as u64,
                         qp_tok: h * dr,
+                        qp_head: dr,
+                        qp_rope,
                         cache: at,
                         dl,
                         dr,

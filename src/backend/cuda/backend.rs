@@ -739,27 +739,30 @@ impl Backend for Cuda {
     fn latent_attention(
         &self,
         q_lat: &CudaTensor,
-        q_pe: &CudaTensor,
+        q: &CudaTensor,
+        heads: usize,
+        rope: Option<&Rope>,
         cache: &CudaTensor,
         pos0: usize,
         scale: f32,
         keep: Option<&CudaSlice<i32>>,
     ) -> CudaTensor {
         let n = q_lat.rows;
-        let heads = (q_lat.cols + q_pe.cols) / cache.cols;
-        let (dl, dr) = (q_lat.cols / heads, q_pe.cols / heads);
+        let (dl, head) = (q_lat.cols / heads, q.cols / heads);
+        let dr = cache.cols - dl;
         assert_eq!(
-            dl + dr,
-            cache.cols,
-            "latent_attention: cache rows of {}",
-            cache.cols
+            (heads * dl, heads * head),
+            (q_lat.cols, q.cols),
+            "latent_attention: {heads} heads"
         );
         let out = self.empty(n, heads * dl);
         let a = MlaDecode {
             q_lat: self.p(q_lat, 0),
             ql_tok: q_lat.cols,
-            q_pe: self.p(q_pe, 0),
-            qp_tok: q_pe.cols,
+            q_pe: self.p(q, head - dr),
+            qp_tok: q.cols,
+            qp_head: head,
+            qp_rope: rope.map_or((0, 0.0), |r| (self.constant(&r.inv_freq), r.cos_sin_scale)),
             cache: self.p(cache, 0),
             dl,
             dr,

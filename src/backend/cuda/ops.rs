@@ -997,9 +997,14 @@ pub struct MlaDecode {
     /// [T, heads * dl] rows ql_tok apart: q_nope absorbed by W_UK.
     pub q_lat: Ptr,
     pub ql_tok: usize,
-    /// [T, heads * dr] rows qp_tok apart, roped.
+    /// [T, heads, dr] rows qp_tok apart, heads qp_head apart (dr, or dn + dr where q_pe is
+    /// read in place from the whole query [q_nope | q_pe]).
     pub q_pe: Ptr,
     pub qp_tok: usize,
+    pub qp_head: usize,
+    /// (inv_freq [dr / 2], cos/sin scale) of the rope that q_pe still needs (the kernel turns
+    /// it at each token's position as it loads it), or (0, _) when q_pe is roped already.
+    pub qp_rope: (Ptr, f32),
     /// [S, dl + dr] rows [c_kv | k_pe].
     pub cache: Ptr,
     pub dl: usize,
@@ -1150,9 +1155,9 @@ impl Gpu {
         let pdl = self.dependent_launch && grid.0 * grid.1 * grid.2 <= MLA_PDL_MAX_BLOCKS;
         launch!(@dependent pdl, self, kernel, grid, MLA_THREADS,
             mla_decode_smem_bytes() as u32;
-            a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.cache, a.dl as i32, a.dr as i32,
-            a.heads as i32, a.key_ids, a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm,
-            a.out, a.out_tok as i64);
+            a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.qp_head as i32, a.qp_rope.0,
+            a.qp_rope.1, a.cache, a.dl as i32, a.dr as i32, a.heads as i32, a.key_ids,
+            a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm, a.out, a.out_tok as i64);
         if splits == 1 {
             return Ok(()); // the split kernel wrote the output
         }
