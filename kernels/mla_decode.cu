@@ -7,7 +7,7 @@
 // Query token t (grid.z) sits at position pos0 + t: q_lat row t [H, dl] (q_nope absorbed by
 // W_UK), q_pe row t [H, dr] (heads qp_head apart: dr, or dn + dr inside the whole query);
 // with qp_freq (the rope's inv_freq, and its cos/sin scale qp_mscale) q_pe is not roped yet
-// and the kernel ropes it as it loads it, by rope_pair as rope_pairs does (the decode query:
+// and the kernel ropes it as it loads it, as rope_pairs does (the decode query:
 // one launch fewer), else (null) it is roped already. cache: [S, dl + dr] rows
 // [c_kv | k_pe]. Its keys are positions
 // 0 ..= pos0 + t, or, when key_ids is not null, the n_ids entries of key_ids row t (DSA top-k;
@@ -242,11 +242,13 @@ __device__ __forceinline__ void mla_split_body(
         } else {
             load_q(false);
         }
-        if (turn) {
+        if (turn) {  // two angles, each for the lane's two heads (e & 1)
+            const float2 cs[2] = {rope_cos_sin((float)last, freq[0], qp_mscale),
+                                  rope_cos_sin((float)last, freq[1], qp_mscale)};
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 float r[2];
-                rope_pair(qv[KL][e].x, qv[KL][e].y, (float)last, freq[e >> 1], qp_mscale, r);
+                rope_turn(qv[KL][e].x, qv[KL][e].y, cs[e >> 1], r);
                 qv[KL][e] = make_float2(r[0], r[1]);
             }
         }

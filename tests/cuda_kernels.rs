@@ -658,18 +658,23 @@ fn matvec_q4_k_pair_matches_two_products() {
 
 /// The down product of a gated FFN with its silu folded into the input (`Matvec::x_up`): items
 /// multiply silu(gate) * up, equal to the f64 product of the dequantized matrices, and bit for
-/// bit to silu_mul followed by the plain product; a single matrix (the dense FFN) and experts
-/// with a choice held elsewhere (left alone).
+/// bit to silu_mul followed by the plain product; a single matrix of long rows (the dense FFN,
+/// x prepared in several steps a warp) and experts with a choice held elsewhere (left alone).
 #[test]
 fn matvec_q4_k_x_up_folds_the_silu() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_x_up");
-    let (t, rows, k, mats) = (GgmlType::Q4_K, 1024, 2048, 3);
-    let w = random_rows(&mut rng, t, rows * mats, k);
-    let wf = dequant_rows(t, &w, rows * mats, k);
-    let dw = g.upload(&w).unwrap();
-    for given in [None, Some(&[2i32, 0, -1, 1, 1][..])] {
+    let t = GgmlType::Q4_K;
+    let cases = [
+        (None, 6144, 9216),
+        (Some(&[2i32, 0, -1, 1, 1][..]), 2048, 2048),
+    ];
+    for (given, rows, k) in cases {
         let ids = given.unwrap_or(&[0]); // no ids: item b uses matrix b
+        let mats = 3;
+        let w = random_rows(&mut rng, t, rows * mats, k);
+        let wf = dequant_rows(t, &w, rows * mats, k);
+        let dw = g.upload(&w).unwrap();
         let n = ids.len();
         let gate: Vec<f32> = rng.normals(n * k).iter().map(|v| 4.0 * v).collect();
         let up = rng.normals(n * k);
