@@ -53,11 +53,8 @@ __device__ __forceinline__ void cp_wait() {
 }
 
 // The SwiGLU gate, silu(g) = g / (1 + exp(-g)): one expression for silu_mul and the
-// tensor-core matvec's x_up, so that both give the same bits. The fast exponential and
-// division (a few ulp): every block of a down product computes it for all of its x (ncu, H200:
-// with expf and an IEEE division the MoE down product took 1.4-2.4 us longer, the dense one
-// 5.5 us, against 2.9 us for silu_mul's launch).
-__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+// tensor-core matvec's glu form, so that both give the same bits.
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // IEEE half -> float (exact).
 __device__ __forceinline__ float f16_to_f32(u16 h) {

@@ -483,26 +483,16 @@ __device__ __forceinline__ int tc_scales_len(int k) { return (k / 256 + 1) & ~1;
 // One warp's share of x's 256-element block blk as digit planes (lane l owns elements
 // 8l .. 8l + 7): the block's scale s (0 for a zero block), the sum of the lane's 4-lane group
 // (32 values), and the lane's 8 digits of each plane p as bytes (words[p]) with their sum.
-// With `up`, x is silu(x) * up (the FFN's gate and up outputs: its silu folded into the down
-// product).
 struct XDigits {
     float s, sum;
     uint2 words[4];
     int dsum[4];
 };
-__device__ __forceinline__ XDigits x_block_digits(const float* x, const float* up, int blk,
-                                                  int lane) {
+__device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int lane) {
     XDigits r;
     const float4* xp = (const float4*)(x + 256 * blk + 8 * lane);
     float4 u = xp[0], v = xp[1];
     float e[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
-    if (up) {
-        const float4* upp = (const float4*)(up + 256 * blk + 8 * lane);
-        float4 a = upp[0], b = upp[1];
-        float m[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-        for (int i = 0; i < 8; i++) e[i] = silu(e[i]) * m[i];
-    }
     float mx = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
@@ -540,15 +530,15 @@ __device__ __forceinline__ XDigits x_block_digits(const float* x, const float* u
     return r;
 }
 
-// Planes, scales and sums of x[0, k) (silu(x) * up with `up`) into shared memory, one warp per
-// 256-element block at a time.
-__device__ void tc_prepare_x(const float* x, const float* up, int k, u8* sm) {
+// Planes, scales and sums of x[0, k) into shared memory, one warp per 256-element block at a
+// time.
+__device__ void tc_prepare_x(const float* x, int k, u8* sm) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
     float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     for (int blk = warp; blk < k / 256; blk += nwarps) {
-        XDigits xd = x_block_digits(x, up, blk, lane);
+        XDigits xd = x_block_digits(x, blk, lane);
         if (lane == 0) scales[blk] = xd.s;
         if ((lane & 3) == 0) sums[8 * blk + lane / 4] = xd.sum;
 #pragma unroll
@@ -655,35 +645,40 @@ __device__ __forceinline__ TcItem tc_item(int b, int items, const u8* w, const u
 
 // Same addressing as matvec_q4_k for `items` items (outputs at y + b y_stride); rows 16-byte
 // aligned, k a multiple of 256; `per_block` tiles per group (a power of two up to TC_WARPS).
-// x_up (or null) has x's layout: the items multiply silu(x) * x_up (the down product of a
-// gated FFN takes its gate and up outputs, one launch instead of silu_mul's and its own).
+// glu (with w2): a gated FFN's gate and up products, item b and b + items / 2 of one choice,
+// as one output silu(gate) * up at y + b y_stride (b < items / 2): a group then takes
+// per_block / 2 tiles of rows in both matrices, its warps of the first half on the gate's and
+// of the second on the up's, and the gate's warps write the rows (no silu_mul launch, and the
+// silu once per value).
 template <int TC_WARPS>
 __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, const u8* sw,
                                                     const u8* sw2, i64 mat_stride,
                                                     const int* ids, int items, int rows, int k,
-                                                    i64 row_bytes, const float* x,
-                                                    const float* x_up, int x_group,
+                                                    i64 row_bytes, const float* x, int x_group,
                                                     i64 x_stride, float* y, i64 y_stride,
-                                                    int per_block) {
+                                                    int per_block, int glu) {
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
     const float* sums = scales + tc_scales_len(k);
-    int tiles = (rows + 15) / 16, per_item = (tiles + per_block - 1) / per_block;
-    int groups = items * per_item;
+    const int mats = glu ? 2 : 1, span = per_block / mats;  // a group's matrices, row tiles
+    int tiles = (rows + 15) / 16, per_item = (tiles + span - 1) / span;
+    int groups = items / mats * per_item;
     int ks = TC_WARPS / per_block;  // warps per tile
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int part = warp % ks, steps = (nb - part + ks - 1) / ks;  // the warp's 256-blocks per tile
+    int slot = warp / ks, half = slot / span;  // the warp's tile in its group; glu: 1 = up
     auto item_of = [&](int grp) {
-        return tc_item(grp / per_item, items, w, w2, sw, sw2, mat_stride, ids, x_group);
+        return tc_item(grp / per_item + half * (items / 2), items, w, w2, sw, sw2, mat_stride,
+                       ids, x_group);
     };
     // The block's next group from grp on whose item this rank holds (the same for all warps).
     auto next_group = [&](int grp) {
         while (grp < groups && !item_of(grp).held) grp += gridDim.x;
         return grp;
     };
-    auto tile_of = [&](int grp) { return (grp % per_item) * per_block + warp / ks; };
+    auto tile_of = [&](int grp) { return (grp % per_item) * span + slot % span; };
     // The loads run two steps (256-blocks) ahead of the products, across group boundaries:
     // (lgrp, ls) is the next step to load.
     int lgrp, ls = 0;
@@ -721,8 +716,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     for (; grp < groups; grp = next_group(grp + gridDim.x)) {
         int xi = item_of(grp).xi, tile = tile_of(grp);
         if (xi != prepared) {
-            tc_prepare_x(x + (i64)xi * x_stride, x_up ? x_up + (i64)xi * x_stride : nullptr, k,
-                         tc_sm);
+            tc_prepare_x(x + (i64)xi * x_stride, k, tc_sm);
             __syncthreads();
             prepared = xi;
         }
@@ -747,9 +741,14 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
             partial[warp][g + 8] = acc_hi;
         }
         __syncthreads();
-        if (part == 0 && lane < 16 && tile * 16 + lane < rows) {
+        if (part == 0 && half == 0 && lane < 16 && tile * 16 + lane < rows) {
             float sum = 0.0f;
             for (int i = 0; i < ks; i++) sum += partial[warp + i][lane];
+            if (glu) {
+                float up = 0.0f;
+                for (int i = 0; i < ks; i++) up += partial[warp + span * ks + i][lane];
+                sum = silu(sum) * up;
+            }
             y[(grp / per_item) * y_stride + tile * 16 + lane] = sum;
         }
         __syncthreads();  // partial and the x planes are free again
@@ -761,9 +760,9 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
         const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,             \
-        const float* x_up, int x_group, i64 x_stride, float* y, i64 y_stride, int per_block) { \
+        int x_group, i64 x_stride, float* y, i64 y_stride, int per_block, int glu) {           \
         matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
-                                   x, x_up, x_group, x_stride, y, y_stride, per_block);        \
+                                   x, x_group, x_stride, y, y_stride, per_block, glu);         \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)
@@ -790,7 +789,7 @@ extern "C" __global__ void matvec_x_digits(const float* x, int k, u8* digits) {
     if (blk >= k / 256) return;
     int* dsums = (int*)(digits + 4 * (i64)k);
     float* scales = (float*)(digits + 5 * (i64)k);
-    XDigits xd = x_block_digits(x, nullptr, blk, lane);
+    XDigits xd = x_block_digits(x, blk, lane);
     if (lane == 0) scales[blk] = xd.s;
     int ds[4];
 #pragma unroll

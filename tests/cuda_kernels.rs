@@ -251,7 +251,6 @@ fn expert_matvec(
         rows,
         k,
         x: g.ptr(&dx, 0),
-        x_up: 0,
         x_group,
         x_stride: k,
         y: g.ptr(&dy, 0),
@@ -259,6 +258,7 @@ fn expert_matvec(
         batch: ids.len(),
         transposed: false,
         pair: 0,
+        glu: false,
         shared: (0, 0),
     })
     .unwrap();
@@ -534,7 +534,6 @@ fn matvec_q4_k_pair_matches_two_products() {
         rows,
         k,
         x: g.ptr(&dx, 0),
-        x_up: 0,
         x_group: 2,
         x_stride: k,
         y: g.ptr(&dy, 0),
@@ -542,6 +541,7 @@ fn matvec_q4_k_pair_matches_two_products() {
         batch: 2 * ids.len(),
         transposed: false,
         pair: g.ptr(&dwb, 0),
+        glu: false,
         shared: (0, 0),
     };
     assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
@@ -656,75 +656,84 @@ fn matvec_q4_k_pair_matches_two_products() {
     }
 }
 
-/// The down product of a gated FFN with its silu folded into the input (`Matvec::x_up`): items
-/// multiply silu(gate) * up, equal to the f64 product of the dequantized matrices, and bit for
-/// bit to silu_mul followed by the plain product; a single matrix of long rows (the dense FFN,
-/// x prepared in several steps a warp) and experts with a choice held elsewhere (left alone).
+/// The gate and up pair of a gated FFN with its silu in the same launch (`Matvec::glu`): item
+/// b < batch / 2 writes silu(gate x_b) * (up x_b), equal to the f64 products of the
+/// dequantized matrices and bit for bit to the pair without glu followed by silu_mul. The
+/// dense form (no ids, a token per x), its long-row form (k past TC_K_MAX: groups of one row
+/// tile in each matrix) and the MoE form (one x, a choice held elsewhere left alone, a tail
+/// tile).
 #[test]
-fn matvec_q4_k_x_up_folds_the_silu() {
+fn matvec_q4_k_glu_pair_folds_the_silu() {
     let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("matvec_x_up");
+    let mut rng = Rng::new("matvec_glu");
     let t = GgmlType::Q4_K;
     let cases = [
-        (None, 6144, 9216),
-        (Some(&[2i32, 0, -1, 1, 1][..]), 2048, 2048),
+        (None, 2048, 2048, 1),
+        (None, 3072, 9216, 1),
+        (Some(&[2i32, 0, -1, 1][..]), 2000, 2048, 4),
     ];
-    for (given, rows, k) in cases {
-        let ids = given.unwrap_or(&[0]); // no ids: item b uses matrix b
-        let mats = 3;
-        let w = random_rows(&mut rng, t, rows * mats, k);
-        let wf = dequant_rows(t, &w, rows * mats, k);
-        let dw = g.upload(&w).unwrap();
+    for (given, rows, k, x_group) in cases {
+        let ids = given.unwrap_or(&[0, 1]); // no ids: item b uses matrix b
         let n = ids.len();
-        let gate: Vec<f32> = rng.normals(n * k).iter().map(|v| 4.0 * v).collect();
-        let up = rng.normals(n * k);
-        let (dg, du, di) = (
-            g.upload(&gate).unwrap(),
-            g.upload(&up).unwrap(),
+        let mats = 3;
+        let (wa, wb) = (
+            random_rows(&mut rng, t, rows * mats, k),
+            random_rows(&mut rng, t, rows * mats, k),
+        );
+        let (wfa, wfb) = (
+            dequant_rows(t, &wa, rows * mats, k),
+            dequant_rows(t, &wb, rows * mats, k),
+        );
+        let x = rng.normals(n.div_ceil(x_group) * k);
+        let (dwa, dwb, dx, di) = (
+            g.upload(&wa).unwrap(),
+            g.upload(&wb).unwrap(),
+            g.upload(&x).unwrap(),
             g.upload(ids).unwrap(),
         );
-        let (folded_y, plain_y) = (poisoned(&g, n * rows), poisoned(&g, n * rows));
+        let (glu_y, pair_y) = (poisoned(&g, n * rows), poisoned(&g, 2 * n * rows));
         let a = Matvec {
             mat_stride: rows * t.row_bytes(k).unwrap(),
             ids: given.map_or(0, |_| g.ptr(&di, 0)),
-            x_up: g.ptr(&du, 0),
-            batch: n,
+            x_group,
+            batch: 2 * n,
+            pair: g.ptr(&dwb, 0),
+            glu: true,
             ..Matvec::single(
                 t,
-                g.ptr(&dw, 0),
-                (g.ptr(&dg, 0), g.ptr(&folded_y, 0)),
+                g.ptr(&dwa, 0),
+                (g.ptr(&dx, 0), g.ptr(&glu_y, 0)),
                 (rows, k),
             )
         };
-        assert!(g.takes_x_up(&a), "the tensor-core kernel takes x_up");
+        assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
         g.matvec(&a).unwrap();
-        let folded = g.download(&folded_y).unwrap();
-        let x: Vec<f32> = gate
+        let glu = g.download(&glu_y).unwrap();
+        let gate = expert_matvec_want(&wfa, (rows, k), &x, x_group, ids);
+        let up = expert_matvec_want(&wfb, (rows, k), &x, x_group, ids);
+        let want: Vec<f64> = gate
             .iter()
             .zip(&up)
-            .map(|(&gv, &u)| (gv as f64 / (1.0 + (-gv as f64).exp()) * u as f64) as f32)
+            .map(|(&gv, &u)| gv / (1.0 + (-gv).exp()) * u)
             .collect();
-        let got = chosen_outputs(&folded, rows, ids, "x_up ");
-        let want = expert_matvec_want(&wf, (rows, k), &x, 1, ids);
-        assert_close(&format!("matvec q4_k x_up, {n} items"), &got, &want, F32_OP);
+        let what = format!("matvec q4_k glu pair {rows}x{k}, {n} items");
+        let got = chosen_outputs(&glu, rows, ids, &what);
+        assert_close(&what, &got, &want, F32_OP);
 
-        g.silu_mul(g.ptr(&dg, 0), g.ptr(&du, 0), g.ptr(&dg, 0), n * k)
-            .unwrap();
         g.matvec(&Matvec {
-            x_up: 0,
-            y: g.ptr(&plain_y, 0),
+            glu: false,
+            y: g.ptr(&pair_y, 0),
             ..a
         })
         .unwrap();
-        let plain = g.download(&plain_y).unwrap();
-        let same = folded
+        let (gp, up) = (g.ptr(&pair_y, 0), g.ptr(&pair_y, n * rows));
+        g.silu_mul(gp, up, gp, n * rows).unwrap();
+        let plain = g.download(&pair_y).unwrap();
+        let same = glu
             .iter()
             .zip(&plain)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(
-            same,
-            "x_up differs from silu_mul then the product, {n} items"
-        );
+            .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
+        assert!(same, "{what}: not the pair then silu_mul, bit for bit");
     }
 }
 
@@ -755,7 +764,6 @@ fn matvec_transposed_every_type_matches() {
             rows,
             k,
             x: g.ptr(&dx, 0),
-            x_up: 0,
             x_group: 1,
             x_stride: rows,
             y: g.ptr(&dy, 0),
@@ -763,6 +771,7 @@ fn matvec_transposed_every_type_matches() {
             batch,
             transposed: true,
             pair: 0,
+            glu: false,
             shared: (0, 0),
         })
         .unwrap();

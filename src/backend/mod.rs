@@ -223,19 +223,15 @@ pub trait Backend: Send + Sync {
         ws.iter().map(|w| self.linear(x, w)).collect()
     }
 
-    /// The gated FFN, `linear(swiglu(linear(x, gate), linear(x, up)), down)` -> [n, E]; a
-    /// backend may run the gate and up products as one, and the swiglu inside the down product.
-    fn swiglu_ffn(
+    /// The gated FFN's first half, `swiglu(linear(x, gate), linear(x, up))` -> [n, f]; a
+    /// backend may run the two products as one.
+    fn swiglu_linear(
         &self,
         x: &Self::Tensor,
         gate: &Self::Weight,
         up: &Self::Weight,
-        down: &Self::Weight,
     ) -> Self::Tensor {
-        self.linear(
-            &self.swiglu(&self.linear(x, gate), &self.linear(x, up)),
-            down,
-        )
+        self.swiglu(&self.linear(x, gate), &self.linear(x, up))
     }
 
     /// Per-head products with a `Heads` weight {a, b, H}: head `h` is a matrix `M_h` of `b`

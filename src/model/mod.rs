@@ -330,5 +330,5 @@ fn residual_norm<B: Backend>(
 
 /// `down(silu(gate x) * up x)`: the dense FFN and the shared expert.
 pub fn dense_ffn<B: Backend>(b: &B, ffn: &DenseFfn<B::Weight>, x: &B::Tensor) -> B::Tensor {
-    b.swiglu_ffn(x, &ffn.gate, &ffn.up, &ffn.down)
+    b.linear(&b.swiglu_linear(x, &ffn.gate, &ffn.up), &ffn.down)
 }

@@ -560,7 +560,7 @@ impl Bench {
 
     /// The routed experts of one token as the CUDA backend runs them at decode: gate and up
     /// (8 items sharing x), silu * up, down (8 items), each item picking its expert by id; the
-    /// silu inside the down product where the kernel takes it (`Matvec::x_up`).
+    /// first three in one launch where the kernel takes the pair (`Matvec::glu`).
     fn moe(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
         // 64 sets of 8 distinct experts, so consecutive tokens read different experts.
@@ -602,32 +602,34 @@ impl Bench {
                     mat_stride,
                     transposed: false,
                     pair: 0,
+                    glu: false,
                     shared: (0, 0),
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,
                     k,
                     x,
-                    x_up: 0,
                     x_group,
                     x_stride,
                     y,
                     y_stride: rows,
                     batch: MOE_USED,
                 };
-                let folded = |i| Matvec {
-                    x_up: u,
-                    ..item(down_w, down_bytes, e, f, g, 1, f, d, i)
+                let glu_pair = |i| Matvec {
+                    pair: up_w,
+                    glu: true,
+                    batch: 2 * MOE_USED,
+                    ..item(gate_w, gate_bytes, f, e, x, MOE_USED, e, g, i)
                 };
-                let fold = gpu.takes_x_up(&folded(0));
+                let fused = gpu.takes_pair(&glu_pair(0));
                 let timed = self.time(|i| {
-                    gpu.matvec(&item(gate_w, gate_bytes, f, e, x, MOE_USED, e, g, i))?;
-                    gpu.matvec(&item(up_w, gate_bytes, f, e, x, MOE_USED, e, u, i))?;
-                    if fold {
-                        gpu.matvec(&folded(i))?;
+                    if fused {
+                        gpu.matvec(&glu_pair(i))?;
                     } else {
+                        gpu.matvec(&item(gate_w, gate_bytes, f, e, x, MOE_USED, e, g, i))?;
+                        gpu.matvec(&item(up_w, gate_bytes, f, e, x, MOE_USED, e, u, i))?;
                         gpu.silu_mul(g, u, g, MOE_USED * f)?;
-                        gpu.matvec(&item(down_w, down_bytes, e, f, g, 1, f, d, i))?;
                     }
+                    gpu.matvec(&item(down_w, down_bytes, e, f, g, 1, f, d, i))?;
                     Ok(())
                 });
                 let Some((secs, host)) = self.ok_or_report("moe", &name, timed) else {
@@ -641,7 +643,7 @@ impl Bench {
                     moved,
                     secs,
                     host,
-                    json!({"type": tname(ty), "family": fam.name, "launches": if fold { 3 } else { 4 }}),
+                    json!({"type": tname(ty), "family": fam.name, "launches": if fused { 2 } else { 4 }}),
                 );
             }
         }

@@ -569,75 +569,42 @@ impl Backend for Cuda {
         ys
     }
 
-    fn swiglu_ffn(
-        &self,
-        x: &CudaTensor,
-        gate: &CudaWeight,
-        up: &CudaWeight,
-        down: &CudaWeight,
-    ) -> CudaTensor {
+    fn swiglu_linear(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> CudaTensor {
         let (n, k, f) = (x.rows, gate.ne[0], gate.dim(1));
         assert_eq!(x.cols, k, "linear {}: x has {} columns", gate.name, x.cols);
         // Decode: gate and up in one launch where the tensor-core kernel takes the pair (item
-        // t: gate for token t, item n + t: up; lab, H200: GLM-5 dense 2 x 22.4 -> 34.6 us), or
-        // as the two parts of one CUDA-core launch (the shared expert).
+        // t: gate for token t, item n + t: up; lab, H200: GLM-5 dense 2 x 22.4 -> 34.6 us), the
+        // silu * up in the same launch (glu), or as the two parts of one CUDA-core launch (the
+        // shared expert).
         let mut both = Matvec {
             batch: 2 * n,
             pair: self.w(up),
+            glu: true,
             ..Matvec::single(gate.ty, self.w(gate), (self.p(x, 0), 0), (f, k))
         };
         let same = gate.ty == up.ty && (up.ne[0], up.dim(1)) == (k, f);
-        let as_pair = n < MATMUL_MIN_ROWS && same && self.gpu.takes_pair(&both);
-        let as_parts = same && self.takes_parts(x, &[gate, up]);
-        if !(as_pair || as_parts) {
-            return self.linear(
-                &self.swiglu(&self.linear(x, gate), &self.linear(x, up)),
-                down,
-            );
+        if n < MATMUL_MIN_ROWS && same && self.gpu.takes_pair(&both) {
+            let y = self.empty(n, f);
+            both.y = self.p(&y, 0);
+            ok(self.gpu.matvec(&both), "gate, up and silu");
+            return y;
+        }
+        if !(same && self.takes_parts(x, &[gate, up])) {
+            return self.swiglu(&self.linear(x, gate), &self.linear(x, up));
         }
         let gu = self.empty(2 * n, f);
-        if as_pair {
-            both.y = self.p(&gu, 0);
-            ok(self.gpu.matvec(&both), "gate and up");
-        } else {
-            let parts = [(gate, 0), (up, f)].map(|(w, at)| MatvecPart {
-                w: self.w(w),
-                rows: f,
-                y: self.p(&gu, at),
-            });
-            ok(
-                self.gpu.matvec_parts(gate.ty, k, self.p(x, 0), &parts),
-                "gate and up",
-            );
-        }
-        // The down product of silu(gate) * up: in one launch where the kernel folds the silu
-        // into its input (x_up).
+        let parts = [(gate, 0), (up, f)].map(|(w, at)| MatvecPart {
+            w: self.w(w),
+            rows: f,
+            y: self.p(&gu, at),
+        });
+        ok(
+            self.gpu.matvec_parts(gate.ty, k, self.p(x, 0), &parts),
+            "gate and up",
+        );
+        let y = self.empty(n, f);
         let (g, u) = (self.p(&gu, 0), self.p(&gu, n * f));
-        assert_eq!(down.ne[0], f, "linear {}: x has {f} columns", down.name);
-        let y = self.empty(n, down.dim(1));
-        let folded = Matvec {
-            x_up: u,
-            x_stride: f,
-            y_stride: down.dim(1),
-            batch: n,
-            ..Matvec::single(down.ty, self.w(down), (g, self.p(&y, 0)), (down.dim(1), f))
-        };
-        if self.gpu.takes_x_up(&folded) {
-            ok(self.gpu.matvec(&folded), "down");
-        } else {
-            ok(self.gpu.silu_mul(g, u, g, n * f), "silu_mul");
-            self.product(
-                down.ty,
-                self.w(down),
-                down.dim(1),
-                f,
-                g,
-                f,
-                n,
-                self.p(&y, 0),
-                down.dim(1),
-            );
-        }
+        ok(self.gpu.silu_mul(g, u, self.p(&y, 0), n * f), "silu_mul");
         y
     }
 
@@ -1115,7 +1082,6 @@ impl Cuda {
                 rows: b,
                 k: a,
                 x: self.p(x, col0),
-                x_up: 0,
                 x_group,
                 x_stride,
                 y: self.p(&y, 0),
@@ -1123,6 +1089,7 @@ impl Cuda {
                 batch: n * heads,
                 transposed: transpose,
                 pair: 0,
+                glu: false,
                 shared: (0, 0),
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
@@ -1151,9 +1118,9 @@ impl Cuda {
     /// Decode-sized MoE: row t * k + j of `d_out` [n * k, E] = expert ids[t * k + j] (on the
     /// device; MOE_SHARED: the shared expert, where `shared` is given) applied to token t, as
     /// batched matrix-vector products (gate and up, silu, down). An id of -1 (a choice another
-    /// rank holds) leaves its rows unwritten: the matvec skips such items. Gate and up run as
-    /// one launch where the kernel takes the pair (measured on an H200: GLM-5 experts 2 x 23.7
-    /// -> 39.2 us), else one after the other.
+    /// rank holds) leaves its rows unwritten: the matvec skips such items. Gate, up and the
+    /// silu run as one launch where the kernel takes the pair (measured on an H200: GLM-5
+    /// experts 2 x 23.7 -> 39.2 us for the pair), else one after the other.
     fn experts_per_choice(
         &self,
         x: &CudaTensor,
@@ -1177,7 +1144,7 @@ impl Cuda {
             (g_out, self.p(d_out, 0)),
         );
         if gate.ty == up.ty && self.gpu.takes_pair(&both) {
-            ok(self.gpu.matvec(&both), "moe gate and up");
+            ok(self.gpu.matvec(&both), "moe gate, up and silu");
         } else {
             ok(self.gpu.matvec(&gate_item), "moe gate");
             let up_item = Matvec {
@@ -1187,28 +1154,18 @@ impl Cuda {
                 ..gate_item
             };
             ok(self.gpu.matvec(&up_item), "moe up");
-        }
-        // The down products of silu(gate) * up: in one launch where the kernel folds the silu
-        // into its input (x_up).
-        let up_out = self.p(&gu_out, rows * f);
-        let folded = Matvec {
-            x_up: up_out,
-            ..down_item
-        };
-        if self.gpu.takes_x_up(&folded) {
-            ok(self.gpu.matvec(&folded), "moe down");
-        } else {
             ok(
-                self.gpu.silu_mul(g_out, up_out, g_out, rows * f),
+                self.gpu
+                    .silu_mul(g_out, self.p(&gu_out, rows * f), g_out, rows * f),
                 "moe silu",
             );
-            ok(self.gpu.matvec(&down_item), "moe down");
         }
+        ok(self.gpu.matvec(&down_item), "moe down");
     }
 
-    /// The launches of `experts_per_choice` for `k` choices per token: the gate experts, gate
-    /// and up as a pair (both into `gu_out`, gate's rows first), the down experts (from
-    /// `gu_out`'s gate rows into `d_out`).
+    /// The launches of `experts_per_choice` for `k` choices per token: the gate experts (into
+    /// `gu_out`), gate and up as a pair with the silu (silu(gate) * up into `gu_out`), the down
+    /// experts (from `gu_out` into `d_out`).
     fn expert_items(
         &self,
         x: &CudaTensor,
@@ -1229,7 +1186,6 @@ impl Cuda {
                 rows: rows_w,
                 k: k_w,
                 x,
-                x_up: 0,
                 x_group,
                 x_stride,
                 y,
@@ -1237,6 +1193,7 @@ impl Cuda {
                 batch: rows,
                 transposed: false,
                 pair: 0,
+                glu: false,
                 shared: (0, 0),
             };
         let gate_item = Matvec {
@@ -1245,6 +1202,7 @@ impl Cuda {
         };
         let both = Matvec {
             pair: self.w(up),
+            glu: true,
             batch: 2 * rows,
             shared: (sw(|s| &s.gate), sw(|s| &s.up)),
             ..gate_item

@@ -51,10 +51,6 @@ pub struct Matvec {
     pub k: usize,
     /// f32 inputs: item b reads x + (b / x_group) * x_stride.
     pub x: Ptr,
-    /// Or 0: the up outputs of a gated FFN in x's layout, x holding its gate outputs; the
-    /// items multiply silu(x) * x_up, the FFN's down product with its silu in the same launch.
-    /// Only the tensor-core kernels take it (`Gpu::takes_x_up`).
-    pub x_up: Ptr,
     pub x_group: usize,
     pub x_stride: usize,
     /// f32 outputs: item b writes y + b * y_stride, `rows` values.
@@ -67,6 +63,9 @@ pub struct Matvec {
     /// with ids and x counted from batch / 2 again (the MoE gate and up of the same choices in
     /// one launch). Only the tensor-core kernels take it (`Gpu::takes_pair`).
     pub pair: Ptr,
+    /// With `pair`, its two products are a gated FFN's gate and up: item b < batch / 2 writes
+    /// silu(W x_b) * (pair's W x_b) instead of both (the silu_mul launch folded in).
+    pub glu: bool,
     /// The matrices of items whose id is MOE_SHARED (-2), for `w`'s items and for `pair`'s: the
     /// shared expert as one more MoE choice, or (0, 0). Only the tensor-core kernels take them
     /// (`Gpu::takes_shared`).
@@ -87,7 +86,6 @@ impl Matvec {
             rows,
             k,
             x,
-            x_up: 0,
             x_group: 1,
             x_stride: k,
             y,
@@ -95,6 +93,7 @@ impl Matvec {
             batch: 1,
             transposed: false,
             pair: 0,
+            glu: false,
             shared: (0, 0),
         }
     }
@@ -301,11 +300,6 @@ impl Gpu {
         a.batch % 2 == 0 && on_tensor_cores(a)
     }
 
-    /// Whether `matvec` takes `a` with an `x_up` (the tensor-core kernels).
-    pub fn takes_x_up(&self, a: &Matvec) -> bool {
-        on_tensor_cores(a)
-    }
-
     /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
     pub fn takes_shared(&self, a: &Matvec) -> bool {
         a.ids != 0 && on_tensor_cores(a)
@@ -314,22 +308,20 @@ impl Gpu {
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
         let prefix = if a.transposed { "matvec_t" } else { "matvec" };
         let (kernel, row_bytes) = typed_rows(prefix, a.ty, a.k)?;
-        check(
-            a.x % 16 == 0 && a.x_up % 16 == 0 && a.x_stride % 4 == 0,
-            "matvec",
-            || "x rows must be 16-byte aligned".into(),
-        )?;
+        check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matvec", || {
+            "x rows must be 16-byte aligned".into()
+        })?;
         check(a.x_group > 0 && a.batch > 0, "matvec", || {
             "empty batch".into()
         })?;
         check(a.pair == 0 || self.takes_pair(a), "matvec", || {
             "a pair of matrices needs the tensor-core kernel and an even batch".into()
         })?;
+        check(!a.glu || a.pair != 0, "matvec", || {
+            "glu: the gate and up products of a pair".into()
+        })?;
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
-        })?;
-        check(a.x_up == 0 || self.takes_x_up(a), "matvec", || {
-            "x_up needs the tensor-core kernel".into()
         })?;
         if uses_tensor_cores(a, row_bytes) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
@@ -358,12 +350,17 @@ impl Gpu {
                 }
                 (true, _) => ("matvec_tc8_q4_k", 8, 8, None),
             };
-            let groups = tiles.div_ceil(per_block) * a.batch;
+            // glu: a group's tiles are half as many rows of each matrix (even per_block).
+            let groups = match a.glu {
+                true => tiles.div_ceil(per_block / 2) * (a.batch / 2),
+                false => tiles.div_ceil(per_block) * a.batch,
+            };
             let blocks = one_wave.map_or(groups, |slots| groups.min(slots));
             launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps, smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
-                a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.x_up,
-                a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, per_block as i32);
+                a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x,
+                a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, per_block as i32,
+                a.glu as i32);
             return Ok(());
         }
         if uses_int_q6_k(a) {
