@@ -1384,6 +1384,19 @@ fn attend(scores: &[(usize, f64)], value: impl Fn(usize, usize) -> f64, dv: usiz
 }
 
 /// Random DSA selections: per query, `k` distinct visible positions, ascending, -1 padded.
+/// The keys query t (at position pos0 + t) sees: its row of `keep` (n_ids positions, -1
+/// skipped), or all causal keys without a selection.
+fn visible_keys(keep: Option<&[i32]>, t: usize, n_ids: usize, pos0: usize) -> Vec<usize> {
+    match keep {
+        Some(keep) => keep[t * n_ids..][..n_ids]
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as usize)
+            .collect(),
+        None => (0..=pos0 + t).collect(),
+    }
+}
+
 fn random_keep(rng: &mut Rng, tokens: usize, pos0: usize, k: usize) -> Vec<i32> {
     let mut keep = Vec::new();
     for t in 0..tokens {
@@ -1461,15 +1474,7 @@ fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
             for t in 0..tokens {
                 for h in 0..heads {
                     let qr = &q[(t * heads + h) * dqk..][..dqk];
-                    let visible: Vec<usize> = if masked {
-                        keep[t * top_k..][..top_k]
-                            .iter()
-                            .filter(|&&s| s >= 0)
-                            .map(|&s| s as usize)
-                            .collect()
-                    } else {
-                        (0..=pos0 + t).collect()
-                    };
+                    let visible = visible_keys(masked.then_some(&keep[..]), t, top_k, pos0);
                     let scores: Vec<(usize, f64)> = visible
                         .iter()
                         .map(|&s| {
@@ -1554,15 +1559,7 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize) {
         let want_of = |q_pe: &[f32]| {
             let mut want = Vec::new();
             for t in 0..tokens {
-                let visible: Vec<usize> = if dsa {
-                    keep[t * n_ids..][..n_ids]
-                        .iter()
-                        .filter(|&&s| s >= 0)
-                        .map(|&s| s as usize)
-                        .collect()
-                } else {
-                    (0..=pos0 + t).collect()
-                };
+                let visible = visible_keys(dsa.then_some(&keep[..]), t, n_ids, pos0);
                 for h in 0..heads {
                     let ql = &q_lat[(t * heads + h) * dl..][..dl];
                     let qp = &q_pe[(t * heads + h) * dr..][..dr];
