@@ -7,9 +7,8 @@
 // Query token t (grid.z) sits at position pos0 + t: q_lat row t [H, dl] (q_nope absorbed by
 // W_UK), q_pe row t [H, dr] (heads qp_head apart: dr, or dn + dr inside the whole query);
 // with qp_freq (the rope's inv_freq, and its cos/sin scale qp_mscale) q_pe is not roped yet
-// and the kernel ropes it as it loads it, as rope_pairs does (the decode query:
-// one launch fewer), else (null) it is roped already. cache: [S, dl + dr] rows
-// [c_kv | k_pe]. Its keys are positions
+// and the kernel ropes it as it loads it, as rope_pairs does (the decode query: one launch
+// fewer); null: roped already. cache: [S, dl + dr] rows [c_kv | k_pe]. Its keys are positions
 // 0 ..= pos0 + t, or, when key_ids is not null, the n_ids entries of key_ids row t (DSA top-k;
 // -1 entries, and entries past pos0 + t, are skipped).
 //
@@ -224,7 +223,8 @@ __device__ __forceinline__ void mla_split_body(
         float freq[2] = {0.0f, 0.0f};
         if (turn) {
 #pragma unroll
-            for (int i = 0; i < 2; i++) freq[i] = __ldg(qp_freq + min(8 * c + tig + 4 * i, dr / 2 - 1));
+            for (int i = 0; i < 2; i++)
+                freq[i] = __ldg(qp_freq + min(8 * c + tig + 4 * i, dr / 2 - 1));
         }
         float2 qv[KL + 1][4];
         auto load_q = [&](bool pair) {

@@ -284,9 +284,9 @@ pub trait Backend: Send + Sync {
 
     /// Absorbed (MQA over the latent cache) causal attention, same masking as `attention`:
     /// - `q_lat` [n, H*kv_lora] (= k_b q_nope per head);
-    /// - `q` [n, H*(dn+dr)] (H = `heads`), each head `[q_nope | q_pe]`: q_pe roped already (`rope` None),
-    ///   or to be roped here as `rope` of its columns would (a GPU does it as it loads the
-    ///   query, one launch fewer);
+    /// - `q` [n, H*(dn+dr)] (H = `heads`), each head `[q_nope | q_pe]`: q_pe roped already
+    ///   (`rope` None), or to be roped here as `rope` of its columns would (a GPU does it as it
+    ///   loads the query, one launch fewer);
     /// - `cache` [ctx, kv_lora+dr], rows `[c_kv | k_pe]`, of which rows `0..pos0+n` are valid.
     ///
     /// score = scale * (q_lat.c_kv + q_pe.k_pe); returns softmax(score) . c_kv [n, H*kv_lora].
