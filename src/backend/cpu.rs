@@ -423,10 +423,10 @@ impl Backend for Cpu {
         let kv_lora = q_lat.cols / heads;
         let dr = cache.cols - kv_lora;
         let dn = q.cols / heads - dr;
-        let q_pe = match rope {
-            Some(rope) => self.rope_columns(&mut q.clone(), heads, dn, pos0, rope),
-            None => self.head_columns(q, heads, dn..dn + dr),
-        };
+        let mut q_pe = self.head_columns(q, heads, dn..dn + dr);
+        if let Some(rope) = rope {
+            self.rope(&mut q_pe, heads, 0, pos0, rope);
+        }
         let mut y = Mat::zeros(n, heads * kv_lora);
         y.data
             .par_chunks_mut(kv_lora)
