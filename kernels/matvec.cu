@@ -643,6 +643,18 @@ __device__ __forceinline__ TcItem tc_item(int b, int items, const u8* w, const u
     return it;
 }
 
+// The MoE combine in the down product's launch: out [T, rows] row t = sum over the choices j
+// of token t of weights[t, j] * (item t * choices + j's output), in choice order and skipping
+// zero weights, as moe_combine sums them. The block that finishes the last of a token's items
+// for a group's rows sums those rows (its counter in `done` [T, groups per item], put back to
+// zero by that block; every item held). Null `out`: no combine.
+struct TcCombine {
+    const float* weights;
+    float* out;
+    int* done;
+    int choices;
+};
+
 // Same addressing as matvec_q4_k for `items` items (outputs at y + b y_stride); rows 16-byte
 // aligned, k a multiple of 256; `per_block` tiles per group (a power of two up to TC_WARPS).
 // glu (with w2): a gated FFN's gate and up products, item b and b + items / 2 of one choice,
@@ -656,9 +668,10 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
                                                     const int* ids, int items, int rows, int k,
                                                     i64 row_bytes, const float* x, int x_group,
                                                     i64 x_stride, float* y, i64 y_stride,
-                                                    int per_block, int glu) {
+                                                    int per_block, int glu, TcCombine comb) {
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
+    __shared__ bool last;  // this block finished the group's rows of the token's last item
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
     const float* sums = scales + tc_scales_len(k);
@@ -751,7 +764,31 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
             }
             y[(grp / per_item) * y_stride + tile * 16 + lane] = sum;
         }
+        if (comb.out) __threadfence();  // the rows before the count that lets another block read them
         __syncthreads();  // partial and the x planes are free again
+        if (comb.out) {
+            const int tok = grp / per_item / comb.choices, gi = grp % per_item;
+            int* done = comb.done + (i64)tok * per_item + gi;
+            if (threadIdx.x == 0) {
+                last = atomicAdd(done, 1) == comb.choices - 1;
+                if (last) *done = 0;  // for the next launch (stream order)
+            }
+            __syncthreads();
+            if (last) {
+                __threadfence();
+                const float* wt = comb.weights + (i64)tok * comb.choices;
+                const float* yt = y + (i64)tok * comb.choices * y_stride;
+                for (int r = gi * span * 16 + threadIdx.x; r < min((gi + 1) * span * 16, rows);
+                     r += blockDim.x) {
+                    float sum = 0.0f;
+                    for (int j = 0; j < comb.choices; j++) {
+                        float w = wt[j];
+                        if (w != 0.0f) sum += w * __ldcg(yt + j * y_stride + r);
+                    }
+                    comb.out[(i64)tok * rows + r] = sum;
+                }
+            }
+        }
     }
 }
 
@@ -760,9 +797,10 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
         const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,             \
-        int x_group, i64 x_stride, float* y, i64 y_stride, int per_block, int glu) {           \
+        int x_group, i64 x_stride, float* y, i64 y_stride, int per_block, int glu,             \
+        TcCombine comb) {                                                                      \
         matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
-                                   x, x_group, x_stride, y, y_stride, per_block, glu);         \
+                                   x, x_group, x_stride, y, y_stride, per_block, glu, comb);   \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)

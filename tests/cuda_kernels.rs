@@ -9,8 +9,8 @@
 
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::ops::{
-    AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm,
-    KERNEL_TYPES, MOE_SHARED,
+    AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
+    RowsNorm, KERNEL_TYPES, MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -259,6 +259,7 @@ fn expert_matvec(
         transposed: false,
         pair: 0,
         glu: false,
+        combine: None,
         shared: (0, 0),
     })
     .unwrap();
@@ -542,6 +543,7 @@ fn matvec_q4_k_pair_matches_two_products() {
         transposed: false,
         pair: g.ptr(&dwb, 0),
         glu: false,
+        combine: None,
         shared: (0, 0),
     };
     assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
@@ -722,6 +724,7 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
 
         g.matvec(&Matvec {
             glu: false,
+            combine: None,
             y: g.ptr(&pair_y, 0),
             ..a
         })
@@ -735,6 +738,90 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
             .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
         assert!(same, "{what}: not the pair then silu_mul, bit for bit");
     }
+}
+
+/// The MoE combine in the down product's launch (`Matvec::combine`): each token's outputs summed
+/// with its choice weights (a zero weight skipped, rows in a partial last group), equal to the
+/// f64 sums of the dequantized products and bit for bit to the plain product followed by
+/// moe_combine; twice in a row (the kernel puts its counters back).
+#[test]
+fn matvec_q4_k_combine_sums_each_tokens_choices() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_combine");
+    let (t, rows, k, mats, choices) = (GgmlType::Q4_K, 2000, 2048, 4, 5);
+    let ids = [3i32, 0, 2, 1, 0, 1, 1, 3, 2, 0]; // 2 tokens of 5 choices
+    let n = ids.len() / choices;
+    let w = random_rows(&mut rng, t, rows * mats, k);
+    let wf = dequant_rows(t, &w, rows * mats, k);
+    let x = rng.normals(ids.len() * k);
+    let mut weights = rng.normals(ids.len());
+    weights[3] = 0.0;
+    let (dw, dx, di, dcw) = (
+        g.upload(&w).unwrap(),
+        g.upload(&x).unwrap(),
+        g.upload(&ids).unwrap(),
+        g.upload(&weights).unwrap(),
+    );
+    let (dy, dout, dplain) = (
+        poisoned(&g, ids.len() * rows),
+        poisoned(&g, n * rows),
+        poisoned(&g, n * rows),
+    );
+    let a = Matvec {
+        mat_stride: rows * t.row_bytes(k).unwrap(),
+        ids: g.ptr(&di, 0),
+        batch: ids.len(),
+        combine: Some(Combine {
+            weights: g.ptr(&dcw, 0),
+            out: g.ptr(&dout, 0),
+            choices,
+        }),
+        ..Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k))
+    };
+    assert!(
+        g.takes_combine(&a),
+        "the tensor-core kernel takes the combine"
+    );
+    let each = expert_matvec_want(&wf, (rows, k), &x, 1, &ids);
+    let want: Vec<f64> = (0..n * rows)
+        .map(|i| {
+            let (tok, r) = (i / rows, i % rows);
+            (0..choices)
+                .map(|j| weights[tok * choices + j] as f64 * each[(tok * choices + j) * rows + r])
+                .sum()
+        })
+        .collect();
+    let mut got = Vec::new();
+    for round in 0..2 {
+        g.matvec(&a).unwrap();
+        got = g.download(&dout).unwrap();
+        assert_close(
+            &format!("matvec q4_k combine, round {round}"),
+            &got,
+            &want,
+            F32_OP,
+        );
+    }
+    g.matvec(&Matvec { combine: None, ..a }).unwrap();
+    g.moe_combine(
+        g.ptr(&dy, 0),
+        0,
+        g.ptr(&dcw, 0),
+        n,
+        choices,
+        rows,
+        g.ptr(&dplain, 0),
+    )
+    .unwrap();
+    let plain = g.download(&dplain).unwrap();
+    let same = got
+        .iter()
+        .zip(&plain)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(
+        same,
+        "the combine in the launch is not moe_combine's, bit for bit"
+    );
 }
 
 #[test]
@@ -772,6 +859,7 @@ fn matvec_transposed_every_type_matches() {
             transposed: true,
             pair: 0,
             glu: false,
+            combine: None,
             shared: (0, 0),
         })
         .unwrap();

@@ -603,6 +603,7 @@ impl Bench {
                     transposed: false,
                     pair: 0,
                     glu: false,
+                    combine: None,
                     shared: (0, 0),
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,

@@ -16,8 +16,8 @@ use cudarc::driver::CudaSlice;
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::ops::{
-    route_f32_takes, AttentionPrefill, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
-    RowsNorm, KERNEL_TYPES,
+    route_f32_takes, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter,
+    PairRope, RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
@@ -814,7 +814,7 @@ impl Backend for Cuda {
         if n < MATMUL_MIN_ROWS {
             let eids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
             let ids = self.upload_i32(&eids);
-            self.experts_per_choice(x, (gate, up, down), None, &ids, k, &d_out);
+            self.experts_per_choice(x, (gate, up, down), None, &ids, k, &d_out, None);
             slots = (0..rows as i32).collect();
         } else {
             // Group the (token, choice) pairs by expert: each expert's tokens are gathered by
@@ -990,7 +990,16 @@ impl Backend for Cuda {
         }
         let d_out = self.empty(n * row, x.cols);
         let shared = shared.filter(|_| with_shared);
-        self.experts_per_choice(x, (gate, up, down), shared, &dids, row, &d_out);
+        // The combine in the down product's launch where every choice runs here.
+        let out = self.empty(n, x.cols);
+        let combine = all_held.then(|| Combine {
+            weights: self.p(&dw, 0),
+            out: self.p(&out, 0),
+            choices: row,
+        });
+        if self.experts_per_choice(x, (gate, up, down), shared, &dids, row, &d_out, combine) {
+            return Some((out, with_shared));
+        }
         Some((self.combine(&d_out, None, &dw.buf, n, row), with_shared))
     }
 }
@@ -1090,6 +1099,7 @@ impl Cuda {
                 transposed: transpose,
                 pair: 0,
                 glu: false,
+                combine: None,
                 shared: (0, 0),
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
@@ -1120,7 +1130,10 @@ impl Cuda {
     /// batched matrix-vector products (gate and up, silu, down). An id of -1 (a choice another
     /// rank holds) leaves its rows unwritten: the matvec skips such items. Gate, up and the
     /// silu run as one launch where the kernel takes the pair (measured on an H200: GLM-5
-    /// experts 2 x 23.7 -> 39.2 us for the pair), else one after the other.
+    /// experts 2 x 23.7 -> 39.2 us for the pair), else one after the other. With `combine`
+    /// (every choice held), the down product sums each token's rows in its own launch where the
+    /// kernel takes it: returns whether it did (else `d_out` holds the rows to combine).
+    #[allow(clippy::too_many_arguments)]
     fn experts_per_choice(
         &self,
         x: &CudaTensor,
@@ -1129,7 +1142,8 @@ impl Cuda {
         ids: &CudaSlice<i32>,
         k: usize,
         d_out: &CudaTensor,
-    ) {
+        combine: Option<Combine>,
+    ) -> bool {
         let rows = x.rows * k;
         let f = gate.dim(1);
         // Gate outputs in rows 0 .. rows, up outputs after them.
@@ -1160,7 +1174,16 @@ impl Cuda {
                 "moe silu",
             );
         }
+        let combined = Matvec {
+            combine,
+            ..down_item
+        };
+        if combine.is_some() && self.gpu.takes_combine(&combined) {
+            ok(self.gpu.matvec(&combined), "moe down and combine");
+            return true;
+        }
         ok(self.gpu.matvec(&down_item), "moe down");
+        false
     }
 
     /// The launches of `experts_per_choice` for `k` choices per token: the gate experts (into
@@ -1194,6 +1217,7 @@ impl Cuda {
                 transposed: false,
                 pair: 0,
                 glu: false,
+                combine: None,
                 shared: (0, 0),
             };
         let gate_item = Matvec {

@@ -39,6 +39,9 @@ pub struct Gpu {
     /// Grow-only per-token counters of `moe_route_f32` (ops.rs), zero between launches: the
     /// kernel's routing block puts its token's back.
     pub(super) route_done: Mutex<Option<CudaSlice<i32>>>,
+    /// Grow-only counters of the tensor-core matvec's combine (`Matvec::combine`, ops.rs), zero
+    /// between launches: the block that sums a group's rows puts its counter back.
+    pub(super) combine_done: Mutex<Option<CudaSlice<i32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -78,6 +81,7 @@ impl Gpu {
             occupancy: Mutex::default(),
             mla_work: Mutex::default(),
             route_done: Mutex::default(),
+            combine_done: Mutex::default(),
         })
     }
 

@@ -66,6 +66,9 @@ pub struct Matvec {
     /// With `pair`, its two products are a gated FFN's gate and up: item b < batch / 2 writes
     /// silu(W x_b) * (pair's W x_b) instead of both (the silu_mul launch folded in).
     pub glu: bool,
+    /// Or None: the items' outputs summed per token with its choice weights in the same
+    /// launch (the MoE combine; only the tensor-core kernels, `Gpu::takes_combine`).
+    pub combine: Option<Combine>,
     /// The matrices of items whose id is MOE_SHARED (-2), for `w`'s items and for `pair`'s: the
     /// shared expert as one more MoE choice, or (0, 0). Only the tensor-core kernels take them
     /// (`Gpu::takes_shared`).
@@ -94,10 +97,36 @@ impl Matvec {
             transposed: false,
             pair: 0,
             glu: false,
+            combine: None,
             shared: (0, 0),
         }
     }
 }
+
+/// The MoE combine in a down product's launch (`Matvec::combine`): out row t = sum over its
+/// choices j of weights[t, j] * the output of item t * choices + j, in choice order, zero
+/// weights skipped (as moe_combine sums). Every item must be held (no -1 id): a token none of
+/// whose items runs here would get no sum.
+#[derive(Clone, Copy)]
+pub struct Combine {
+    /// [batch / choices, choices] f32.
+    pub weights: Ptr,
+    /// [batch / choices, rows] f32.
+    pub out: Ptr,
+    pub choices: usize,
+}
+
+/// The kernel's TcCombine (kernels/matvec.cu); all 0 for none.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TcCombine {
+    weights: Ptr,
+    out: Ptr,
+    done: Ptr,
+    choices: i32,
+}
+// SAFETY: plain integers in the kernel's C layout (8-byte addresses, a 4-byte int, padding).
+unsafe impl cudarc::driver::DeviceRepr for TcCombine {}
 
 /// The kernel's MatvecParts (kernels/matvec.cu): items 1 and 2 of a parts launch, or all 0.
 #[repr(C)]
@@ -300,6 +329,11 @@ impl Gpu {
         a.batch % 2 == 0 && on_tensor_cores(a)
     }
 
+    /// Whether `matvec` takes `a` with a `combine` (the tensor-core kernels, with ids, no pair).
+    pub fn takes_combine(&self, a: &Matvec) -> bool {
+        a.ids != 0 && a.pair == 0 && on_tensor_cores(a)
+    }
+
     /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
     pub fn takes_shared(&self, a: &Matvec) -> bool {
         a.ids != 0 && on_tensor_cores(a)
@@ -320,6 +354,12 @@ impl Gpu {
         check(!a.glu || a.pair != 0, "matvec", || {
             "glu: the gate and up products of a pair".into()
         })?;
+        check(
+            a.combine
+                .is_none_or(|c| c.choices > 0 && a.batch % c.choices == 0 && self.takes_combine(a)),
+            "matvec",
+            || "combine: the tensor-core kernel, ids, whole tokens of choices".into(),
+        )?;
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
         })?;
@@ -356,11 +396,29 @@ impl Gpu {
                 false => tiles.div_ceil(per_block) * a.batch,
             };
             let blocks = one_wave.map_or(groups, |slots| groups.min(slots));
+            let mut done = self.combine_done.lock().unwrap();
+            let combine = match a.combine {
+                None => TcCombine::default(),
+                Some(c) => {
+                    // A counter per token and group of an item's rows, zero between launches.
+                    let counters = groups;
+                    if done.as_ref().is_none_or(|d| d.len() < counters) {
+                        *done = None;
+                        *done = Some(self.zeros::<i32>(counters)?);
+                    }
+                    TcCombine {
+                        weights: c.weights,
+                        out: c.out,
+                        done: self.ptr(done.as_ref().unwrap(), 0),
+                        choices: c.choices as i32,
+                    }
+                }
+            };
             launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps, smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                 a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x,
                 a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, per_block as i32,
-                a.glu as i32);
+                a.glu as i32, combine);
             return Ok(());
         }
         if uses_int_q6_k(a) {
