@@ -201,6 +201,21 @@ impl Gpu {
         let (p, _record) = buf.device_ptr(&self.stream);
         p + (offset * std::mem::size_of::<T>()) as u64
     }
+
+    /// The address of `n` i32 counters, all zero, from the grow-only buffer in `slot`: a kernel
+    /// that counts its blocks in (`moe_route_f32`, the matvec's combine) puts each back to zero.
+    pub(super) fn zeroed_counters(
+        &self,
+        slot: &Mutex<Option<CudaSlice<i32>>>,
+        n: usize,
+    ) -> Result<DevicePtrRaw, CudaError> {
+        let mut counters = slot.lock().unwrap();
+        if counters.as_ref().is_none_or(|c| c.len() < n) {
+            *counters = None;
+            *counters = Some(self.zeros::<i32>(n)?);
+        }
+        Ok(self.ptr(counters.as_ref().unwrap(), 0))
+    }
 }
 
 /// Launches `kernel` on `gpu`'s stream: `launch!(gpu, "name", grid, block, smem; args...)`,

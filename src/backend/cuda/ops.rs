@@ -396,23 +396,15 @@ impl Gpu {
                 false => tiles.div_ceil(per_block) * a.batch,
             };
             let blocks = one_wave.map_or(groups, |slots| groups.min(slots));
-            let mut done = self.combine_done.lock().unwrap();
             let combine = match a.combine {
                 None => TcCombine::default(),
-                Some(c) => {
-                    // A counter per token and group of an item's rows, zero between launches.
-                    let counters = groups;
-                    if done.as_ref().is_none_or(|d| d.len() < counters) {
-                        *done = None;
-                        *done = Some(self.zeros::<i32>(counters)?);
-                    }
-                    TcCombine {
-                        weights: c.weights,
-                        out: c.out,
-                        done: self.ptr(done.as_ref().unwrap(), 0),
-                        choices: c.choices as i32,
-                    }
-                }
+                Some(c) => TcCombine {
+                    weights: c.weights,
+                    out: c.out,
+                    // A counter per token and group of an item's rows.
+                    done: self.zeroed_counters(&self.combine_done, groups)?,
+                    choices: c.choices as i32,
+                },
             };
             launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps, smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
@@ -1374,12 +1366,7 @@ impl Gpu {
         if a.tokens == 0 {
             return Ok(());
         }
-        let mut done = self.route_done.lock().unwrap();
-        if done.as_ref().is_none_or(|d| d.len() < a.tokens) {
-            *done = None;
-            *done = Some(self.zeros::<i32>(a.tokens)?);
-        }
-        let done = self.ptr(done.as_ref().unwrap(), 0);
+        let done = self.zeroed_counters(&self.route_done, a.tokens)?;
         launch!(self, "moe_route_f32", (a.n_exp as u32, a.tokens as u32, 1), ROUTER_THREADS, 0;
             x, w, dim as i32, a.logits, done, a.bias, a.n_exp as i32, a.k as i32,
             a.gating as i32, a.n_group as i32, a.group_used as i32, a.norm as i32, a.scale,
