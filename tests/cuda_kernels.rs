@@ -9,7 +9,7 @@
 
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::ops::{
-    AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
+    AddNorm, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
     RowsNorm, KERNEL_TYPES, MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
@@ -260,6 +260,7 @@ fn expert_matvec(
         pair: 0,
         glu: false,
         combine: None,
+        add_norm: None,
         shared: (0, 0),
     })
     .unwrap();
@@ -544,6 +545,7 @@ fn matvec_q4_k_pair_matches_two_products() {
         pair: g.ptr(&dwb, 0),
         glu: false,
         combine: None,
+        add_norm: None,
         shared: (0, 0),
     };
     assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
@@ -725,6 +727,7 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
         g.matvec(&Matvec {
             glu: false,
             combine: None,
+            add_norm: None,
             y: g.ptr(&pair_y, 0),
             ..a
         })
@@ -824,6 +827,105 @@ fn matvec_q4_k_combine_sums_each_tokens_choices() {
     );
 }
 
+/// The residual add and norm in the product's launch (`Matvec::add_norm`): per token, resid +=
+/// its output row and normed = rmsnorm(resid) * w, against f64 from the dequantized products,
+/// on the forms decode gives it: one token on the 4-warp kernel, two on the long-k 8-warp one
+/// (DeepSeek-V3's attn_output rows), and after the MoE combine; twice each, from a fresh
+/// residual (the kernel puts its counters back).
+#[test]
+fn matvec_q4_k_add_norm_follows_the_product() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_add_norm");
+    let (t, eps) = (GgmlType::Q4_K, 1e-6f32);
+    // (rows, k, tokens, MoE choices per token or 0 for a plain product)
+    for (rows, k, tokens, choices) in [(8192, 2048, 1, 0), (6144, 16384, 2, 0), (2000, 2048, 2, 5)]
+    {
+        let (mats, items) = match choices {
+            0 => (1, tokens),
+            c => (4, tokens * c),
+        };
+        let ids: Vec<i32> = (0..items).map(|_| rng.below(mats) as i32).collect();
+        let w = random_rows(&mut rng, t, rows * mats, k);
+        let wf = dequant_rows(t, &w, rows * mats, k);
+        let x = rng.normals(items * k);
+        let weights = rng.normals(items);
+        let norm_w = rng.normals(rows);
+        let each = expert_matvec_want(&wf, (rows, k), &x, 1, &ids);
+        // Each token's output row, then what the residual and the norm become.
+        let out: Vec<f64> = (0..tokens * rows)
+            .map(|i| match choices {
+                0 => each[i],
+                c => (0..c)
+                    .map(|j| {
+                        weights[i / rows * c + j] as f64
+                            * each[(i / rows * c + j) * rows + i % rows]
+                    })
+                    .sum(),
+            })
+            .collect();
+        let resid: Vec<f32> = rng.normals(tokens * rows).iter().map(|v| v * 3.0).collect();
+        let want_resid: Vec<f64> = resid.iter().zip(&out).map(|(&a, b)| a as f64 + b).collect();
+        let want_normed: Vec<f64> = want_resid
+            .chunks_exact(rows)
+            .flat_map(|s| {
+                let inv =
+                    1.0 / (s.iter().map(|v| v * v).sum::<f64>() / rows as f64 + eps as f64).sqrt();
+                s.iter()
+                    .zip(&norm_w)
+                    .map(move |(v, &nw)| v * inv * nw as f64)
+            })
+            .collect();
+        let (dw, dx, di, dcw, dnw) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+            g.upload(&weights).unwrap(),
+            g.upload(&norm_w).unwrap(),
+        );
+        let (dy, dout) = (poisoned(&g, items * rows), poisoned(&g, tokens * rows));
+        for round in 0..2 {
+            let (dresid, dnormed) = (g.upload(&resid).unwrap(), poisoned(&g, tokens * rows));
+            let a = Matvec {
+                mat_stride: rows * t.row_bytes(k).unwrap(),
+                ids: if choices > 0 { g.ptr(&di, 0) } else { 0 },
+                batch: items,
+                combine: (choices > 0).then(|| Combine {
+                    weights: g.ptr(&dcw, 0),
+                    out: g.ptr(&dout, 0),
+                    choices,
+                }),
+                add_norm: Some(AddNorm {
+                    resid: g.ptr(&dresid, 0),
+                    w: g.ptr(&dnw, 0),
+                    normed: g.ptr(&dnormed, 0),
+                    eps,
+                }),
+                ..Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k))
+            };
+            assert!(
+                g.takes_add_norm(&a),
+                "the tensor-core kernel takes the add and norm"
+            );
+            g.matvec(&a).unwrap();
+            let what = format!(
+                "matvec q4_k {rows}x{k}, {tokens} tokens, {choices} choices, round {round}"
+            );
+            assert_close(
+                &format!("{what}: residual"),
+                &g.download(&dresid).unwrap(),
+                &want_resid,
+                F32_OP,
+            );
+            assert_close(
+                &format!("{what}: norm"),
+                &g.download(&dnormed).unwrap(),
+                &want_normed,
+                F32_OP,
+            );
+        }
+    }
+}
+
 #[test]
 fn matvec_transposed_every_type_matches() {
     let Some(g) = gpu() else { return };
@@ -860,6 +962,7 @@ fn matvec_transposed_every_type_matches() {
             pair: 0,
             glu: false,
             combine: None,
+            add_norm: None,
             shared: (0, 0),
         })
         .unwrap();

@@ -217,6 +217,21 @@ pub trait Backend: Send + Sync {
     /// `x` [n, in] times a weight {in, out} -> [n, out] (`y[t] = W x[t]`).
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
 
+    /// `y = linear(a, w)` and then `add_rms_norm(x, y, norm, eps)`: returns y and the norm. A
+    /// GPU may do the add and the norm in the product's launch.
+    fn linear_add_rms_norm(
+        &self,
+        a: &Self::Tensor,
+        w: &Self::Weight,
+        x: &mut Self::Tensor,
+        norm: &Self::Weight,
+        eps: f32,
+    ) -> (Self::Tensor, Self::Tensor) {
+        let y = self.linear(a, w);
+        let h = self.add_rms_norm(x, &y, norm, eps);
+        (y, h)
+    }
+
     /// `linear(x, w)` for each of `ws`: the projections of one activation, which a backend may
     /// run as one launch.
     fn linears(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {
@@ -382,6 +397,22 @@ pub trait Communicator<B: Backend>: Send + Sync {
     fn all_reduce(&self, backend: &B, x: &mut B::Tensor);
     /// Concatenates each rank's column block of `x` [n, V/TP] into [n, V].
     fn all_gather_cols(&self, backend: &B, x: B::Tensor) -> B::Tensor;
+    /// A row-parallel product summed over the ranks, then the residual add and the norm after
+    /// it: `y = all_reduce(linear(a, w))`, `x += y`; returns y and `rms_norm(x, norm, eps)`.
+    fn linear_add_rms_norm(
+        &self,
+        backend: &B,
+        a: &B::Tensor,
+        w: &B::Weight,
+        x: &mut B::Tensor,
+        norm: &B::Weight,
+        eps: f32,
+    ) -> (B::Tensor, B::Tensor) {
+        let mut y = backend.linear(a, w);
+        self.all_reduce(backend, &mut y);
+        let h = backend.add_rms_norm(x, &y, norm, eps);
+        (y, h)
+    }
     /// This rank failed: the ranks waiting in a collective for it, or that enter one later,
     /// must fail too instead of waiting forever. Nothing by default.
     fn abort(&self) {}
@@ -394,5 +425,17 @@ impl<B: Backend> Communicator<B> for SingleRank {
     fn all_reduce(&self, _backend: &B, _x: &mut B::Tensor) {}
     fn all_gather_cols(&self, _backend: &B, x: B::Tensor) -> B::Tensor {
         x
+    }
+    /// Nothing to sum: the backend's own form, one launch on a GPU.
+    fn linear_add_rms_norm(
+        &self,
+        backend: &B,
+        a: &B::Tensor,
+        w: &B::Weight,
+        x: &mut B::Tensor,
+        norm: &B::Weight,
+        eps: f32,
+    ) -> (B::Tensor, B::Tensor) {
+        backend.linear_add_rms_norm(a, w, x, norm, eps)
     }
 }

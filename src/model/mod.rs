@@ -263,47 +263,65 @@ impl<B: Backend> Model<B> {
 
         // DSA: the last full indexer's selection, reused by the shared layers after it.
         let mut topk: Option<dsa::Selection<B::Ids>> = None;
-        // Each residual add runs fused with the norm after it (`add_rms_norm`): the FFN output
-        // of a layer waits here for the next layer's attn_norm (or the final norm).
-        let mut ffn_out: Option<B::Tensor> = None;
+        // Each residual add runs fused with the norm after it (`linear_add_rms_norm`,
+        // `add_rms_norm`): the attention output's with ffn_norm, the FFN output's with the next
+        // layer's attn_norm, or the final norm.
+        let first_norm = w.layers.first().map_or(&w.output_norm, |l| &l.attn_norm);
+        let mut h = b.rms_norm(&x, first_norm, cfg.rms_eps);
         for (il, lw) in w.layers.iter().enumerate() {
-            let h = residual_norm(b, &mut x, ffn_out.take(), &lw.attn_norm, cfg.rms_eps);
-            if il > 0 {
-                taps.tensor(b, || format!("L{}.h_out", il - 1), &x);
-            }
             taps.tensor(b, || format!("L{il}.attn_norm"), &h);
 
-            let mut attn = mla::attention(self, il, &h, cache, pos0, &mut topk, taps);
-            self.comm.all_reduce(b, &mut attn);
+            let core = mla::attention(self, il, &h, cache, pos0, &mut topk, taps);
+            let (attn, h_ffn) = self.comm.linear_add_rms_norm(
+                b,
+                &core,
+                &lw.attn.output,
+                &mut x,
+                &lw.ffn_norm,
+                cfg.rms_eps,
+            );
             taps.tensor(b, || format!("L{il}.attn_out"), &attn);
-            let h = b.add_rms_norm(&mut x, &attn, &lw.ffn_norm, cfg.rms_eps);
             taps.tensor(b, || format!("L{il}.h_attn"), &x);
-            taps.tensor(b, || format!("L{il}.ffn_norm"), &h);
+            taps.tensor(b, || format!("L{il}.ffn_norm"), &h_ffn);
 
-            let mut out = match &lw.ffn {
+            let next_norm = w
+                .layers
+                .get(il + 1)
+                .map_or(&w.output_norm, |l| &l.attn_norm);
+            h = match &lw.ffn {
                 Ffn::Dense(ffn) => {
-                    let y = dense_ffn(b, ffn, &h);
+                    let g = b.swiglu_linear(&h_ffn, &ffn.gate, &ffn.up);
+                    let (y, h) = self.comm.linear_add_rms_norm(
+                        b,
+                        &g,
+                        &ffn.down,
+                        &mut x,
+                        next_norm,
+                        cfg.rms_eps,
+                    );
                     taps.tensor(b, || format!("L{il}.ffn_out"), &y);
-                    y
+                    h
                 }
-                Ffn::Moe(m) => moe::forward(self, il, m, &h, taps),
-                Ffn::OtherRank => b.zeros(tokens.len(), cfg.n_embd),
+                Ffn::Moe(m) => {
+                    let out = moe::forward(self, il, m, &h_ffn, taps);
+                    self.reduce_add_norm(out, &mut x, next_norm).1
+                }
+                Ffn::OtherRank => {
+                    // The dense FFN another rank holds: its output arrives in the sum.
+                    let zero = b.zeros(tokens.len(), cfg.n_embd);
+                    let (y, h) = self.reduce_add_norm(zero, &mut x, next_norm);
+                    taps.tensor(b, || format!("L{il}.ffn_out"), &y);
+                    h
+                }
             };
-            self.comm.all_reduce(b, &mut out);
-            ffn_out = Some(out);
+            taps.tensor(b, || format!("L{il}.h_out"), &x);
         }
         cache.len += tokens.len();
 
         let n = tokens.len();
         if last_only && n > 1 {
-            // Only the last position goes on (forward_last, never traced: the last layer's
-            // h_out below is then that row alone).
-            x = b.slice(&x, n - 1..n, 0..cfg.n_embd);
-            ffn_out = ffn_out.map(|y| b.slice(&y, n - 1..n, 0..cfg.n_embd));
-        }
-        let h = residual_norm(b, &mut x, ffn_out, &w.output_norm, cfg.rms_eps);
-        if let Some(last) = w.layers.len().checked_sub(1) {
-            taps.tensor(b, || format!("L{last}.h_out"), &x);
+            // Only the last position goes on (forward_last, never traced).
+            h = b.slice(&h, n - 1..n, 0..cfg.n_embd);
         }
         taps.tensor(b, || "final_norm".into(), &h);
         let logits = b.linear(&h, w.lm_head());
@@ -311,20 +329,18 @@ impl<B: Backend> Model<B> {
         taps.tensor(b, || "logits".into(), &logits);
         Ok(logits)
     }
-}
 
-/// `x += y` (the previous layer's output; None before the first layer), then the RMSNorm of
-/// `x`: one fused step on the residual stream.
-fn residual_norm<B: Backend>(
-    b: &B,
-    x: &mut B::Tensor,
-    y: Option<B::Tensor>,
-    w: &B::Weight,
-    eps: f32,
-) -> B::Tensor {
-    match y {
-        Some(y) => b.add_rms_norm(x, &y, w, eps),
-        None => b.rms_norm(x, w, eps),
+    /// This rank's FFN output `y` (a partial sum) summed over the ranks, `x += y`: returns the
+    /// sum and the norm of x after it.
+    fn reduce_add_norm(
+        &self,
+        mut y: B::Tensor,
+        x: &mut B::Tensor,
+        norm: &B::Weight,
+    ) -> (B::Tensor, B::Tensor) {
+        self.comm.all_reduce(&self.backend, &mut y);
+        let h = self.backend.add_rms_norm(x, &y, norm, self.cfg.rms_eps);
+        (y, h)
     }
 }
 

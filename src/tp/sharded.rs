@@ -104,7 +104,8 @@ pub fn stage_kind(name: &str) -> StageKind {
     let stage = name.rsplit('.').next().unwrap_or(name);
     match stage {
         "q" | "q_pe" | "attn_core" => StageKind::Heads,
-        "ffn_out" | "moe_out" | "shared_out" => StageKind::Partial,
+        // The dense FFN's ffn_out is traced after the sum, with the add and norm after it.
+        "moe_out" | "shared_out" => StageKind::Partial,
         _ => StageKind::Replicated,
     }
 }

@@ -16,8 +16,8 @@ use cudarc::driver::CudaSlice;
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::ops::{
-    route_f32_takes, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter,
-    PairRope, RowsNorm, KERNEL_TYPES,
+    route_f32_takes, AddNorm, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode,
+    MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
@@ -545,6 +545,39 @@ impl Backend for Cuda {
             rows,
         );
         y
+    }
+
+    fn linear_add_rms_norm(
+        &self,
+        a: &CudaTensor,
+        w: &CudaWeight,
+        x: &mut CudaTensor,
+        norm: &CudaWeight,
+        eps: f32,
+    ) -> (CudaTensor, CudaTensor) {
+        let (n, k, rows) = (a.rows, w.ne[0], w.dim(1));
+        assert_eq!(a.cols, k, "linear {}: x has {} columns", w.name, a.cols);
+        assert_eq!((x.rows, x.cols), (n, rows), "linear_add_rms_norm shapes");
+        let mut mv = Matvec {
+            batch: n,
+            ..Matvec::single(w.ty, self.w(w), (self.p(a, 0), 0), (rows, k))
+        };
+        // Decode: the add and the norm in the product's launch where the kernel takes them.
+        if n >= MATMUL_MIN_ROWS || !self.gpu.takes_add_norm(&mv) {
+            let y = self.linear(a, w);
+            let h = self.add_rms_norm(x, &y, norm, eps);
+            return (y, h);
+        }
+        let (y, h) = (self.empty(n, rows), self.empty(n, rows));
+        mv.y = self.p(&y, 0);
+        mv.add_norm = Some(AddNorm {
+            resid: self.p(x, 0),
+            w: self.w(norm),
+            normed: self.p(&h, 0),
+            eps,
+        });
+        ok(self.gpu.matvec(&mv), "linear, add and norm");
+        (y, h)
     }
 
     fn linears(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Vec<CudaTensor> {
@@ -1100,6 +1133,7 @@ impl Cuda {
                 pair: 0,
                 glu: false,
                 combine: None,
+                add_norm: None,
                 shared: (0, 0),
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
@@ -1218,6 +1252,7 @@ impl Cuda {
                 pair: 0,
                 glu: false,
                 combine: None,
+                add_norm: None,
                 shared: (0, 0),
             };
         let gate_item = Matvec {
