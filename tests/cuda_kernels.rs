@@ -13,7 +13,7 @@ use mla_engine::backend::cuda::ops::{
     RowsNorm, KERNEL_TYPES, MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
-use mla_engine::backend::{Backend, WeightRole};
+use mla_engine::backend::{Backend, ResidualNorm, Routed, WeightRole};
 use mla_engine::config::{Gating, MoeConfig};
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::model::{dense_ffn, moe::route};
@@ -2053,8 +2053,8 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
     let gx = cuda.upload(&x, 1, e);
     let gr = cuda.load_weight(&router, WeightRole::Matrix).unwrap();
     let experts = (&gw[0], &gw[1], &gw[2]);
-    let (out, with_shared) = cuda
-        .moe_routed(
+    let routed = |then| {
+        cuda.moe_routed(
             &gx,
             &gr,
             Some(&bias),
@@ -2062,12 +2062,12 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
             &(0..n_exp),
             experts,
             Some(&shared),
+            then,
         )
-        .unwrap();
-    assert!(
-        with_shared,
-        "the shared expert runs as a choice at these shapes"
-    );
+    };
+    let Some(Routed::WithShared(out)) = routed(None) else {
+        panic!("the shared expert runs as a choice at these shapes")
+    };
     let got = cuda.download(&out);
 
     let cpu = Cpu;
@@ -2085,11 +2085,56 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
         down: cpu.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
     };
     cpu.add_assign(&mut want, &dense_ffn(&cpu, &cpu_shared, &cx));
-    let want: Vec<f64> = cpu.download(&want).iter().map(|&v| v as f64).collect();
+    let want_host: Vec<f64> = cpu.download(&want).iter().map(|&v| v as f64).collect();
     assert_close(
         "moe decode with the shared expert as a choice",
         &got,
-        &want,
+        &want_host,
+        F32_OP,
+    );
+
+    // With the residual add and the norm after it, in the down product's launch.
+    let resid = rng.normals(e);
+    let norm = TensorRef {
+        name: "attn_norm".into(),
+        ggml_type: GgmlType::F32,
+        ne: vec![e],
+        bytes: MappedBytes::owned(
+            rng.normals(e)
+                .into_iter()
+                .flat_map(f32::to_le_bytes)
+                .collect(),
+        ),
+    };
+    let mut gresid = cuda.upload(&resid, 1, e);
+    let gnorm = cuda.load_weight(&norm, WeightRole::Vector).unwrap();
+    let then = ResidualNorm {
+        x: &mut gresid,
+        w: &gnorm,
+        eps: 1e-6,
+    };
+    let Some(Routed::Normed(h)) = routed(Some(then)) else {
+        panic!("the add and norm run in the down product's launch at these shapes")
+    };
+    let mut cresid = cpu.upload(&resid, 1, e);
+    let cnorm = cpu.load_weight(&norm, WeightRole::Vector).unwrap();
+    let want_h = cpu.add_rms_norm(&mut cresid, &want, &cnorm, 1e-6);
+    let as_f64 = |t| {
+        cpu.download(t)
+            .iter()
+            .map(|&v| v as f64)
+            .collect::<Vec<_>>()
+    };
+    assert_close(
+        "moe decode, residual after the add",
+        &cuda.download(&gresid),
+        &as_f64(&cresid),
+        F32_OP,
+    );
+    assert_close(
+        "moe decode, the norm after the add",
+        &cuda.download(&h),
+        &as_f64(&want_h),
         F32_OP,
     );
 }

@@ -346,9 +346,10 @@ pub trait Backend: Send + Sync {
     /// pays no host round trip per MoE layer (and prefill no host routing of every token) and
     /// may take the product and the choice in one launch. `held`: the experts this
     /// rank's stacks hold (all at TP = 1); choices held elsewhere add nothing here. `shared`:
-    /// the shared expert, which the backend may run as one more choice of every token. Returns
-    /// the output and whether it includes the shared expert's (else the caller adds it). None
-    /// (the default): the caller routes on the host and calls `moe_experts`.
+    /// the shared expert, which the backend may run as one more choice of every token. `then`:
+    /// the residual add and norm after the sum, which the backend may do in the same launch
+    /// (only where nothing is summed over ranks in between). Returns what it did (`Routed`);
+    /// None (the default): the caller routes on the host and calls `moe_experts`.
     #[allow(clippy::too_many_arguments)]
     fn moe_routed(
         &self,
@@ -359,7 +360,8 @@ pub trait Backend: Send + Sync {
         _held: &Range<usize>,
         _experts: (&Self::Weight, &Self::Weight, &Self::Weight),
         _shared: Option<&crate::weights::DenseFfn<Self::Weight>>,
-    ) -> Option<(Self::Tensor, bool)> {
+        _then: Option<ResidualNorm<'_, Self>>,
+    ) -> Option<Routed<Self::Tensor>> {
         None
     }
 
@@ -389,6 +391,25 @@ pub trait Backend: Send + Sync {
     }
 }
 
+/// The residual add and RMSNorm after a step's output y: `x += y`, then `rms_norm(x, w, eps)`.
+/// Handed to the step that makes y (`Backend::moe_routed`), so that a GPU may do them in its
+/// launch.
+pub struct ResidualNorm<'a, B: Backend + ?Sized> {
+    pub x: &'a mut B::Tensor,
+    pub w: &'a B::Weight,
+    pub eps: f32,
+}
+
+/// What `Backend::moe_routed` computed.
+pub enum Routed<T> {
+    /// The routed experts' sum [n, E]; the caller adds the shared expert's output.
+    Experts(T),
+    /// The routed and the shared experts' sum [n, E].
+    WithShared(T),
+    /// That sum added to the residual and normed (`ResidualNorm`): the norm [n, E].
+    Normed(T),
+}
+
 /// The model's only contact with tensor parallelism: called after attn_output and after the
 /// FFN/MoE (partial sums on each rank) and on the vocabulary-split logits. At TP = 1 it does
 /// nothing (`SingleRank`).
@@ -397,21 +418,10 @@ pub trait Communicator<B: Backend>: Send + Sync {
     fn all_reduce(&self, backend: &B, x: &mut B::Tensor);
     /// Concatenates each rank's column block of `x` [n, V/TP] into [n, V].
     fn all_gather_cols(&self, backend: &B, x: B::Tensor) -> B::Tensor;
-    /// A row-parallel product summed over the ranks, then the residual add and the norm after
-    /// it: `y = all_reduce(linear(a, w))`, `x += y`; returns y and `rms_norm(x, norm, eps)`.
-    fn linear_add_rms_norm(
-        &self,
-        backend: &B,
-        a: &B::Tensor,
-        w: &B::Weight,
-        x: &mut B::Tensor,
-        norm: &B::Weight,
-        eps: f32,
-    ) -> (B::Tensor, B::Tensor) {
-        let mut y = backend.linear(a, w);
-        self.all_reduce(backend, &mut y);
-        let h = backend.add_rms_norm(x, &y, norm, eps);
-        (y, h)
+    /// Whether this is the only rank: `all_reduce` changes nothing, so the steps after a sum
+    /// (the residual add and the norm) may run in the launch that makes it.
+    fn is_single(&self) -> bool {
+        false
     }
     /// This rank failed: the ranks waiting in a collective for it, or that enter one later,
     /// must fail too instead of waiting forever. Nothing by default.
@@ -426,16 +436,7 @@ impl<B: Backend> Communicator<B> for SingleRank {
     fn all_gather_cols(&self, _backend: &B, x: B::Tensor) -> B::Tensor {
         x
     }
-    /// Nothing to sum: the backend's own form, one launch on a GPU.
-    fn linear_add_rms_norm(
-        &self,
-        backend: &B,
-        a: &B::Tensor,
-        w: &B::Weight,
-        x: &mut B::Tensor,
-        norm: &B::Weight,
-        eps: f32,
-    ) -> (B::Tensor, B::Tensor) {
-        backend.linear_add_rms_norm(a, w, x, norm, eps)
+    fn is_single(&self) -> bool {
+        true
     }
 }

@@ -263,23 +263,16 @@ impl<B: Backend> Model<B> {
 
         // DSA: the last full indexer's selection, reused by the shared layers after it.
         let mut topk: Option<dsa::Selection<B::Ids>> = None;
-        // Each residual add runs fused with the norm after it (`linear_add_rms_norm`,
-        // `add_rms_norm`): the attention output's with ffn_norm, the FFN output's with the next
-        // layer's attn_norm, or the final norm.
+        // Each residual add runs fused with the norm after it (`add_rms_norm`, at TP = 1 on a
+        // GPU in the launch of the product before it): the attention output's with ffn_norm,
+        // the FFN output's with the next layer's attn_norm, or the final norm.
         let first_norm = w.layers.first().map_or(&w.output_norm, |l| &l.attn_norm);
         let mut h = b.rms_norm(&x, first_norm, cfg.rms_eps);
         for (il, lw) in w.layers.iter().enumerate() {
             taps.tensor(b, || format!("L{il}.attn_norm"), &h);
 
             let core = mla::attention(self, il, &h, cache, pos0, &mut topk, taps);
-            let (attn, h_ffn) = self.comm.linear_add_rms_norm(
-                b,
-                &core,
-                &lw.attn.output,
-                &mut x,
-                &lw.ffn_norm,
-                cfg.rms_eps,
-            );
+            let (attn, h_ffn) = self.linear_add_norm(&core, &lw.attn.output, &mut x, &lw.ffn_norm);
             taps.tensor(b, || format!("L{il}.attn_out"), &attn);
             taps.tensor(b, || format!("L{il}.h_attn"), &x);
             taps.tensor(b, || format!("L{il}.ffn_norm"), &h_ffn);
@@ -291,21 +284,11 @@ impl<B: Backend> Model<B> {
             h = match &lw.ffn {
                 Ffn::Dense(ffn) => {
                     let g = b.swiglu_linear(&h_ffn, &ffn.gate, &ffn.up);
-                    let (y, h) = self.comm.linear_add_rms_norm(
-                        b,
-                        &g,
-                        &ffn.down,
-                        &mut x,
-                        next_norm,
-                        cfg.rms_eps,
-                    );
+                    let (y, h) = self.linear_add_norm(&g, &ffn.down, &mut x, next_norm);
                     taps.tensor(b, || format!("L{il}.ffn_out"), &y);
                     h
                 }
-                Ffn::Moe(m) => {
-                    let out = moe::forward(self, il, m, &h_ffn, taps);
-                    self.reduce_add_norm(out, &mut x, next_norm).1
-                }
+                Ffn::Moe(m) => moe::forward(self, il, m, &h_ffn, &mut x, next_norm, taps),
                 Ffn::OtherRank => {
                     // The dense FFN another rank holds: its output arrives in the sum.
                     let zero = b.zeros(tokens.len(), cfg.n_embd);
@@ -330,8 +313,24 @@ impl<B: Backend> Model<B> {
         Ok(logits)
     }
 
-    /// This rank's FFN output `y` (a partial sum) summed over the ranks, `x += y`: returns the
-    /// sum and the norm of x after it.
+    /// `y = W a` summed over the ranks (attn_output, the dense down), `x += y`: returns y and
+    /// the norm of x after it, at TP = 1 in the product's launch where the backend can.
+    fn linear_add_norm(
+        &self,
+        a: &B::Tensor,
+        w: &B::Weight,
+        x: &mut B::Tensor,
+        norm: &B::Weight,
+    ) -> (B::Tensor, B::Tensor) {
+        let b = &self.backend;
+        if self.comm.is_single() {
+            return b.linear_add_rms_norm(a, w, x, norm, self.cfg.rms_eps);
+        }
+        self.reduce_add_norm(b.linear(a, w), x, norm)
+    }
+
+    /// This rank's output `y` (a partial sum) summed over the ranks, `x += y`: returns the sum
+    /// and the norm of x after it.
     fn reduce_add_norm(
         &self,
         mut y: B::Tensor,

@@ -19,7 +19,7 @@ use super::ops::{
     route_f32_takes, AddNorm, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode,
     MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
-use crate::backend::{Backend, BackendError, Rope, WeightRole};
+use crate::backend::{Backend, BackendError, ResidualNorm, Rope, Routed, WeightRole};
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
 use crate::weights::{DenseFfn, TensorRef};
@@ -847,7 +847,7 @@ impl Backend for Cuda {
         if n < MATMUL_MIN_ROWS {
             let eids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
             let ids = self.upload_i32(&eids);
-            self.experts_per_choice(x, (gate, up, down), None, &ids, k, &d_out, None);
+            self.experts_per_choice(x, (gate, up, down), None, &ids, k, &d_out, (None, None));
             slots = (0..rows as i32).collect();
         } else {
             // Group the (token, choice) pairs by expert: each expert's tokens are gathered by
@@ -956,7 +956,8 @@ impl Backend for Cuda {
         held: &Range<usize>,
         (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
         shared: Option<&DenseFfn<CudaWeight>>,
-    ) -> Option<(CudaTensor, bool)> {
+        then: Option<ResidualNorm<'_, Self>>,
+    ) -> Option<Routed<CudaTensor>> {
         let n = x.rows;
         let all_held = *held == (0..m.n_expert);
         if n >= MATMUL_MIN_ROWS && !all_held {
@@ -1019,22 +1020,56 @@ impl Backend for Cuda {
                 .collect();
             let weights = self.download(&dw);
             let out = self.moe_experts(x, gate, up, down, &ids, &weights, k);
-            return Some((out, false));
+            return Some(Routed::Experts(out));
         }
         let d_out = self.empty(n * row, x.cols);
         let shared = shared.filter(|_| with_shared);
-        // The combine in the down product's launch where every choice runs here.
+        // The combine in the down product's launch where every choice runs here, and with the
+        // shared expert among them, the residual add and the norm after it.
         let out = self.empty(n, x.cols);
         let combine = all_held.then(|| Combine {
             weights: self.p(&dw, 0),
             out: self.p(&out, 0),
             choices: row,
         });
-        if self.experts_per_choice(x, (gate, up, down), shared, &dids, row, &d_out, combine) {
-            return Some((out, with_shared));
-        }
-        Some((self.combine(&d_out, None, &dw.buf, n, row), with_shared))
+        let normed = then
+            .filter(|_| with_shared)
+            .map(|r| (self.empty(n, x.cols), r));
+        let add_norm = normed.as_ref().map(|(h, r)| AddNorm {
+            resid: self.p(r.x, 0),
+            w: self.w(r.w),
+            normed: self.p(h, 0),
+            eps: r.eps,
+        });
+        let done = self.experts_per_choice(
+            x,
+            (gate, up, down),
+            shared,
+            &dids,
+            row,
+            &d_out,
+            (combine, add_norm),
+        );
+        let sum = |out| match with_shared {
+            true => Routed::WithShared(out),
+            false => Routed::Experts(out),
+        };
+        Some(match done {
+            Down::Rows => sum(self.combine(&d_out, None, &dw.buf, n, row)),
+            Down::Combined => sum(out),
+            Down::Normed => Routed::Normed(normed.unwrap().0),
+        })
     }
+}
+
+/// How far the down product of `Cuda::experts_per_choice` went in its launch.
+enum Down {
+    /// Each choice's rows, in `d_out`.
+    Rows,
+    /// Each token's sum of its choices.
+    Combined,
+    /// That sum added to the residual, and its norm.
+    Normed,
 }
 
 impl Cuda {
@@ -1166,7 +1201,8 @@ impl Cuda {
     /// silu run as one launch where the kernel takes the pair (measured on an H200: GLM-5
     /// experts 2 x 23.7 -> 39.2 us for the pair), else one after the other. With `combine`
     /// (every choice held), the down product sums each token's rows in its own launch where the
-    /// kernel takes it: returns whether it did (else `d_out` holds the rows to combine).
+    /// kernel takes it, and with `add_norm` adds the sums to the residual and norms it there
+    /// too: returns how far it went.
     #[allow(clippy::too_many_arguments)]
     fn experts_per_choice(
         &self,
@@ -1176,8 +1212,8 @@ impl Cuda {
         ids: &CudaSlice<i32>,
         k: usize,
         d_out: &CudaTensor,
-        combine: Option<Combine>,
-    ) -> bool {
+        (combine, add_norm): (Option<Combine>, Option<AddNorm>),
+    ) -> Down {
         let rows = x.rows * k;
         let f = gate.dim(1);
         // Gate outputs in rows 0 .. rows, up outputs after them.
@@ -1212,12 +1248,20 @@ impl Cuda {
             combine,
             ..down_item
         };
-        if combine.is_some() && self.gpu.takes_combine(&combined) {
-            ok(self.gpu.matvec(&combined), "moe down and combine");
-            return true;
+        if combine.is_none() || !self.gpu.takes_combine(&combined) {
+            ok(self.gpu.matvec(&down_item), "moe down");
+            return Down::Rows;
         }
-        ok(self.gpu.matvec(&down_item), "moe down");
-        false
+        let normed = Matvec {
+            add_norm,
+            ..combined
+        };
+        if add_norm.is_some() && self.gpu.takes_add_norm(&normed) {
+            ok(self.gpu.matvec(&normed), "moe down, combine, add and norm");
+            return Down::Normed;
+        }
+        ok(self.gpu.matvec(&combined), "moe down and combine");
+        Down::Combined
     }
 
     /// The launches of `experts_per_choice` for `k` choices per token: the gate experts (into
