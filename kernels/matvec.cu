@@ -685,7 +685,9 @@ __device__ __forceinline__ void tc_add_norm_row(const TcAddNorm& an, int t, cons
 #pragma unroll
         for (int j = 0; j < TC_NORM_VALS; j++) {
             bool in = c + j * THREADS < n;
-            v[j] = in ? resid[c + j * THREADS] : 0.0f;
+            // Both through L2 (ld.global.cg): ptxas then issues all of them before the first
+            // store, where plain loads of resid went out one at a time between the stores.
+            v[j] = in ? __ldcg(resid + c + j * THREADS) : 0.0f;
             r[j] = in ? __ldcg(out + c + j * THREADS) : 0.0f;
         }
 #pragma unroll

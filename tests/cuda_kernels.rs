@@ -886,7 +886,12 @@ fn matvec_q4_k_add_norm_follows_the_product() {
         for round in 0..2 {
             let (dresid, dnormed) = (g.upload(&resid).unwrap(), poisoned(&g, tokens * rows));
             let a = Matvec {
-                mat_stride: rows * t.row_bytes(k).unwrap(),
+                // Without ids item b reads matrix b: one matrix for every token.
+                mat_stride: if choices > 0 {
+                    rows * t.row_bytes(k).unwrap()
+                } else {
+                    0
+                },
                 ids: if choices > 0 { g.ptr(&di, 0) } else { 0 },
                 batch: items,
                 combine: (choices > 0).then(|| Combine {
