@@ -655,63 +655,6 @@ struct TcCombine {
     int choices;
 };
 
-// The residual add and RMSNorm after the product, in its launch: once token t's output row
-// is whole (out: the combine's row t, else item t's y), the block that completed it does
-//   resid[t] += out,  normed[t] = rmsnorm(resid[t]) * w
-// as add_rmsnorm computes it (its counter in `done` [T], put back to zero by that block; rows
-// contiguous; T <= 32). Null `resid`: none.
-struct TcAddNorm {
-    float* resid;
-    const float* w;
-    float* normed;
-    int* done;
-    float eps;
-};
-
-// add_rmsnorm on one row of n by the whole block (THREADS threads), `out` read past L1 (other
-// blocks of this launch wrote it). Chunks of TC_NORM_VALS values a thread, every load of a
-// chunk issued before the first use: a chunk is one round trip.
-#define TC_NORM_VALS 16
-template <int THREADS>
-__device__ __forceinline__ void tc_add_norm_row(const TcAddNorm& an, int t, const float* out,
-                                                int n) {
-    __shared__ float scratch[32];
-    float* resid = an.resid + (i64)t * n;
-    float* normed = an.normed + (i64)t * n;
-    const int chunk = TC_NORM_VALS * THREADS;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < n; c += chunk) {
-        float v[TC_NORM_VALS], r[TC_NORM_VALS];
-#pragma unroll
-        for (int j = 0; j < TC_NORM_VALS; j++) {
-            bool in = c + j * THREADS < n;
-            // Both through L2 (ld.global.cg): ptxas then issues all of them before the first
-            // store, where plain loads of resid went out one at a time between the stores.
-            v[j] = in ? __ldcg(resid + c + j * THREADS) : 0.0f;
-            r[j] = in ? __ldcg(out + c + j * THREADS) : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < TC_NORM_VALS; j++) {
-            v[j] += r[j];
-            ss += v[j] * v[j];
-            if (c + j * THREADS < n) resid[c + j * THREADS] = v[j];
-        }
-    }
-    float inv = rsqrtf(block_sum(ss, scratch) / (float)n + an.eps);
-    for (int c = threadIdx.x; c < n; c += chunk) {
-        float v[TC_NORM_VALS], wv[TC_NORM_VALS];
-#pragma unroll
-        for (int j = 0; j < TC_NORM_VALS; j++) {
-            bool in = c + j * THREADS < n;
-            v[j] = in ? resid[c + j * THREADS] : 0.0f;  // this thread's own store above
-            wv[j] = in ? an.w[c + j * THREADS] : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < TC_NORM_VALS; j++)
-            if (c + j * THREADS < n) normed[c + j * THREADS] = v[j] * inv * wv[j];
-    }
-}
-
 // Same addressing as matvec_q4_k for `items` items (outputs at y + b y_stride); rows 16-byte
 // aligned, k a multiple of 256; `per_block` tiles per group (a power of two up to TC_WARPS).
 // glu (with w2): a gated FFN's gate and up products, item b and b + items / 2 of one choice,
@@ -725,12 +668,10 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
                                                     const int* ids, int items, int rows, int k,
                                                     i64 row_bytes, const float* x, int x_group,
                                                     i64 x_stride, float* y, i64 y_stride,
-                                                    int per_block, int glu, TcCombine comb,
-                                                    TcAddNorm an) {
+                                                    int per_block, int glu, TcCombine comb) {
     extern __shared__ __align__(16) u8 tc_sm[];
     __shared__ float partial[TC_WARPS][16];
-    __shared__ bool last;       // this block finished the group's rows of the token's last item
-    __shared__ bool last_rows;  // ... the last rows of the token's output (an)
+    __shared__ bool last;  // this block finished the group's rows of the token's last item
     int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tc_sm + 4 * stride);
     const float* sums = scales + tc_scales_len(k);
@@ -785,7 +726,6 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
     float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
     int prepared = -1;  // the x in shared memory
-    unsigned norm_tokens = 0;  // an: the tokens whose output rows this block completed
     for (; grp < groups; grp = next_group(grp + gridDim.x)) {
         int xi = item_of(grp).xi, tile = tile_of(grp);
         if (xi != prepared) {
@@ -824,14 +764,10 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
             }
             y[(grp / per_item) * y_stride + tile * 16 + lane] = sum;
         }
-        // The rows before the count that lets another block read them.
-        if (comb.out || an.resid) __threadfence();
+        if (comb.out) __threadfence();  // the rows before the count that lets another block read them
         __syncthreads();  // partial and the x planes are free again
-        int tok = grp / per_item;  // without the combine items are tokens
-        bool rows_done = true;     // this block completed rows of token tok's output
         if (comb.out) {
-            tok /= comb.choices;
-            const int gi = grp % per_item;
+            const int tok = grp / per_item / comb.choices, gi = grp % per_item;
             int* done = comb.done + (i64)tok * per_item + gi;
             if (threadIdx.x == 0) {
                 last = atomicAdd(done, 1) == comb.choices - 1;
@@ -851,28 +787,8 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
                     }
                     comb.out[(i64)tok * rows + r] = sum;
                 }
-                __threadfence();
             }
-            rows_done = last;
         }
-        if (an.resid && rows_done) {
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                last_rows = atomicAdd(an.done + tok, 1) == per_item - 1;
-                if (last_rows) an.done[tok] = 0;  // for the next launch (stream order)
-            }
-            __syncthreads();
-            if (last_rows) norm_tokens |= 1u << tok;
-        }
-    }
-    // The add and norm of the rows this block completed, once no weight loads are in flight
-    // (ptxas would otherwise keep both sets of registers live).
-    while (norm_tokens) {
-        const int tok = __ffs(norm_tokens) - 1;
-        norm_tokens &= norm_tokens - 1;
-        __threadfence();
-        const float* out = comb.out ? comb.out + (i64)tok * rows : y + (i64)tok * y_stride;
-        tc_add_norm_row<32 * TC_WARPS>(an, tok, out, rows);
     }
 }
 
@@ -882,10 +798,9 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
         const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,             \
         int x_group, i64 x_stride, float* y, i64 y_stride, int per_block, int glu,             \
-        TcCombine comb, TcAddNorm an) {                                                        \
+        TcCombine comb) {                                                                      \
         matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
-                                   x, x_group, x_stride, y, y_stride, per_block, glu, comb,    \
-                                   an);                                                        \
+                                   x, x_group, x_stride, y, y_stride, per_block, glu, comb);   \
     }
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)

@@ -9,11 +9,11 @@
 
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::ops::{
-    AddNorm, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
+    AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
     RowsNorm, KERNEL_TYPES, MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
-use mla_engine::backend::{Backend, ResidualNorm, Routed, WeightRole};
+use mla_engine::backend::{Backend, WeightRole};
 use mla_engine::config::{Gating, MoeConfig};
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::model::{dense_ffn, moe::route};
@@ -260,7 +260,6 @@ fn expert_matvec(
         pair: 0,
         glu: false,
         combine: None,
-        add_norm: None,
         shared: (0, 0),
     })
     .unwrap();
@@ -545,7 +544,6 @@ fn matvec_q4_k_pair_matches_two_products() {
         pair: g.ptr(&dwb, 0),
         glu: false,
         combine: None,
-        add_norm: None,
         shared: (0, 0),
     };
     assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
@@ -727,7 +725,6 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
         g.matvec(&Matvec {
             glu: false,
             combine: None,
-            add_norm: None,
             y: g.ptr(&pair_y, 0),
             ..a
         })
@@ -827,110 +824,6 @@ fn matvec_q4_k_combine_sums_each_tokens_choices() {
     );
 }
 
-/// The residual add and norm in the product's launch (`Matvec::add_norm`): per token, resid +=
-/// its output row and normed = rmsnorm(resid) * w, against f64 from the dequantized products,
-/// on the forms decode gives it: one token on the 4-warp kernel, two on the long-k 8-warp one
-/// (DeepSeek-V3's attn_output rows), and after the MoE combine; twice each, from a fresh
-/// residual (the kernel puts its counters back).
-#[test]
-fn matvec_q4_k_add_norm_follows_the_product() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("matvec_add_norm");
-    let (t, eps) = (GgmlType::Q4_K, 1e-6f32);
-    // (rows, k, tokens, MoE choices per token or 0 for a plain product)
-    for (rows, k, tokens, choices) in [(8192, 2048, 1, 0), (6144, 16384, 2, 0), (2000, 2048, 2, 5)]
-    {
-        let (mats, items) = match choices {
-            0 => (1, tokens),
-            c => (4, tokens * c),
-        };
-        let ids: Vec<i32> = (0..items).map(|_| rng.below(mats) as i32).collect();
-        let w = random_rows(&mut rng, t, rows * mats, k);
-        let wf = dequant_rows(t, &w, rows * mats, k);
-        let x = rng.normals(items * k);
-        let weights = rng.normals(items);
-        let norm_w = rng.normals(rows);
-        let each = expert_matvec_want(&wf, (rows, k), &x, 1, &ids);
-        // Each token's output row, then what the residual and the norm become.
-        let out: Vec<f64> = (0..tokens * rows)
-            .map(|i| match choices {
-                0 => each[i],
-                c => (0..c)
-                    .map(|j| {
-                        weights[i / rows * c + j] as f64
-                            * each[(i / rows * c + j) * rows + i % rows]
-                    })
-                    .sum(),
-            })
-            .collect();
-        let resid: Vec<f32> = rng.normals(tokens * rows).iter().map(|v| v * 3.0).collect();
-        let want_resid: Vec<f64> = resid.iter().zip(&out).map(|(&a, b)| a as f64 + b).collect();
-        let want_normed: Vec<f64> = want_resid
-            .chunks_exact(rows)
-            .flat_map(|s| {
-                let inv =
-                    1.0 / (s.iter().map(|v| v * v).sum::<f64>() / rows as f64 + eps as f64).sqrt();
-                s.iter()
-                    .zip(&norm_w)
-                    .map(move |(v, &nw)| v * inv * nw as f64)
-            })
-            .collect();
-        let (dw, dx, di, dcw, dnw) = (
-            g.upload(&w).unwrap(),
-            g.upload(&x).unwrap(),
-            g.upload(&ids).unwrap(),
-            g.upload(&weights).unwrap(),
-            g.upload(&norm_w).unwrap(),
-        );
-        let (dy, dout) = (poisoned(&g, items * rows), poisoned(&g, tokens * rows));
-        for round in 0..2 {
-            let (dresid, dnormed) = (g.upload(&resid).unwrap(), poisoned(&g, tokens * rows));
-            let a = Matvec {
-                // Without ids item b reads matrix b: one matrix for every token.
-                mat_stride: if choices > 0 {
-                    rows * t.row_bytes(k).unwrap()
-                } else {
-                    0
-                },
-                ids: if choices > 0 { g.ptr(&di, 0) } else { 0 },
-                batch: items,
-                combine: (choices > 0).then(|| Combine {
-                    weights: g.ptr(&dcw, 0),
-                    out: g.ptr(&dout, 0),
-                    choices,
-                }),
-                add_norm: Some(AddNorm {
-                    resid: g.ptr(&dresid, 0),
-                    w: g.ptr(&dnw, 0),
-                    normed: g.ptr(&dnormed, 0),
-                    eps,
-                }),
-                ..Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k))
-            };
-            assert!(
-                g.takes_add_norm(&a),
-                "the tensor-core kernel takes the add and norm"
-            );
-            g.matvec(&a).unwrap();
-            let what = format!(
-                "matvec q4_k {rows}x{k}, {tokens} tokens, {choices} choices, round {round}"
-            );
-            assert_close(
-                &format!("{what}: residual"),
-                &g.download(&dresid).unwrap(),
-                &want_resid,
-                F32_OP,
-            );
-            assert_close(
-                &format!("{what}: norm"),
-                &g.download(&dnormed).unwrap(),
-                &want_normed,
-                F32_OP,
-            );
-        }
-    }
-}
-
 #[test]
 fn matvec_transposed_every_type_matches() {
     let Some(g) = gpu() else { return };
@@ -967,7 +860,6 @@ fn matvec_transposed_every_type_matches() {
             pair: 0,
             glu: false,
             combine: None,
-            add_norm: None,
             shared: (0, 0),
         })
         .unwrap();
@@ -2058,8 +1950,8 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
     let gx = cuda.upload(&x, 1, e);
     let gr = cuda.load_weight(&router, WeightRole::Matrix).unwrap();
     let experts = (&gw[0], &gw[1], &gw[2]);
-    let routed = |then| {
-        cuda.moe_routed(
+    let (out, with_shared) = cuda
+        .moe_routed(
             &gx,
             &gr,
             Some(&bias),
@@ -2067,12 +1959,12 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
             &(0..n_exp),
             experts,
             Some(&shared),
-            then,
         )
-    };
-    let Some(Routed::WithShared(out)) = routed(None) else {
-        panic!("the shared expert runs as a choice at these shapes")
-    };
+        .unwrap();
+    assert!(
+        with_shared,
+        "the shared expert runs as a choice at these shapes"
+    );
     let got = cuda.download(&out);
 
     let cpu = Cpu;
@@ -2090,56 +1982,11 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
         down: cpu.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
     };
     cpu.add_assign(&mut want, &dense_ffn(&cpu, &cpu_shared, &cx));
-    let want_host: Vec<f64> = cpu.download(&want).iter().map(|&v| v as f64).collect();
+    let want: Vec<f64> = cpu.download(&want).iter().map(|&v| v as f64).collect();
     assert_close(
         "moe decode with the shared expert as a choice",
         &got,
-        &want_host,
-        F32_OP,
-    );
-
-    // With the residual add and the norm after it, in the down product's launch.
-    let resid = rng.normals(e);
-    let norm = TensorRef {
-        name: "attn_norm".into(),
-        ggml_type: GgmlType::F32,
-        ne: vec![e],
-        bytes: MappedBytes::owned(
-            rng.normals(e)
-                .into_iter()
-                .flat_map(f32::to_le_bytes)
-                .collect(),
-        ),
-    };
-    let mut gresid = cuda.upload(&resid, 1, e);
-    let gnorm = cuda.load_weight(&norm, WeightRole::Vector).unwrap();
-    let then = ResidualNorm {
-        x: &mut gresid,
-        w: &gnorm,
-        eps: 1e-6,
-    };
-    let Some(Routed::Normed(h)) = routed(Some(then)) else {
-        panic!("the add and norm run in the down product's launch at these shapes")
-    };
-    let mut cresid = cpu.upload(&resid, 1, e);
-    let cnorm = cpu.load_weight(&norm, WeightRole::Vector).unwrap();
-    let want_h = cpu.add_rms_norm(&mut cresid, &want, &cnorm, 1e-6);
-    let as_f64 = |t| {
-        cpu.download(t)
-            .iter()
-            .map(|&v| v as f64)
-            .collect::<Vec<_>>()
-    };
-    assert_close(
-        "moe decode, residual after the add",
-        &cuda.download(&gresid),
-        &as_f64(&cresid),
-        F32_OP,
-    );
-    assert_close(
-        "moe decode, the norm after the add",
-        &cuda.download(&h),
-        &as_f64(&want_h),
+        &want,
         F32_OP,
     );
 }

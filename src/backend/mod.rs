@@ -217,21 +217,6 @@ pub trait Backend: Send + Sync {
     /// `x` [n, in] times a weight {in, out} -> [n, out] (`y[t] = W x[t]`).
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
 
-    /// `y = linear(a, w)` and then `add_rms_norm(x, y, norm, eps)`: returns y and the norm. A
-    /// GPU may do the add and the norm in the product's launch.
-    fn linear_add_rms_norm(
-        &self,
-        a: &Self::Tensor,
-        w: &Self::Weight,
-        x: &mut Self::Tensor,
-        norm: &Self::Weight,
-        eps: f32,
-    ) -> (Self::Tensor, Self::Tensor) {
-        let y = self.linear(a, w);
-        let h = self.add_rms_norm(x, &y, norm, eps);
-        (y, h)
-    }
-
     /// `linear(x, w)` for each of `ws`: the projections of one activation, which a backend may
     /// run as one launch.
     fn linears(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {
@@ -346,10 +331,9 @@ pub trait Backend: Send + Sync {
     /// pays no host round trip per MoE layer (and prefill no host routing of every token) and
     /// may take the product and the choice in one launch. `held`: the experts this
     /// rank's stacks hold (all at TP = 1); choices held elsewhere add nothing here. `shared`:
-    /// the shared expert, which the backend may run as one more choice of every token. `then`:
-    /// the residual add and norm after the sum, which the backend may do in the same launch
-    /// (only where nothing is summed over ranks in between). Returns what it did (`Routed`);
-    /// None (the default): the caller routes on the host and calls `moe_experts`.
+    /// the shared expert, which the backend may run as one more choice of every token. Returns
+    /// the output and whether it includes the shared expert's (else the caller adds it). None
+    /// (the default): the caller routes on the host and calls `moe_experts`.
     #[allow(clippy::too_many_arguments)]
     fn moe_routed(
         &self,
@@ -360,8 +344,7 @@ pub trait Backend: Send + Sync {
         _held: &Range<usize>,
         _experts: (&Self::Weight, &Self::Weight, &Self::Weight),
         _shared: Option<&crate::weights::DenseFfn<Self::Weight>>,
-        _then: Option<ResidualNorm<'_, Self>>,
-    ) -> Option<Routed<Self::Tensor>> {
+    ) -> Option<(Self::Tensor, bool)> {
         None
     }
 
@@ -391,25 +374,6 @@ pub trait Backend: Send + Sync {
     }
 }
 
-/// The residual add and RMSNorm after a step's output y: `x += y`, then `rms_norm(x, w, eps)`.
-/// Handed to the step that makes y (`Backend::moe_routed`), so that a GPU may do them in its
-/// launch.
-pub struct ResidualNorm<'a, B: Backend + ?Sized> {
-    pub x: &'a mut B::Tensor,
-    pub w: &'a B::Weight,
-    pub eps: f32,
-}
-
-/// What `Backend::moe_routed` computed.
-pub enum Routed<T> {
-    /// The routed experts' sum [n, E]; the caller adds the shared expert's output.
-    Experts(T),
-    /// The routed and the shared experts' sum [n, E].
-    WithShared(T),
-    /// That sum added to the residual and normed (`ResidualNorm`): the norm [n, E].
-    Normed(T),
-}
-
 /// The model's only contact with tensor parallelism: called after attn_output and after the
 /// FFN/MoE (partial sums on each rank) and on the vocabulary-split logits. At TP = 1 it does
 /// nothing (`SingleRank`).
@@ -418,11 +382,6 @@ pub trait Communicator<B: Backend>: Send + Sync {
     fn all_reduce(&self, backend: &B, x: &mut B::Tensor);
     /// Concatenates each rank's column block of `x` [n, V/TP] into [n, V].
     fn all_gather_cols(&self, backend: &B, x: B::Tensor) -> B::Tensor;
-    /// Whether this is the only rank: `all_reduce` changes nothing, so the steps after a sum
-    /// (the residual add and the norm) may run in the launch that makes it.
-    fn is_single(&self) -> bool {
-        false
-    }
     /// This rank failed: the ranks waiting in a collective for it, or that enter one later,
     /// must fail too instead of waiting forever. Nothing by default.
     fn abort(&self) {}
@@ -435,8 +394,5 @@ impl<B: Backend> Communicator<B> for SingleRank {
     fn all_reduce(&self, _backend: &B, _x: &mut B::Tensor) {}
     fn all_gather_cols(&self, _backend: &B, x: B::Tensor) -> B::Tensor {
         x
-    }
-    fn is_single(&self) -> bool {
-        true
     }
 }

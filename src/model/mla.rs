@@ -18,8 +18,7 @@ use crate::weights::QueryProj;
 const LATENT_NORM_EPS: f32 = 1e-6;
 
 /// Attention of layer `il` for `x` (attn_norm output, [n, E]) at positions `pos0..pos0+n`;
-/// appends the latents to the cache and returns the heads' outputs [n, H*dv], the input of
-/// attn_output (which the caller applies with the residual add after it).
+/// appends the latents to the cache and returns attn_output [n, E].
 pub fn attention<B: Backend>(
     m: &Model<B>,
     il: usize,
@@ -132,5 +131,5 @@ pub fn attention<B: Backend>(
         b.head_matmul(&out_lat, &w.v_b, false) // [n, H*dv]
     };
     taps.tensor(b, || format!("L{il}.attn_core"), &core);
-    core
+    b.linear(&core, &w.output)
 }

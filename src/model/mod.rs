@@ -263,48 +263,47 @@ impl<B: Backend> Model<B> {
 
         // DSA: the last full indexer's selection, reused by the shared layers after it.
         let mut topk: Option<dsa::Selection<B::Ids>> = None;
-        // Each residual add runs fused with the norm after it (`add_rms_norm`, at TP = 1 on a
-        // GPU in the launch of the product before it): the attention output's with ffn_norm,
-        // the FFN output's with the next layer's attn_norm, or the final norm.
-        let first_norm = w.layers.first().map_or(&w.output_norm, |l| &l.attn_norm);
-        let mut h = b.rms_norm(&x, first_norm, cfg.rms_eps);
+        // Each residual add runs fused with the norm after it (`add_rms_norm`): the FFN output
+        // of a layer waits here for the next layer's attn_norm (or the final norm).
+        let mut ffn_out: Option<B::Tensor> = None;
         for (il, lw) in w.layers.iter().enumerate() {
+            let h = residual_norm(b, &mut x, ffn_out.take(), &lw.attn_norm, cfg.rms_eps);
+            if il > 0 {
+                taps.tensor(b, || format!("L{}.h_out", il - 1), &x);
+            }
             taps.tensor(b, || format!("L{il}.attn_norm"), &h);
 
-            let core = mla::attention(self, il, &h, cache, pos0, &mut topk, taps);
-            let (attn, h_ffn) = self.linear_add_norm(&core, &lw.attn.output, &mut x, &lw.ffn_norm);
+            let mut attn = mla::attention(self, il, &h, cache, pos0, &mut topk, taps);
+            self.comm.all_reduce(b, &mut attn);
             taps.tensor(b, || format!("L{il}.attn_out"), &attn);
+            let h = b.add_rms_norm(&mut x, &attn, &lw.ffn_norm, cfg.rms_eps);
             taps.tensor(b, || format!("L{il}.h_attn"), &x);
-            taps.tensor(b, || format!("L{il}.ffn_norm"), &h_ffn);
+            taps.tensor(b, || format!("L{il}.ffn_norm"), &h);
 
-            let next_norm = w
-                .layers
-                .get(il + 1)
-                .map_or(&w.output_norm, |l| &l.attn_norm);
-            h = match &lw.ffn {
+            let mut out = match &lw.ffn {
                 Ffn::Dense(ffn) => {
-                    let g = b.swiglu_linear(&h_ffn, &ffn.gate, &ffn.up);
-                    let (y, h) = self.linear_add_norm(&g, &ffn.down, &mut x, next_norm);
+                    let y = dense_ffn(b, ffn, &h);
                     taps.tensor(b, || format!("L{il}.ffn_out"), &y);
-                    h
+                    y
                 }
-                Ffn::Moe(m) => moe::forward(self, il, m, &h_ffn, &mut x, next_norm, taps),
-                Ffn::OtherRank => {
-                    // The dense FFN another rank holds: its output arrives in the sum.
-                    let zero = b.zeros(tokens.len(), cfg.n_embd);
-                    let (y, h) = self.reduce_add_norm(zero, &mut x, next_norm);
-                    taps.tensor(b, || format!("L{il}.ffn_out"), &y);
-                    h
-                }
+                Ffn::Moe(m) => moe::forward(self, il, m, &h, taps),
+                Ffn::OtherRank => b.zeros(tokens.len(), cfg.n_embd),
             };
-            taps.tensor(b, || format!("L{il}.h_out"), &x);
+            self.comm.all_reduce(b, &mut out);
+            ffn_out = Some(out);
         }
         cache.len += tokens.len();
 
         let n = tokens.len();
         if last_only && n > 1 {
-            // Only the last position goes on (forward_last, never traced).
-            h = b.slice(&h, n - 1..n, 0..cfg.n_embd);
+            // Only the last position goes on (forward_last, never traced: the last layer's
+            // h_out below is then that row alone).
+            x = b.slice(&x, n - 1..n, 0..cfg.n_embd);
+            ffn_out = ffn_out.map(|y| b.slice(&y, n - 1..n, 0..cfg.n_embd));
+        }
+        let h = residual_norm(b, &mut x, ffn_out, &w.output_norm, cfg.rms_eps);
+        if let Some(last) = w.layers.len().checked_sub(1) {
+            taps.tensor(b, || format!("L{last}.h_out"), &x);
         }
         taps.tensor(b, || "final_norm".into(), &h);
         let logits = b.linear(&h, w.lm_head());
@@ -312,34 +311,20 @@ impl<B: Backend> Model<B> {
         taps.tensor(b, || "logits".into(), &logits);
         Ok(logits)
     }
+}
 
-    /// `y = W a` summed over the ranks (attn_output, the dense down), `x += y`: returns y and
-    /// the norm of x after it, at TP = 1 in the product's launch where the backend can.
-    fn linear_add_norm(
-        &self,
-        a: &B::Tensor,
-        w: &B::Weight,
-        x: &mut B::Tensor,
-        norm: &B::Weight,
-    ) -> (B::Tensor, B::Tensor) {
-        let b = &self.backend;
-        if self.comm.is_single() {
-            return b.linear_add_rms_norm(a, w, x, norm, self.cfg.rms_eps);
-        }
-        self.reduce_add_norm(b.linear(a, w), x, norm)
-    }
-
-    /// This rank's output `y` (a partial sum) summed over the ranks, `x += y`: returns the sum
-    /// and the norm of x after it.
-    fn reduce_add_norm(
-        &self,
-        mut y: B::Tensor,
-        x: &mut B::Tensor,
-        norm: &B::Weight,
-    ) -> (B::Tensor, B::Tensor) {
-        self.comm.all_reduce(&self.backend, &mut y);
-        let h = self.backend.add_rms_norm(x, &y, norm, self.cfg.rms_eps);
-        (y, h)
+/// `x += y` (the previous layer's output; None before the first layer), then the RMSNorm of
+/// `x`: one fused step on the residual stream.
+fn residual_norm<B: Backend>(
+    b: &B,
+    x: &mut B::Tensor,
+    y: Option<B::Tensor>,
+    w: &B::Weight,
+    eps: f32,
+) -> B::Tensor {
+    match y {
+        Some(y) => b.add_rms_norm(x, &y, w, eps),
+        None => b.rms_norm(x, w, eps),
     }
 }
 

@@ -9,7 +9,7 @@
 //! test and by prefill == decode), which spares a host round trip per MoE layer.
 
 use super::{dense_ffn, Model, Taps};
-use crate::backend::{Backend, ResidualNorm, Routed};
+use crate::backend::Backend;
 use crate::config::{Gating, MoeConfig};
 use crate::weights::Moe;
 use std::ops::Range;
@@ -130,15 +130,12 @@ fn held_choices(r: &Routing, held: &Range<usize>, k: usize) -> (Vec<u32>, Vec<f3
 }
 
 /// The MoE block of layer `il` for `x` (ffn_norm output, [n, E]): routed experts plus the
-/// shared expert, summed over the ranks and added to the residual `resid` [n, E]; returns the
-/// RMSNorm `norm` of the residual after it (the next layer's attn_norm, or the final norm).
+/// shared expert, [n, E].
 pub fn forward<B: Backend>(
     model: &Model<B>,
     il: usize,
     w: &Moe<B::Weight>,
     x: &B::Tensor,
-    resid: &mut B::Tensor,
-    norm: &B::Weight,
     taps: &mut Taps,
 ) -> B::Tensor {
     let b = &model.backend;
@@ -149,12 +146,6 @@ pub fn forward<B: Backend>(
         None // the trace records the logits and the reference routing, below
     } else {
         let experts = (&w.gate_exps, &w.up_exps, &w.down_exps);
-        // Nothing is summed over ranks between the experts and the residual add at TP = 1.
-        let then = model.comm.is_single().then(|| ResidualNorm {
-            x: &mut *resid,
-            w: norm,
-            eps: model.cfg.rms_eps,
-        });
         b.moe_routed(
             x,
             &w.router,
@@ -163,27 +154,26 @@ pub fn forward<B: Backend>(
             &w.experts,
             experts,
             w.shared.as_ref(),
-            then,
         )
     };
-    let mut out = match on_device {
-        Some(Routed::Normed(h)) => return h,
-        // The backend ran the shared expert as one more choice.
-        Some(Routed::WithShared(out)) => return model.reduce_add_norm(out, resid, norm).1,
-        Some(Routed::Experts(out)) => out,
+    let (mut out, with_shared) = match on_device {
+        Some(routed) => routed,
         None => {
             let logits = b.linear(x, &w.router); // [n, n_expert]
             taps.tensor(b, || format!("L{il}.router_logits"), &logits);
-            routed_on_host(model, il, w, x, &logits, taps)
+            (routed_on_host(model, il, w, x, &logits, taps), false)
         }
     };
+    if with_shared {
+        return out; // the backend ran the shared expert as one more choice
+    }
     taps.tensor(b, || format!("L{il}.moe_out"), &out);
     if let Some(shared) = &w.shared {
         let s = dense_ffn(b, shared, x);
         taps.tensor(b, || format!("L{il}.shared_out"), &s);
         b.add_assign(&mut out, &s);
     }
-    model.reduce_add_norm(out, resid, norm).1
+    out
 }
 
 /// The routed experts with the routing computed here, on the host: [n, E].

@@ -104,8 +104,7 @@ pub fn stage_kind(name: &str) -> StageKind {
     let stage = name.rsplit('.').next().unwrap_or(name);
     match stage {
         "q" | "q_pe" | "attn_core" => StageKind::Heads,
-        // The dense FFN's ffn_out is traced after the sum, with the add and norm after it.
-        "moe_out" | "shared_out" => StageKind::Partial,
+        "ffn_out" | "moe_out" | "shared_out" => StageKind::Partial,
         _ => StageKind::Replicated,
     }
 }

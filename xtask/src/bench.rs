@@ -604,7 +604,6 @@ impl Bench {
                     pair: 0,
                     glu: false,
                     combine: None,
-                    add_norm: None,
                     shared: (0, 0),
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,

@@ -16,10 +16,10 @@ use cudarc::driver::CudaSlice;
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::ops::{
-    route_f32_takes, AddNorm, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode,
-    MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
+    route_f32_takes, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter,
+    PairRope, RowsNorm, KERNEL_TYPES,
 };
-use crate::backend::{Backend, BackendError, ResidualNorm, Rope, Routed, WeightRole};
+use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
 use crate::weights::{DenseFfn, TensorRef};
@@ -547,39 +547,6 @@ impl Backend for Cuda {
         y
     }
 
-    fn linear_add_rms_norm(
-        &self,
-        a: &CudaTensor,
-        w: &CudaWeight,
-        x: &mut CudaTensor,
-        norm: &CudaWeight,
-        eps: f32,
-    ) -> (CudaTensor, CudaTensor) {
-        let (n, k, rows) = (a.rows, w.ne[0], w.dim(1));
-        assert_eq!(a.cols, k, "linear {}: x has {} columns", w.name, a.cols);
-        assert_eq!((x.rows, x.cols), (n, rows), "linear_add_rms_norm shapes");
-        let mut mv = Matvec {
-            batch: n,
-            ..Matvec::single(w.ty, self.w(w), (self.p(a, 0), 0), (rows, k))
-        };
-        // Decode: the add and the norm in the product's launch where the kernel takes them.
-        if n >= MATMUL_MIN_ROWS || !self.gpu.takes_add_norm(&mv) {
-            let y = self.linear(a, w);
-            let h = self.add_rms_norm(x, &y, norm, eps);
-            return (y, h);
-        }
-        let (y, h) = (self.empty(n, rows), self.empty(n, rows));
-        mv.y = self.p(&y, 0);
-        mv.add_norm = Some(AddNorm {
-            resid: self.p(x, 0),
-            w: self.w(norm),
-            normed: self.p(&h, 0),
-            eps,
-        });
-        ok(self.gpu.matvec(&mv), "linear, add and norm");
-        (y, h)
-    }
-
     fn linears(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Vec<CudaTensor> {
         if !self.takes_parts(x, ws) {
             return ws.iter().map(|w| self.linear(x, w)).collect();
@@ -847,7 +814,7 @@ impl Backend for Cuda {
         if n < MATMUL_MIN_ROWS {
             let eids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
             let ids = self.upload_i32(&eids);
-            self.experts_per_choice(x, (gate, up, down), None, &ids, k, &d_out, (None, None));
+            self.experts_per_choice(x, (gate, up, down), None, &ids, k, &d_out, None);
             slots = (0..rows as i32).collect();
         } else {
             // Group the (token, choice) pairs by expert: each expert's tokens are gathered by
@@ -956,8 +923,7 @@ impl Backend for Cuda {
         held: &Range<usize>,
         (gate, up, down): (&CudaWeight, &CudaWeight, &CudaWeight),
         shared: Option<&DenseFfn<CudaWeight>>,
-        then: Option<ResidualNorm<'_, Self>>,
-    ) -> Option<Routed<CudaTensor>> {
+    ) -> Option<(CudaTensor, bool)> {
         let n = x.rows;
         let all_held = *held == (0..m.n_expert);
         if n >= MATMUL_MIN_ROWS && !all_held {
@@ -1020,56 +986,22 @@ impl Backend for Cuda {
                 .collect();
             let weights = self.download(&dw);
             let out = self.moe_experts(x, gate, up, down, &ids, &weights, k);
-            return Some(Routed::Experts(out));
+            return Some((out, false));
         }
         let d_out = self.empty(n * row, x.cols);
         let shared = shared.filter(|_| with_shared);
-        // The combine in the down product's launch where every choice runs here, and with the
-        // shared expert among them, the residual add and the norm after it.
+        // The combine in the down product's launch where every choice runs here.
         let out = self.empty(n, x.cols);
         let combine = all_held.then(|| Combine {
             weights: self.p(&dw, 0),
             out: self.p(&out, 0),
             choices: row,
         });
-        let normed = then
-            .filter(|_| with_shared)
-            .map(|r| (self.empty(n, x.cols), r));
-        let add_norm = normed.as_ref().map(|(h, r)| AddNorm {
-            resid: self.p(r.x, 0),
-            w: self.w(r.w),
-            normed: self.p(h, 0),
-            eps: r.eps,
-        });
-        let done = self.experts_per_choice(
-            x,
-            (gate, up, down),
-            shared,
-            &dids,
-            row,
-            &d_out,
-            (combine, add_norm),
-        );
-        let sum = |out| match with_shared {
-            true => Routed::WithShared(out),
-            false => Routed::Experts(out),
-        };
-        Some(match done {
-            Down::Rows => sum(self.combine(&d_out, None, &dw.buf, n, row)),
-            Down::Combined => sum(out),
-            Down::Normed => Routed::Normed(normed.unwrap().0),
-        })
+        if self.experts_per_choice(x, (gate, up, down), shared, &dids, row, &d_out, combine) {
+            return Some((out, with_shared));
+        }
+        Some((self.combine(&d_out, None, &dw.buf, n, row), with_shared))
     }
-}
-
-/// How far the down product of `Cuda::experts_per_choice` went in its launch.
-enum Down {
-    /// Each choice's rows, in `d_out`.
-    Rows,
-    /// Each token's sum of its choices.
-    Combined,
-    /// That sum added to the residual, and its norm.
-    Normed,
 }
 
 impl Cuda {
@@ -1168,7 +1100,6 @@ impl Cuda {
                 pair: 0,
                 glu: false,
                 combine: None,
-                add_norm: None,
                 shared: (0, 0),
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
@@ -1201,8 +1132,7 @@ impl Cuda {
     /// silu run as one launch where the kernel takes the pair (measured on an H200: GLM-5
     /// experts 2 x 23.7 -> 39.2 us for the pair), else one after the other. With `combine`
     /// (every choice held), the down product sums each token's rows in its own launch where the
-    /// kernel takes it, and with `add_norm` adds the sums to the residual and norms it there
-    /// too: returns how far it went.
+    /// kernel takes it: returns whether it did (else `d_out` holds the rows to combine).
     #[allow(clippy::too_many_arguments)]
     fn experts_per_choice(
         &self,
@@ -1212,8 +1142,8 @@ impl Cuda {
         ids: &CudaSlice<i32>,
         k: usize,
         d_out: &CudaTensor,
-        (combine, add_norm): (Option<Combine>, Option<AddNorm>),
-    ) -> Down {
+        combine: Option<Combine>,
+    ) -> bool {
         let rows = x.rows * k;
         let f = gate.dim(1);
         // Gate outputs in rows 0 .. rows, up outputs after them.
@@ -1248,20 +1178,12 @@ impl Cuda {
             combine,
             ..down_item
         };
-        if combine.is_none() || !self.gpu.takes_combine(&combined) {
-            ok(self.gpu.matvec(&down_item), "moe down");
-            return Down::Rows;
+        if combine.is_some() && self.gpu.takes_combine(&combined) {
+            ok(self.gpu.matvec(&combined), "moe down and combine");
+            return true;
         }
-        let normed = Matvec {
-            add_norm,
-            ..combined
-        };
-        if add_norm.is_some() && self.gpu.takes_add_norm(&normed) {
-            ok(self.gpu.matvec(&normed), "moe down, combine, add and norm");
-            return Down::Normed;
-        }
-        ok(self.gpu.matvec(&combined), "moe down and combine");
-        Down::Combined
+        ok(self.gpu.matvec(&down_item), "moe down");
+        false
     }
 
     /// The launches of `experts_per_choice` for `k` choices per token: the gate experts (into
@@ -1296,7 +1218,6 @@ impl Cuda {
                 pair: 0,
                 glu: false,
                 combine: None,
-                add_norm: None,
                 shared: (0, 0),
             };
         let gate_item = Matvec {

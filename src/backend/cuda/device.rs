@@ -42,9 +42,6 @@ pub struct Gpu {
     /// Grow-only counters of the tensor-core matvec's combine (`Matvec::combine`, ops.rs), zero
     /// between launches: the block that sums a group's rows puts its counter back.
     pub(super) combine_done: Mutex<Option<CudaSlice<i32>>>,
-    /// Grow-only per-token counters of the tensor-core matvec's add and norm (`Matvec::add_norm`),
-    /// zero between launches likewise.
-    pub(super) norm_done: Mutex<Option<CudaSlice<i32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -85,7 +82,6 @@ impl Gpu {
             mla_work: Mutex::default(),
             route_done: Mutex::default(),
             combine_done: Mutex::default(),
-            norm_done: Mutex::default(),
         })
     }
 

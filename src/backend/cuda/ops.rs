@@ -69,9 +69,6 @@ pub struct Matvec {
     /// Or None: the items' outputs summed per token with its choice weights in the same
     /// launch (the MoE combine; only the tensor-core kernels, `Gpu::takes_combine`).
     pub combine: Option<Combine>,
-    /// Or None: the residual add and RMSNorm of each token's output row (the combine's, else
-    /// item t's) in the same launch (only the tensor-core kernels, `Gpu::takes_add_norm`).
-    pub add_norm: Option<AddNorm>,
     /// The matrices of items whose id is MOE_SHARED (-2), for `w`'s items and for `pair`'s: the
     /// shared expert as one more MoE choice, or (0, 0). Only the tensor-core kernels take them
     /// (`Gpu::takes_shared`).
@@ -101,7 +98,6 @@ impl Matvec {
             pair: 0,
             glu: false,
             combine: None,
-            add_norm: None,
             shared: (0, 0),
         }
     }
@@ -119,36 +115,6 @@ pub struct Combine {
     pub out: Ptr,
     pub choices: usize,
 }
-
-/// The residual add and the norm after a product, in its launch (`Matvec::add_norm`): for each
-/// token t, resid[t] += its output row, normed[t] = rmsnorm(resid[t]) * w (add_rmsnorm's
-/// arithmetic), rows of `Matvec::rows` contiguous values.
-#[derive(Clone, Copy)]
-pub struct AddNorm {
-    /// [tokens, rows] f32, updated.
-    pub resid: Ptr,
-    /// [rows] f32.
-    pub w: Ptr,
-    /// [tokens, rows] f32.
-    pub normed: Ptr,
-    pub eps: f32,
-}
-
-/// Tokens of one `add_norm` launch: the kernel keeps the ones a block completed as bits.
-const ADD_NORM_MAX_TOKENS: usize = 32;
-
-/// The kernel's TcAddNorm (kernels/matvec.cu); all 0 for none.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct TcAddNorm {
-    resid: Ptr,
-    w: Ptr,
-    normed: Ptr,
-    done: Ptr,
-    eps: f32,
-}
-// SAFETY: plain numbers in the kernel's C layout (four 8-byte addresses, a float, padding).
-unsafe impl cudarc::driver::DeviceRepr for TcAddNorm {}
 
 /// The kernel's TcCombine (kernels/matvec.cu); all 0 for none.
 #[repr(C)]
@@ -368,17 +334,6 @@ impl Gpu {
         a.ids != 0 && a.pair == 0 && on_tensor_cores(a)
     }
 
-    /// Whether `matvec` takes `a` with an `add_norm`: the tensor-core kernels, no pair, rows
-    /// per token (items are tokens, or the combine sums them) and contiguous, at most
-    /// ADD_NORM_MAX_TOKENS tokens.
-    pub fn takes_add_norm(&self, a: &Matvec) -> bool {
-        let (per_token, tokens) = match a.combine {
-            Some(c) => (self.takes_combine(a), a.batch / c.choices.max(1)),
-            None => (a.ids == 0 && a.y_stride == a.rows, a.batch),
-        };
-        per_token && tokens <= ADD_NORM_MAX_TOKENS && a.pair == 0 && on_tensor_cores(a)
-    }
-
     /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
     pub fn takes_shared(&self, a: &Matvec) -> bool {
         a.ids != 0 && on_tensor_cores(a)
@@ -404,11 +359,6 @@ impl Gpu {
                 .is_none_or(|c| c.choices > 0 && a.batch % c.choices == 0 && self.takes_combine(a)),
             "matvec",
             || "combine: the tensor-core kernel, ids, whole tokens of choices".into(),
-        )?;
-        check(
-            a.add_norm.is_none() || self.takes_add_norm(a),
-            "matvec",
-            || "add_norm: the tensor-core kernel, a row per token".into(),
         )?;
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
@@ -456,22 +406,11 @@ impl Gpu {
                     choices: c.choices as i32,
                 },
             };
-            let add_norm = match a.add_norm {
-                None => TcAddNorm::default(),
-                Some(an) => TcAddNorm {
-                    resid: an.resid,
-                    w: an.w,
-                    normed: an.normed,
-                    // A counter per token.
-                    done: self.zeroed_counters(&self.norm_done, a.batch)?,
-                    eps: an.eps,
-                },
-            };
             launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps, smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                 a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x,
                 a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, per_block as i32,
-                a.glu as i32, combine, add_norm);
+                a.glu as i32, combine);
             return Ok(());
         }
         if uses_int_q6_k(a) {
