@@ -440,13 +440,13 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 //
 // A tile = 16 rows; a group = T tiles of one item, computed by one thread block of W = 4
 // (matvec_tc_q4_k) or 8 (matvec_tc8_q4_k) warps, W / T per tile, which take its 256-blocks in
-// turn and meet in shared memory. Grid (blocks, 1): block b takes groups b, b + blocks, ...
-// (the items' groups one after the other). The host gives every group its own block, or,
-// where all items read one x (the MoE gate and up of one token, the dense gate and up),
-// launches one wave of blocks that prepare x once and walk their groups, the weight loads
+// turn and meet in shared memory. Grid (blocks, 1): block b takes the b-th of `blocks` equal
+// runs of consecutive groups (the items' groups one after the other). The host gives every
+// group its own block, or launches one wave of blocks that walk their runs, the weight loads
 // running on across group boundaries (lab, H200: DS3's gate and up of 9 choices 62.1 -> 53.9
 // us; as one block per group, the last of three waves was mostly idle). A block prepares x
-// again when its next group's item reads another one. Dynamic shared memory tc_smem_bytes(k)
+// again when its next group's item reads another one: rarely, as a run's groups mostly
+// share their item. Dynamic shared memory tc_smem_bytes(k)
 // (ops.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block on
 // distinct banks), k / 256 scales (rounded up to even), k / 32 sums.
 
@@ -686,9 +686,12 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         return tc_item(grp / per_item + half * (items / 2), items, w, w2, sw, sw2, mat_stride,
                        ids, x_group);
     };
+    // The block's groups: a contiguous range, one group where the grid has a block per group;
+    // one wave of blocks walks consecutive groups, which mostly share their item (and so x).
+    const int g_end = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
     // The block's next group from grp on whose item this rank holds (the same for all warps).
     auto next_group = [&](int grp) {
-        while (grp < groups && !item_of(grp).held) grp += gridDim.x;
+        while (grp < g_end && !item_of(grp).held) grp++;
         return grp;
     };
     auto tile_of = [&](int grp) { return (grp % per_item) * span + slot % span; };
@@ -698,22 +701,22 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     const u8 *lrow_lo, *lrow_hi;
     auto seek = [&](int grp) {
         lgrp = grp;
-        const u8* m = grp < groups ? item_of(grp).mat : w;
+        const u8* m = grp < g_end ? item_of(grp).mat : w;
         int r = min(tile_of(grp) * 16 + g, rows - 1);
         lrow_lo = m + (i64)r * row_bytes;
         lrow_hi = m + (i64)min(r + 8, rows - 1) * row_bytes;
     };
     auto load_next = [&](TcQ4k& q) {
-        if (lgrp >= groups || steps == 0) return;
+        if (lgrp >= g_end || steps == 0) return;
         i64 off = (i64)(part + ls * ks) * TcQ4k::BYTES;
         q.load(lrow_lo + off, lrow_hi + off, t);
         if (++ls == steps) {
             ls = 0;
-            seek(next_group(lgrp + gridDim.x));
+            seek(next_group(lgrp + 1));
         }
     };
     if (ids) pdl_wait();  // the MoE choices come from the router kernel
-    int grp = next_group(blockIdx.x);
+    int grp = next_group((int)((i64)blockIdx.x * groups / gridDim.x));
     seek(grp);
     TcQ4k cur, nxt;
     load_next(cur);
@@ -726,7 +729,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
     float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
     int prepared = -1;  // the x in shared memory
-    for (; grp < groups; grp = next_group(grp + gridDim.x)) {
+    for (; grp < g_end; grp = next_group(grp + 1)) {
         int xi = item_of(grp).xi, tile = tile_of(grp);
         if (xi != prepared) {
             tc_prepare_x(x + (i64)xi * x_stride, k, tc_sm);

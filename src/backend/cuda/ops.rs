@@ -388,7 +388,7 @@ impl Gpu {
                     let per_block = tc8_tiles_per_block(tiles, a.batch, tc8_slots()?);
                     ("matvec_tc8_q4_k", 8, per_block, None)
                 }
-                (true, _) => ("matvec_tc8_q4_k", 8, 8, None),
+                (true, _) => ("matvec_tc8_q4_k", 8, ONE_WAVE_TILES, Some(tc8_slots()?)),
             };
             // glu: a group's tiles are half as many rows of each matrix (even per_block).
             let groups = match a.glu {
