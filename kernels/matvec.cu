@@ -440,13 +440,13 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 //
 // A tile = 16 rows; a group = T tiles of one item, computed by one thread block of W = 4
 // (matvec_tc_q4_k) or 8 (matvec_tc8_q4_k) warps, W / T per tile, which take its 256-blocks in
-// turn and meet in shared memory. Grid (blocks, 1): block b takes the b-th of `blocks` equal
-// runs of consecutive groups (the items' groups one after the other). The host gives every
-// group its own block, or launches one wave of blocks that walk their runs, the weight loads
-// running on across group boundaries (lab, H200: DS3's gate and up of 9 choices 62.1 -> 53.9
-// us; as one block per group, the last of three waves was mostly idle). A block prepares x
-// again when its next group's item reads another one: rarely, as a run's groups mostly
-// share their item. Dynamic shared memory tc_smem_bytes(k)
+// turn and meet in shared memory. Grid (blocks, 1), the items' groups one after the other:
+// where every item reads one x, block b takes groups b, b + blocks, ...; else the b-th of
+// `blocks` equal runs of consecutive groups. The host gives every group its own block, or
+// launches one wave of blocks that walk their groups, the weight loads running on across
+// group boundaries (lab, H200: DS3's gate and up of 9 choices 62.1 -> 53.9 us; as one block
+// per group, the last of three waves was mostly idle). A block prepares x again when its next
+// group's item reads another one: rarely within a run. Dynamic shared memory tc_smem_bytes(k)
 // (ops.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block on
 // distinct banks), k / 256 scales (rounded up to even), k / 32 sums.
 
@@ -686,12 +686,17 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         return tc_item(grp / per_item + half * (items / 2), items, w, w2, sw, sw2, mat_stride,
                        ids, x_group);
     };
-    // The block's groups: a contiguous range, one group where the grid has a block per group;
-    // one wave of blocks walks consecutive groups, which mostly share their item (and so x).
-    const int g_end = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
+    // The block's groups, where the grid is one wave of blocks: with one x for every item,
+    // every gridDim.x-th (the blocks read neighbouring rows at a time: H200, DS3's gate-up
+    // pair 56 us, 60 as runs); else a run of consecutive groups, which mostly share their item
+    // and so their x (DS3's down products 35 -> 33-34 us). One group where the grid has a block
+    // per group.
+    const bool one_x = x_group >= (w2 ? items / 2 : items);
+    const int g_step = one_x ? gridDim.x : 1;
+    const int g_end = one_x ? groups : (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
     // The block's next group from grp on whose item this rank holds (the same for all warps).
     auto next_group = [&](int grp) {
-        while (grp < g_end && !item_of(grp).held) grp++;
+        while (grp < g_end && !item_of(grp).held) grp += g_step;
         return grp;
     };
     auto tile_of = [&](int grp) { return (grp % per_item) * span + slot % span; };
@@ -712,11 +717,11 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         q.load(lrow_lo + off, lrow_hi + off, t);
         if (++ls == steps) {
             ls = 0;
-            seek(next_group(lgrp + 1));
+            seek(next_group(lgrp + g_step));
         }
     };
     if (ids) pdl_wait();  // the MoE choices come from the router kernel
-    int grp = next_group((int)((i64)blockIdx.x * groups / gridDim.x));
+    int grp = next_group(one_x ? blockIdx.x : (int)((i64)blockIdx.x * groups / gridDim.x));
     seek(grp);
     TcQ4k cur, nxt;
     load_next(cur);
@@ -729,7 +734,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
     float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
     int prepared = -1;  // the x in shared memory
-    for (; grp < g_end; grp = next_group(grp + 1)) {
+    for (; grp < g_end; grp = next_group(grp + g_step)) {
         int xi = item_of(grp).xi, tile = tile_of(grp);
         if (xi != prepared) {
             tc_prepare_x(x + (i64)xi * x_stride, k, tc_sm);

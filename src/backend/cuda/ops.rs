@@ -367,10 +367,12 @@ impl Gpu {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
             // each, all of k) on large grids or short rows, else 2 (two warps each, half of k).
             // Several items (the MoE experts): blocks of 8 warps; where they all read one x,
-            // one wave of blocks walking their groups of ONE_WAVE_TILES, else a block
-            // per group of 8 tiles, or 4 where k is long and the grid small (the expert down
-            // products). k beyond TC_K_MAX: 8 warps, 2 tiles. The faster choices in the lab
-            // runs (H200: 8 warps took 10-12% off the expert products, and lost 9% on ffn_up).
+            // one wave of blocks walking their groups of ONE_WAVE_TILES; where k is long, a
+            // block per group of 8 tiles, or 4 where the grid is small; else (the expert down
+            // products) one wave walking runs of 8-tile groups (H200, ncu: DS3's 35 -> 33-34
+            // us, GLM-5's 33 -> 31-33; 4-tile groups 38-40). k beyond TC_K_MAX: 8 warps, 2
+            // tiles. The faster choices in the lab runs (H200: 8 warps took 10-12% off the
+            // expert products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
             let long_k = a.k >= 4096;
             let smem = tc_smem_bytes(a.k);
@@ -388,7 +390,7 @@ impl Gpu {
                     let per_block = tc8_tiles_per_block(tiles, a.batch, tc8_slots()?);
                     ("matvec_tc8_q4_k", 8, per_block, None)
                 }
-                (true, _) => ("matvec_tc8_q4_k", 8, ONE_WAVE_TILES, Some(tc8_slots()?)),
+                (true, _) => ("matvec_tc8_q4_k", 8, 8, Some(tc8_slots()?)),
             };
             // glu: a group's tiles are half as many rows of each matrix (even per_block).
             let groups = match a.glu {
