@@ -32,6 +32,7 @@ use mla_engine::backend::cuda::{Cuda, Gpu};
 use mla_engine::backend::Backend;
 use mla_engine::config::ModelConfig;
 use mla_engine::gguf::{GgmlType, GgufFile};
+use mla_engine::model::rope::rope_frequencies;
 use mla_engine::model::{Cache, Model, Taps};
 use mla_engine::weights::GgufTensors;
 use serde_json::{json, Value};
@@ -656,11 +657,9 @@ impl Bench {
     fn mla(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
         let (dl, dr) = (512usize, 64usize);
-        let inv_freq: Vec<f32> = (0..dr / 2)
-            .map(|i| 10000f32.powf(-2.0 * i as f32 / dr as f32))
-            .collect();
-        let inv_freq = self.gpu.upload(&inv_freq)?;
-        let qp_rope = (self.gpu.ptr(&inv_freq, 0), 1.0);
+        let rope = rope_frequencies(dr, 10000.0, None);
+        let inv_freq = self.gpu.upload(&rope.inv_freq)?;
+        let qp_rope = (self.gpu.ptr(&inv_freq, 0), rope.cos_sin_scale);
         for fam in families() {
             for &s in MLA_CONTEXTS {
                 let name = format!("mla_decode {} {}K context", fam.name, s / 1024);
