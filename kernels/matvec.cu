@@ -788,10 +788,20 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
                 const float* yt = y + (i64)tok * comb.choices * y_stride;
                 for (int r = gi * span * 16 + threadIdx.x; r < min((gi + 1) * span * 16, rows);
                      r += blockDim.x) {
+                    // Eight choices' loads at a time, then their sum in order (one L2 round
+                    // trip for a token of up to 8 choices instead of one per choice).
                     float sum = 0.0f;
-                    for (int j = 0; j < comb.choices; j++) {
-                        float w = wt[j];
-                        if (w != 0.0f) sum += w * __ldcg(yt + j * y_stride + r);
+                    for (int j0 = 0; j0 < comb.choices; j0 += 8) {
+                        float wv[8], yv[8];
+#pragma unroll
+                        for (int i = 0; i < 8; i++) {
+                            bool in = j0 + i < comb.choices;
+                            wv[i] = in ? wt[j0 + i] : 0.0f;
+                            yv[i] = in ? __ldcg(yt + (j0 + i) * y_stride + r) : 0.0f;
+                        }
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            if (wv[i] != 0.0f) sum += wv[i] * yv[i];
                     }
                     comb.out[(i64)tok * rows + r] = sum;
                 }
@@ -801,8 +811,8 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
 }
 
 
-#define DEFINE_MATVEC_TC(kname, warps)                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * warps) kname(                            \
+#define DEFINE_MATVEC_TC(kname, warps, min_blocks)                                             \
+    extern "C" __global__ void __launch_bounds__(32 * warps, min_blocks) kname(                \
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
         const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,             \
         int x_group, i64 x_stride, float* y, i64 y_stride, int per_block, int glu,             \
@@ -810,8 +820,12 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
                                    x, x_group, x_stride, y, y_stride, per_block, glu, comb);   \
     }
-DEFINE_MATVEC_TC(matvec_tc_q4_k, 4)
-DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8)
+// At most 128 registers, whatever the compiler: two 8-warp blocks (or four of 4 warps) an SM.
+// Without the bound the device's NVRTC once took the 8-warp kernel past 128 (H200: one block
+// an SM, DS3 decode 955 -> 845 tokens/s), and nvcc takes the 4-warp one to 166 with the
+// combine's batched loads.
+DEFINE_MATVEC_TC(matvec_tc_q4_k, 4, 4)
+DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //

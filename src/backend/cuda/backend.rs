@@ -991,14 +991,17 @@ impl Backend for Cuda {
         let d_out = self.empty(n * row, x.cols);
         let shared = shared.filter(|_| with_shared);
         // The combine in the down product's launch where every choice runs here.
-        let out = self.empty(n, x.cols);
-        let combine = all_held.then(|| Combine {
+        let out = all_held.then(|| self.empty(n, x.cols));
+        let combine = out.as_ref().map(|out| Combine {
             weights: self.p(&dw, 0),
-            out: self.p(&out, 0),
+            out: self.p(out, 0),
             choices: row,
         });
         if self.experts_per_choice(x, (gate, up, down), shared, &dids, row, &d_out, combine) {
-            return Some((out, with_shared));
+            return Some((
+                out.expect("a combine only where every choice is held"),
+                with_shared,
+            ));
         }
         Some((self.combine(&d_out, None, &dw.buf, n, row), with_shared))
     }
