@@ -822,7 +822,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     }
 // At most 128 registers, whatever the compiler: two 8-warp blocks (or four of 4 warps) an SM.
 // Without the bound the device's NVRTC once took the 8-warp kernel past 128 (H200: one block
-// an SM, DS3 decode 955 -> 845 tokens/s), and nvcc takes the 4-warp one to 166 with the
+// an SM, DS3 decode 955 -> 832-861 tokens/s), and nvcc takes the 4-warp one to 166 with the
 // combine's batched loads.
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
