@@ -479,11 +479,6 @@ __device__ __forceinline__ uint4 ld_cached16(const u8* p) {
 __device__ __forceinline__ int tc_plane_stride(int k) { return k + 32; }
 // The sums of x follow the k / 256 scales, from an 8-byte boundary (lanes read them in pairs).
 __device__ __forceinline__ int tc_scales_len(int k) { return (k / 256 + 1) & ~1; }
-// The x part of the dynamic shared memory (planes, scales, sums), up to a 16-byte boundary:
-// the staged kernels' rings follow it (tc_smem_bytes in ops.rs).
-__device__ __forceinline__ int tc_x_bytes(int k) {
-    return (4 * tc_plane_stride(k) + 4 * tc_scales_len(k) + 4 * (k / 32) + 15) & ~15;
-}
 
 // One warp's share of x's 256-element block blk as digit planes (lane l owns elements
 // 8l .. 8l + 7): the block's scale s (0 for a zero block), the sum of the lane's 4-lane group
@@ -560,15 +555,6 @@ __device__ __forceinline__ void q4k_packed(u32 w0, u32 w1, u32 w2, u32* sc, u32*
     m[1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
 }
 
-// The staged kernels (matvec_tcs_q4_k, matvec_tcs8_q4_k) copy a warp's step, one 256-block of
-// its tile's 16 rows, into a ring slot of its own with cp.async (16 bytes a lane, each row's
-// 144-byte block as 9 contiguous chunks) and read the lanes' registers from there: the bytes
-// in flight then hold no registers. Rows are TC_SLOT_ROW apart, so that the 8-byte qs reads of
-// a half warp (4 rows x 4 lanes) fall on distinct banks (at 144 they were 2-way conflicts).
-#define TC_SLOT_ROW 160
-#define TC_SLOT_BYTES (16 * TC_SLOT_ROW)
-#define TC_STEP_CHUNKS 144  // 16 rows x 9 chunks of 16 bytes
-
 // A lane's registers for one Q4_K block (144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 qs
 // bytes) of its two rows (g and g + 8 of the tile): the 16-byte headers and its 8 qs bytes
 // (8t ..) of each 32-byte chunk. Chunk c holds sub-block 2c in its low nibbles and 2c + 1 in
@@ -585,19 +571,6 @@ struct TcQ4k {
         for (int c = 0; c < 4; c++) {
             q_lo[c] = ld_cached8(blo + 16 + 32 * c + 8 * t);
             q_hi[c] = ld_cached8(bhi + 16 + 32 * c + 8 * t);
-        }
-    }
-
-    // The same registers from a ring slot of the staged kernels (rows TC_SLOT_ROW apart).
-    __device__ __forceinline__ void load_shared(const u8* slot, int g, int t) {
-        const u8* lo = slot + g * TC_SLOT_ROW;
-        const u8* hi = lo + 8 * TC_SLOT_ROW;
-        h_lo = *(const uint4*)lo;
-        h_hi = *(const uint4*)hi;
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            q_lo[c] = *(const uint2*)(lo + 16 + 32 * c + 8 * t);
-            q_hi[c] = *(const uint2*)(hi + 16 + 32 * c + 8 * t);
         }
     }
 
@@ -688,9 +661,8 @@ struct TcCombine {
 // as one output silu(gate) * up at y + b y_stride (b < items / 2): a group then takes
 // per_block / 2 tiles of rows in both matrices, its warps of the first half on the gate's and
 // of the second on the up's, and the gate's warps write the rows (no silu_mul launch, and the
-// silu once per value). STAGES: 0, the weights in registers two steps ahead; else a ring of
-// STAGES slots a warp after the x part of the dynamic shared memory, STAGES - 1 steps ahead.
-template <int TC_WARPS, int STAGES>
+// silu once per value).
+template <int TC_WARPS>
 __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, const u8* sw,
                                                     const u8* sw2, i64 mat_stride,
                                                     const int* ids, int items, int rows, int k,
@@ -728,59 +700,32 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         return grp;
     };
     auto tile_of = [&](int grp) { return (grp % per_item) * span + slot % span; };
-    // The loads run ahead of the products, across group boundaries: (lgrp, ls) is the next
-    // step to load, lmat + lrow0 * row_bytes its tile's first row.
-    int lgrp, ls = 0, lrow0;
-    const u8 *lmat, *lrow_lo, *lrow_hi;
+    // The loads run two steps (256-blocks) ahead of the products, across group boundaries:
+    // (lgrp, ls) is the next step to load.
+    int lgrp, ls = 0;
+    const u8 *lrow_lo, *lrow_hi;
     auto seek = [&](int grp) {
         lgrp = grp;
-        lmat = grp < g_end ? item_of(grp).mat : w;
-        lrow0 = tile_of(grp) * 16;
-        int r = min(lrow0 + g, rows - 1);
-        lrow_lo = lmat + (i64)r * row_bytes;
-        lrow_hi = lmat + (i64)min(r + 8, rows - 1) * row_bytes;
-    };
-    auto advance = [&]() {
-        if (++ls == steps) {
-            ls = 0;
-            seek(next_group(lgrp + g_step));
-        }
+        const u8* m = grp < g_end ? item_of(grp).mat : w;
+        int r = min(tile_of(grp) * 16 + g, rows - 1);
+        lrow_lo = m + (i64)r * row_bytes;
+        lrow_hi = m + (i64)min(r + 8, rows - 1) * row_bytes;
     };
     auto load_next = [&](TcQ4k& q) {
         if (lgrp >= g_end || steps == 0) return;
         i64 off = (i64)(part + ls * ks) * TcQ4k::BYTES;
         q.load(lrow_lo + off, lrow_hi + off, t);
-        advance();
-    };
-    // Staged: the warp's ring, the slot it fills next (head) and the one it reads next.
-    u8* ring = tc_sm + tc_x_bytes(k) + warp * STAGES * TC_SLOT_BYTES;
-    int head = 0, tail = 0;
-    auto stage_next = [&]() {
-        if (lgrp < g_end && steps > 0) {
-            const u8* src = lmat + (i64)(part + ls * ks) * TcQ4k::BYTES;
-            u32 dst = (u32)__cvta_generic_to_shared(ring + head * TC_SLOT_BYTES);
-#pragma unroll
-            for (int i = 0; i < (TC_STEP_CHUNKS + 31) / 32; i++) {
-                int c = lane + 32 * i, r = c / 9, p = c - 9 * r;
-                if (c < TC_STEP_CHUNKS)
-                    cp16(dst + r * TC_SLOT_ROW + 16 * p,
-                         src + (i64)min(lrow0 + r, rows - 1) * row_bytes + 16 * p, true);
-            }
-            advance();
+        if (++ls == steps) {
+            ls = 0;
+            seek(next_group(lgrp + g_step));
         }
-        cp_commit();  // one group a step, empty or not, so that the waits count steps
-        head = head + 1 == STAGES ? 0 : head + 1;
     };
     if (ids) pdl_wait();  // the MoE choices come from the router kernel
     int grp = next_group(one_x ? blockIdx.x : (int)((i64)blockIdx.x * groups / gridDim.x));
     seek(grp);
     TcQ4k cur, nxt;
-    if constexpr (STAGES > 0) {
-        for (int i = 0; i < STAGES - 1; i++) stage_next();
-    } else {
-        load_next(cur);
-        load_next(nxt);
-    }
+    load_next(cur);
+    load_next(nxt);
     pdl_enter();  // the weight loads above may overlap the previous kernel, x may not
 
     // B fragment: this lane's column g holds plane g % 4.
@@ -798,25 +743,13 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         }
         float acc_lo = 0.0f, acc_hi = 0.0f;
         for (int s = 0; s < steps; s++) {
+            TcQ4k nn;
+            load_next(nn);
             int kb = part + s * ks;
-            if constexpr (STAGES > 0) {
-                cp_wait<STAGES - 2>();  // this step's slot has landed (the lane's own copies)
-                __syncwarp();           // ... and every lane's; the slot read last is free
-                cur.load_shared(ring + tail * TC_SLOT_BYTES, g, t);
-                tail = tail + 1 == STAGES ? 0 : tail + 1;
-                stage_next();  // into the slot read last
-                if (tile * 16 < rows)
-                    cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo,
-                            acc_hi);
-            } else {
-                TcQ4k nn;
-                load_next(nn);
-                if (tile * 16 < rows)
-                    cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo,
-                            acc_hi);
-                cur = nxt;
-                nxt = nn;
-            }
+            if (tile * 16 < rows)
+                cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
+            cur = nxt;
+            nxt = nn;
         }
         // Row g's sum is spread over its quad (plane columns, minimum shares), then over the
         // warps of the tile.
@@ -878,25 +811,21 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
 }
 
 
-#define DEFINE_MATVEC_TC(kname, warps, min_blocks, stages)                                     \
+#define DEFINE_MATVEC_TC(kname, warps, min_blocks)                                             \
     extern "C" __global__ void __launch_bounds__(32 * warps, min_blocks) kname(                \
         const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,                \
         const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,             \
         int x_group, i64 x_stride, float* y, i64 y_stride, int per_block, int glu,             \
         TcCombine comb) {                                                                      \
-        matvec_tc_q4_k_body<warps, stages>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
+        matvec_tc_q4_k_body<warps>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, row_bytes, \
                                    x, x_group, x_stride, y, y_stride, per_block, glu, comb);   \
     }
 // At most 128 registers, whatever the compiler: two 8-warp blocks (or four of 4 warps) an SM.
 // Without the bound the device's NVRTC once took the 8-warp kernel past 128 (H200: one block
 // an SM, DS3 decode 955 -> 832-861 tokens/s), and nvcc takes the 4-warp one to 166 with the
 // combine's batched loads.
-DEFINE_MATVEC_TC(matvec_tc_q4_k, 4, 4, 0)
-DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2, 0)
-// Staged (k up to TC_K_MAX, ops.rs): 4 slots a warp of 4, 3 of 8 (60 KiB of ring, which with
-// the x part of k = 8192 stays inside SM120's 99 KiB).
-DEFINE_MATVEC_TC(matvec_tcs_q4_k, 4, 3, 4)
-DEFINE_MATVEC_TC(matvec_tcs8_q4_k, 8, 2, 3)
+DEFINE_MATVEC_TC(matvec_tc_q4_k, 4, 4)
+DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //

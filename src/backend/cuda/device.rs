@@ -33,9 +33,6 @@ pub struct Gpu {
     /// Whether kernels launch with programmatic dependent launch (`launch_raw`): sm_90 and
     /// later, unless MLA_PDL=0 (to measure without it, or to rule it out).
     pub dependent_launch: bool,
-    /// Whether the tensor-core Q4_K matvec stages its weights through shared memory
-    /// (matvec_tcs*_q4_k) where k allows, unless MLA_TC_STAGED=0 (to measure the register form).
-    pub staged_matvec: bool,
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
@@ -72,10 +69,8 @@ impl Gpu {
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let stream = ctx.default_stream();
         let dependent_launch = major >= 9 && std::env::var("MLA_PDL").map_or(true, |v| v != "0");
-        let staged_matvec = std::env::var("MLA_TC_STAGED").map_or(true, |v| v != "0");
         Ok(Gpu {
             dependent_launch,
-            staged_matvec,
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
             multiprocessors,

@@ -161,12 +161,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
         "mla_decode_split" | "mla_decode_split16" => mla_decode_smem_bytes(),
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
-        "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX, 8, 0),
-        "matvec_tcs_q4_k" | "matvec_tcs8_q4_k" => {
-            let warps = if kernel == "matvec_tcs_q4_k" { 4 } else { 8 };
-            let (_, stages) = super::ops::tc_kernel(warps, super::ops::TC_K_MAX, true);
-            super::ops::tc_smem_bytes(super::ops::TC_K_MAX, warps, stages)
-        }
+        "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         _ => 0,
     }
 }

@@ -234,7 +234,7 @@ fn matvec_geometry(
 /// also when this kernel splits k over more blocks to fill the GPU (tried: q_a 6.7 -> 9.7 us,
 /// kv_a 5.5 -> 7.3 us, attn_output 33.8 -> 39.3 us).
 const TC_MIN_ROWS: usize = 8192;
-pub(super) const TC_K_MAX: usize = 8192;
+const TC_K_MAX: usize = 8192;
 /// Longer k (DeepSeek-V3's attn_output, k = 16384, and dense ffn_down, 18432) goes to the
 /// 8-warp kernel from TC_LONG_MIN_ROWS rows on (lab, H200: 34.9 -> 30.6 us and 40.1 -> 33.7
 /// us), up to TC_LONG_K_MAX (its x planes fill 85 KiB of shared memory). GLM-5's 6144 rows
@@ -293,28 +293,10 @@ fn uses_int_q6_k(a: &Matvec) -> bool {
         && a.rows >= INT_Q6_MIN_ROWS
 }
 
-/// Dynamic shared memory of matvec_tc_q4_k and its kin (kernels/matvec.cu): four planes of
-/// k + 32 bytes, k / 256 scales (rounded up to even: the sums after them are read in pairs)
-/// and k / 32 sums; the staged kernels add, from a 16-byte boundary, a ring per warp of
-/// `stages` slots of 16 rows x TC_SLOT_ROW bytes.
-pub(super) fn tc_smem_bytes(k: usize, warps: usize, stages: usize) -> usize {
-    let x = 4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32);
-    match stages {
-        0 => x,
-        _ => x.next_multiple_of(16) + warps * stages * 16 * TC_SLOT_ROW,
-    }
-}
-const TC_SLOT_ROW: usize = 160;
-
-/// The tensor-core kernel of `warps` warps for a row length k, and its ring slots a warp (0:
-/// the weights in registers). The staged kernels take k up to TC_K_MAX unless MLA_TC_STAGED=0.
-pub(super) fn tc_kernel(warps: usize, k: usize, staged: bool) -> (&'static str, usize) {
-    match (warps, staged && k <= TC_K_MAX) {
-        (4, false) => ("matvec_tc_q4_k", 0),
-        (4, true) => ("matvec_tcs_q4_k", 4),
-        (_, false) => ("matvec_tc8_q4_k", 0),
-        (_, true) => ("matvec_tcs8_q4_k", 3),
-    }
+/// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
+/// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
+pub(super) fn tc_smem_bytes(k: usize) -> usize {
+    4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
@@ -393,26 +375,23 @@ impl Gpu {
             // expert products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
             let long_k = a.k >= 4096;
+            let smem = tc_smem_bytes(a.k);
             let inputs = if a.pair != 0 { a.batch / 2 } else { a.batch };
             let one_x = a.x_group >= inputs;
-            let (tc8, stages8) = tc_kernel(8, a.k, self.staged_matvec);
-            let smem8 = tc_smem_bytes(a.k, 8, stages8);
             let tc8_slots = || -> Result<usize, CudaError> {
-                Ok(self.multiprocessors * self.blocks_per_sm(tc8, 256, smem8)?.max(1))
+                Ok(self.multiprocessors * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1))
             };
-            let (warps, per_block, one_wave) = match (a.batch > 1, tiles * a.batch) {
-                _ if a.k > TC_K_MAX => (8, 2, None),
-                (false, t) if t >= 2048 || !long_k => (4, 4, None),
-                (false, _) => (4, 2, None),
-                (true, _) if one_x => (8, ONE_WAVE_TILES, Some(tc8_slots()?)),
+            let (kernel, warps, per_block, one_wave) = match (a.batch > 1, tiles * a.batch) {
+                _ if a.k > TC_K_MAX => ("matvec_tc8_q4_k", 8, 2, None),
+                (false, t) if t >= 2048 || !long_k => ("matvec_tc_q4_k", 4, 4, None),
+                (false, _) => ("matvec_tc_q4_k", 4, 2, None),
+                (true, _) if one_x => ("matvec_tc8_q4_k", 8, ONE_WAVE_TILES, Some(tc8_slots()?)),
                 (true, _) if long_k => {
                     let per_block = tc8_tiles_per_block(tiles, a.batch, tc8_slots()?);
-                    (8, per_block, None)
+                    ("matvec_tc8_q4_k", 8, per_block, None)
                 }
-                (true, _) => (8, 8, Some(tc8_slots()?)),
+                (true, _) => ("matvec_tc8_q4_k", 8, 8, Some(tc8_slots()?)),
             };
-            let (kernel, stages) = tc_kernel(warps, a.k, self.staged_matvec);
-            let smem = tc_smem_bytes(a.k, warps, stages);
             // glu: a group's tiles are half as many rows of each matrix (even per_block).
             let groups = match a.glu {
                 true => tiles.div_ceil(per_block / 2) * (a.batch / 2),
@@ -429,7 +408,7 @@ impl Gpu {
                     choices: c.choices as i32,
                 },
             };
-            launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps as u32, smem as u32;
+            launch!(self, kernel, (blocks as u32, 1, 1), 32 * warps, smem as u32;
                 a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                 a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x,
                 a.x_group as i32, a.x_stride as i64, a.y, a.y_stride as i64, per_block as i32,
