@@ -73,6 +73,20 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// The MLA latent cache format: one row per position of LATENT_DIMS bf16 values x_hi = bf16(x),
+// then LATENT_DIMS values x_lo = bf16(x - x_hi), where dim d < LATENT_ROPE_AT is c_kv's d and
+// LATENT_ROPE_AT + j is k_pe's j; dims past either part's width stay zero. x_hi + x_lo carries
+// x to ~2^-17, as the split-precision products of mla_decode_split use it, which so copy tiles
+// as they are. latent_norm_rope writes rows, mla_decode_split and latent_rows read them.
+#define LATENT_DIMS 576
+#define LATENT_ROPE_AT 512
+#define LATENT_ROW_BYTES (4 * LATENT_DIMS)
+__device__ __forceinline__ void latent_store(u16* row, int d, float x) {
+    const u16 hi = (u16)pack_bf16x2(x, 0.0f);
+    row[d] = hi;
+    row[LATENT_DIMS + d] = (u16)pack_bf16x2(x - bf16_to_f32(hi), 0.0f);
+}
+
 // Little-endian loads from byte pointers of any alignment.
 __device__ __forceinline__ u16 load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
 __device__ __forceinline__ u32 load_u32(const u8* p) {

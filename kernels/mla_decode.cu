@@ -8,9 +8,10 @@
 // W_UK), q_pe row t [H, dr] (heads qp_head apart: dr, or dn + dr inside the whole query);
 // with qp_freq (the rope's inv_freq, and its cos/sin scale qp_mscale) q_pe is not roped yet
 // and the kernel ropes it as it loads it, as rope_pairs does (the decode query: one launch
-// fewer); null: roped already. cache: [S, dl + dr] rows [c_kv | k_pe]. Its keys are positions
-// 0 ..= pos0 + t, or, when key_ids is not null, the n_ids entries of key_ids row t (DSA top-k;
-// -1 entries, and entries past pos0 + t, are skipped).
+// fewer); null: roped already. cache: [S] rows of the latent cache format (common.cuh,
+// LATENT_DIMS): [c_kv | k_pe] as bf16 hi and lo planes. Its keys are positions 0 ..= pos0 + t,
+// or, when key_ids is not null, the n_ids entries of key_ids row t (DSA top-k; -1 entries, and
+// entries past pos0 + t, are skipped).
 //
 // Long contexts are split over the sequence (flash decoding): mla_decode_split handles
 // `keys_per_split` keys for a group of heads and writes an unnormalized partial result
@@ -20,7 +21,8 @@
 //
 // mla_decode_split runs on tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation)
 // with split precision: every f32 operand x is carried as x_hi = bf16(x) and
-// x_lo = bf16(x - x_hi), and a product as a_hi b_hi + a_hi b_lo + a_lo b_hi (3 mma). The
+// x_lo = bf16(x - x_hi) (the cache's values are stored that way, the query's and the scores'
+// are split here), and a product as a_hi b_hi + a_hi b_lo + a_lo b_hi (3 mma). The
 // dropped a_lo b_lo and the rounding of the lo parts leave ~2^-18 (rms) relative error per
 // product, near f32 (plain bf16: ~2^-9): scores are off by ~1e-6 relative, the output's nmse
 // against an f64 twin is ~1e-11 (3xTF32 would be closer to f32 at twice the tensor work).
@@ -41,20 +43,23 @@
 //   out [16 heads, D dims of part c] += P [16, 16 keys] V [16 keys, D dims]: P comes
 //     straight from the score accumulators (the m16n8 C layout of two key tiles is the m16k16
 //     A layout), V is the same shared tile as K, read through ldmatrix.trans.
-// Key tiles of MLA_BK = 16 rows [c_kv | k_pe] (576 dims; missing dims zero) are split into
-// hi and lo bf16 tiles in shared memory, double-buffered: while the warps work on tile i,
-// every thread holds its share of tile i + 1 in registers (one key, 9 float4), and stores it
-// split after the tile. Two barriers per tile; the second (__syncthreads_or) also tells
-// whether the next tile has any visible key, so DSA padding tiles cost no math. Invalid keys
-// (past the split, -1 ids, positions after the query) are zero rows scored -inf. A row of the
-// full shape (DeepSeek-V3, GLM-5: dl 512, dr 64) is fetched by 9 unconditional 16-byte loads.
-// dl % 32 == 0, dl <= 512, dr <= 64.
+// Key tiles of MLA_BK = 16 cache rows (576 dims; the format's missing dims are zero) go as they
+// are, hi and lo planes, into shared memory by cp.async, double-buffered: tile i + 1's copies
+// are issued before the warps work on tile i and waited for after it, so no register holds
+// them and nothing is converted (when the cache was f32 and each tile was split here, the
+// split and its stores were a quarter of the kernel's time, and its loads held 36 registers).
+// Two barriers per tile; the second (__syncthreads_or) also tells whether the next tile has any
+// visible key, so DSA padding tiles cost no math. Invalid keys (past the split, -1 ids,
+// positions after the query) are zero-filled rows scored -inf. dl % 32 == 0, dl <= 512,
+// dr <= 64.
 
 #define MLA_HB 32
 #define MLA_BK 16
 #define MLA_THREADS 256
 #define MLA_DL_MAX 512
 #define MLA_DR_MAX 64
+static_assert(MLA_DL_MAX == LATENT_ROPE_AT && MLA_DL_MAX + MLA_DR_MAX == LATENT_DIMS,
+              "a key tile's dims are the cache format's");
 #define MLA_ROWB ((MLA_DL_MAX + MLA_DR_MAX + 8) * 2)  // bytes of one bf16 row (+16: no bank conflicts)
 #define MLA_TILEB (MLA_BK * MLA_ROWB)                   // one hi or lo tile
 #define MLA_STAGEB (2 * MLA_TILEB)                      // hi tile, then lo tile
@@ -104,50 +109,19 @@ __device__ __forceinline__ int mla_key(const int* ids, int j, int j_end, int las
     return s <= last ? s : -1;
 }
 
-// The first n (<= 4; none when n <= 0) floats at p, zeros after.
-__device__ __forceinline__ float4 mla_ld4(const float* p, int n, bool vec) {
-    if (vec && n >= 4) return __ldg((const float4*)p);
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (n > 0) v.x = __ldg(p);
-    if (n > 1) v.y = __ldg(p + 1);
-    if (n > 2) v.z = __ldg(p + 2);
-    if (n > 3) v.w = __ldg(p + 3);
-    return v;
-}
-
-// This thread's share of one key row (position s, -1: zeros): tile dims 4f .. 4f + 4 for
-// f = sub + 16k; k < 8 the latent dims, k = 8 the rope dims (tile dims 512 ..).
-__device__ __forceinline__ void mla_fetch(float4 (&pf)[9], const float* cache, int s, int dk,
-                                          int dl, int dr, int sub, bool vec) {
-    const float* row = cache + (i64)max(s, 0) * dk;
-    if (vec && dl == MLA_DL_MAX && dr == MLA_DR_MAX) {  // no per-piece bounds
+// Key s (-1: zeros) into row kr of the stage at shared address `stage`: chunks sub + 16 i
+// (i < 9) of the row's 144 16-byte chunks, 72 of the hi plane then 72 of the lo plane, into
+// the stage's hi and lo tiles; one commit group.
+__device__ __forceinline__ void mla_copy_key(u32 stage, const u8* cache, int s, int kr, int sub) {
+    const int half = LATENT_ROW_BYTES / 32;  // chunks per plane
+    const u8* row = cache + (i64)max(s, 0) * LATENT_ROW_BYTES;
+    const u32 dst = stage + kr * MLA_ROWB;
 #pragma unroll
-        for (int k = 0; k < 9; k++)
-            pf[k] = s >= 0 ? __ldg((const float4*)row + sub + 16 * k)
-                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        return;
+    for (int i = 0; i < 9; i++) {
+        const int c = sub + 16 * i, lo = c >= half;
+        cp16(dst + lo * MLA_TILEB + 16 * (c - lo * half), row + 16 * c, s >= 0);
     }
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-        int d = 4 * (sub + 16 * k);
-        pf[k] = mla_ld4(row + d, s >= 0 && d < dl ? 4 : 0, vec);
-    }
-    pf[8] = mla_ld4(row + dl + 4 * sub, s >= 0 ? dr - 4 * sub : 0, vec);
-}
-
-__device__ __forceinline__ void mla_stash(const float4 (&pf)[9], unsigned char* stage, int kr,
-                                          int sub) {
-    unsigned char* hi = stage + kr * MLA_ROWB;
-    unsigned char* lo = hi + MLA_TILEB;
-#pragma unroll
-    for (int k = 0; k < 9; k++) {
-        int f = sub + 16 * k;
-        uint2 h, l;
-        mla_split2(pf[k].x, pf[k].y, h.x, l.x);
-        mla_split2(pf[k].z, pf[k].w, h.y, l.y);
-        *(uint2*)(hi + 8 * f) = h;
-        *(uint2*)(lo + 8 * f) = l;
-    }
+    cp_commit();
 }
 
 // Query values d, d + 1 (d even) of head h at tile dims (latent below 512, rope from 512),
@@ -169,7 +143,7 @@ __device__ __forceinline__ float2 mla_q2(const float* ql, const float* qp, int q
 template <int W>
 __device__ __forceinline__ void mla_split_body(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
-    const float* qp_freq, float qp_mscale, const float* cache, int dl, int dr, int n_heads,
+    const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr, int n_heads,
     const int* key_ids, int n_ids, int pos0, int keys_per_split, float scale, float* part_acc,
     float* part_ml, float* out, i64 out_tok) {
     constexpr int HB = 16 * (8 / W);     // heads per block
@@ -182,7 +156,7 @@ __device__ __forceinline__ void mla_split_body(
     int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
     const u32 sbase = (u32)__cvta_generic_to_shared(mla_smem);
 
-    const int dk = dl + dr, split = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
+    const int split = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, grp = lane >> 2, tig = lane & 3;
     const int ht = warp / W, c = warp % W;
     const bool rope = 16 * c < dr;                   // warp-uniform
@@ -196,17 +170,16 @@ __device__ __forceinline__ void mla_split_body(
     const int n_tiles = j_end > j_begin ? (j_end - j_begin + MLA_BK - 1) / MLA_BK : 0;
     const float scale2 = scale * MLA_LOG2E;
 
-    // Loader: thread tid fetches key kr of a tile, 16 threads a key. The first tile's loads
-    // go out before the query's, and all of those before the first use: a short context is
-    // a few tiles, where each round trip to memory waited on alone was most of the time
+    // Loader: thread tid copies key kr of a tile, 16 threads a key. The first tile's copies
+    // go out before the query's loads, and all of those before the first use: a short context
+    // is a few tiles, where each round trip to memory waited on alone was most of the time
     // (ncu, H200, DS3 at one key: half of the stall samples on the query's conversions).
     const int kr = tid >> 4, sub = tid & 15;
-    const bool vec = (dk & 3) == 0;
-    float4 pf[9];
     int s_next = -1;
     if (n_tiles > 0) {
         s_next = mla_key(ids, j_begin + kr, j_end, last);
-        mla_fetch(pf, cache, s_next, dk, dl, dr, sub, vec);
+        mla_copy_key(sbase, cache, s_next, kr, sub);
+        if (sub == 0) vflag[kr] = s_next >= 0;
     }
 
     // Q fragments (A, m16k16) of the KL + 1 k steps, hi and lo: k step ks < KL covers latent
@@ -273,18 +246,16 @@ __device__ __forceinline__ void mla_split_body(
     const u32 qk_off = (lr + 8 * (li >> 1)) * MLA_ROWB + 16 * (li & 1);
     const u32 pv_off = (lr + 8 * (li & 1)) * MLA_ROWB + 16 * (li >> 1);
 
-    if (n_tiles > 0) {
-        mla_stash(pf, mla_smem, kr, sub);
-        if (sub == 0) vflag[kr] = s_next >= 0;
-    }
+    cp_wait<0>();
     int any = __syncthreads_or(s_next >= 0);
 
     for (int it = 0; it < n_tiles; it++) {
         const int cur = it & 1;
         const bool more = it + 1 < n_tiles;
-        if (more) {
+        if (more) {  // into the stage and flags that tile it - 1 left before the last barrier
             s_next = mla_key(ids, j_begin + (it + 1) * MLA_BK + kr, j_end, last);
-            mla_fetch(pf, cache, s_next, dk, dl, dr, sub, vec);
+            mla_copy_key(sbase + (cur ^ 1) * MLA_STAGEB, cache, s_next, kr, sub);
+            if (sub == 0) vflag[(cur ^ 1) * MLA_BK + kr] = s_next >= 0;
         }
         if (any) {  // block-uniform
             const u32 khi = sbase + cur * MLA_STAGEB, klo = khi + MLA_TILEB;
@@ -389,10 +360,7 @@ __device__ __forceinline__ void mla_split_body(
                 }
             }
         }
-        if (more) {
-            mla_stash(pf, mla_smem + (cur ^ 1) * MLA_STAGEB, kr, sub);
-            if (sub == 0) vflag[(cur ^ 1) * MLA_BK + kr] = s_next >= 0;
-        }
+        cp_wait<0>();
         any = __syncthreads_or(more && s_next >= 0);
     }
 
@@ -432,7 +400,7 @@ __device__ __forceinline__ void mla_split_body(
 #define MLA_SPLIT(name, W)                                                                  \
     extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) name(                        \
         const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,           \
-        const float* qp_freq, float qp_mscale, const float* cache, int dl, int dr,            \
+        const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr,               \
         int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,             \
         float scale, float* part_acc, float* part_ml, float* out, i64 out_tok) {              \
         mla_split_body<W>(q_lat, ql_tok, q_pe, qp_tok, qp_head, qp_freq, qp_mscale, cache, dl, \

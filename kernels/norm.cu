@@ -5,7 +5,8 @@
 //   with dr > 0 its first dr values rotated as adjacent pairs at position pos0 + row, as
 //   rope_pairs turns them (the indexer's key straight into its cache row)
 // add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm)
-// latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope)
+// latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope), and
+//   latent_rows, the cache's rows back as f32
 //
 // Thread i holds values i, i + blockDim.x, ... of its row in registers (at most NORM_VALS;
 // the launch picks blockDim.x >= n / NORM_VALS, n <= 8192), so x, w and b are read once, every
@@ -23,14 +24,20 @@ __device__ __forceinline__ void load_row(float v[NORM_VALS], const float* row, i
     }
 }
 
-// y = v / sqrt(mean(v^2) + eps) * w for a row of n held as load_row leaves it (w likewise).
-__device__ __forceinline__ void rms_store(const float v[NORM_VALS], const float wv[NORM_VALS],
-                                          float* y, int n, float eps, float* scratch) {
+// 1 / sqrt(mean(v^2) + eps) for a row of n held as load_row leaves it.
+__device__ __forceinline__ float rms_inv(const float v[NORM_VALS], int n, float eps,
+                                         float* scratch) {
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) ss += v[k] * v[k];
     ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss / (float)n + eps);
+    return rsqrtf(ss / (float)n + eps);
+}
+
+// y = v / sqrt(mean(v^2) + eps) * w for a row of n held as load_row leaves it (w likewise).
+__device__ __forceinline__ void rms_store(const float v[NORM_VALS], const float wv[NORM_VALS],
+                                          float* y, int n, float eps, float* scratch) {
+    float inv = rms_inv(v, n, eps, scratch);
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
         int i = threadIdx.x + k * blockDim.x;
@@ -106,15 +113,17 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
 }
 
 // The MLA latent of token t (model/mla.rs): row t of kv [T, dl + dr] -> row t of `cache`
-// (the caller points it at the first row to fill; rows dl + dr wide):
-//   cache[t, 0..dl)     = rmsnorm(kv[t, 0..dl)) * w
-//   cache[t, dl..dl+dr) = kv[t, dl..dl+dr) rotated as adjacent pairs at position pos0 + t,
-//                         exactly as rope_pairs turns them (angle = f32 pos * inv_freq[i]).
+// in the latent cache format (common.cuh; the caller points it at the first row to fill):
+//   c_kv = rmsnorm(kv[t, 0..dl)) * w                  at dims 0 .. dl
+//   k_pe = kv[t, dl..dl+dr) rotated as adjacent pairs at position pos0 + t, exactly as
+//          rope_pairs turns them (angle = f32 pos * inv_freq[i])  at dims LATENT_ROPE_AT ..
+// each value as its hi and lo bf16 parts; the row's other dims are left as they are (zero).
 // With qx (not null), blocks (t, 1) also norm the query latent: qy[t] = rmsnorm(qx[t]) * qw,
 // rows of dq (q-LoRA's q_a: the two norms of MLA in one launch). Grid (T, qx ? 2 : 1), block
-// x >= max(dl, dq) / NORM_VALS (the rmsnorm launch of the wider row).
+// x >= max(dl, dq) / NORM_VALS (the rmsnorm launch of the wider row). dl <= LATENT_ROPE_AT,
+// dr <= LATENT_DIMS - LATENT_ROPE_AT.
 extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
-    const float* kv, const float* w, float* cache, int dl, int dr, int pos0,
+    const float* kv, const float* w, u16* cache, int dl, int dr, int pos0,
     const float* inv_freq, float mscale, float eps, const float* qx, const float* qw, float* qy,
     int dq) {
     pdl_enter();
@@ -126,18 +135,43 @@ extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
         rms_store(v, wv, qy + (i64)blockIdx.x * dq, dq, eps, scratch);
         return;
     }
-    const i64 width = dl + dr;
-    const float* xr = kv + blockIdx.x * width;
-    float* yr = cache + blockIdx.x * width;
+    const float* xr = kv + blockIdx.x * (i64)(dl + dr);
+    u16* yr = cache + blockIdx.x * (i64)(2 * LATENT_DIMS);
 
     // k_pe: one pair per thread (a loop for widths past the block).
     float pos = (float)(pos0 + (int)blockIdx.x);
-    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x)
-        rope_pair(xr[dl + 2 * i], xr[dl + 2 * i + 1], pos, inv_freq[i], mscale, yr + dl + 2 * i);
+    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x) {
+        float y[2];
+        rope_pair(xr[dl + 2 * i], xr[dl + 2 * i + 1], pos, inv_freq[i], mscale, y);
+        latent_store(yr, LATENT_ROPE_AT + 2 * i, y[0]);
+        latent_store(yr, LATENT_ROPE_AT + 2 * i + 1, y[1]);
+    }
 
     // c_kv: as rmsnorm.
     float v[NORM_VALS], wv[NORM_VALS];
     load_row(v, xr, dl);
     load_row(wv, w, dl);
-    rms_store(v, wv, yr, dl, eps, scratch);
+    const float inv = rms_inv(v, dl, eps, scratch);
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < dl) latent_store(yr, i, v[k] * inv * wv[k]);
+    }
+}
+
+// Rows 0 .. gridDim.x of a latent cache back as f32 (x_hi + x_lo): c_kv [rows, dl] and k_pe
+// [rows, dr], what the prefill's expanded attention reads. Grid (rows), any block.
+extern "C" __global__ void latent_rows(const u16* cache, int dl, int dr, float* c_kv,
+                                       float* k_pe) {
+    pdl_enter();
+    const i64 r = blockIdx.x;
+    const u16* row = cache + r * (2 * LATENT_DIMS);
+    for (int i = threadIdx.x; i < dl + dr; i += blockDim.x) {
+        const int d = i < dl ? i : LATENT_ROPE_AT + i - dl;
+        const float x = bf16_to_f32(row[d]) + bf16_to_f32(row[LATENT_DIMS + d]);
+        if (i < dl)
+            c_kv[r * dl + i] = x;
+        else
+            k_pe[r * dr + i - dl] = x;
+    }
 }

@@ -8,9 +8,10 @@
 //! Without a GPU every test prints `SKIPPED: no CUDA device` and passes.
 
 use mla_engine::backend::cpu::Cpu;
+use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT};
 use mla_engine::backend::cuda::ops::{
-    AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope,
-    RowsNorm, KERNEL_TYPES, MOE_SHARED,
+    latent_split, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter,
+    PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -1261,6 +1262,12 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
     }
 }
 
+/// The f32 values of a latent cache row in the format (x_hi + x_lo at dims `dims`).
+fn latent_values(row: &[u16], dims: impl Iterator<Item = usize>) -> Vec<f32> {
+    let f = |b: u16| half::bf16::from_bits(b).to_f32();
+    dims.map(|d| f(row[d]) + f(row[LATENT_DIMS + d])).collect()
+}
+
 #[test]
 fn latent_norm_rope_fills_only_its_cache_rows() {
     let Some(g) = gpu() else { return };
@@ -1280,9 +1287,21 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
         let inv_freq: Vec<f32> = (0..dr / 2)
             .map(|i| (10000f64.powf(-((2 * i) as f64) / dr as f64) * (0.5 + rng.uniform())) as f32)
             .collect();
-        // Rows outside row0..row0+tokens hold values the kernel must keep; its rows are NaN.
-        let mut cache = rng.normals(ctx * width);
-        cache[row0 * width..(row0 + tokens) * width].fill(f32::NAN);
+        // Rows outside row0..row0+tokens hold values the kernel must keep, and so do the
+        // format's dims past c_kv and k_pe in its rows (marked 0x1234 here); their values are
+        // NaN.
+        let mut cache = latent_split(&rng.normals(ctx * width), dl, dr);
+        let row_of = |r: usize| 2 * LATENT_DIMS * r..2 * LATENT_DIMS * (r + 1);
+        let values = |d: usize| d < dl || (LATENT_ROPE_AT..LATENT_ROPE_AT + dr).contains(&d);
+        for r in row0..row0 + tokens {
+            for (i, v) in cache[row_of(r)].iter_mut().enumerate() {
+                *v = if values(i % LATENT_DIMS) {
+                    0x7fc0
+                } else {
+                    0x1234
+                };
+            }
+        }
         let (dkv, dw, df, dc) = (
             g.upload(&kv).unwrap(),
             g.upload(&w).unwrap(),
@@ -1305,7 +1324,7 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
         g.latent_norm_rope(
             g.ptr(&dkv, 0),
             g.ptr(&dw, 0),
-            g.ptr(&dc, row0 * width),
+            g.ptr(&dc, row0 * 2 * LATENT_DIMS),
             tokens,
             dl,
             dr,
@@ -1323,31 +1342,57 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             let got = g.download(&dqy).unwrap();
             assert_close(&format!("latent_norm_rope query {dq}"), &got, &want, F32_OP);
         }
-        let mut want: Vec<f64> = cache.iter().map(|&v| v as f64).collect();
+        let mut want = Vec::new();
         for t in 0..tokens {
             let x = &kv[t * width..(t + 1) * width];
-            let out = &mut want[(row0 + t) * width..(row0 + t + 1) * width];
-            out[..dl].copy_from_slice(&rmsnorm_twin(&x[..dl], &w, eps));
+            want.extend(rmsnorm_twin(&x[..dl], &w, eps));
             for i in 0..dr / 2 {
                 // The angle is an f32 product, as in rope_pairs.
                 let angle = (((row0 + t) as f32) * inv_freq[i]) as f64;
                 let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
                 let (x0, x1) = (x[dl + 2 * i] as f64, x[dl + 2 * i + 1] as f64);
-                out[dl + 2 * i] = x0 * c - x1 * s;
-                out[dl + 2 * i + 1] = x0 * s + x1 * c;
+                want.extend([x0 * c - x1 * s, x0 * s + x1 * c]);
             }
         }
-        let got = g.download(&dc).unwrap();
+        let got_planes = g.download(&dc).unwrap();
+        let dims = || (0..dl).chain(LATENT_ROPE_AT..LATENT_ROPE_AT + dr);
+        let got: Vec<f32> = (row0..row0 + tokens)
+            .flat_map(|r| latent_values(&got_planes[row_of(r)], dims()))
+            .collect();
+        // x_hi + x_lo is x to ~2^-17.
         assert_close(&format!("latent_norm_rope {dl}+{dr}"), &got, &want, F32_OP);
-        for (i, (&a, &b)) in got.iter().zip(&cache).enumerate() {
-            let row = i / width;
-            if row < row0 || row >= row0 + tokens {
-                assert_eq!(
-                    a.to_bits(),
-                    b.to_bits(),
-                    "latent_norm_rope touched row {row}"
-                );
+        for (i, (&a, &b)) in got_planes.iter().zip(&cache).enumerate() {
+            let (row, d) = (i / (2 * LATENT_DIMS), i % LATENT_DIMS);
+            if !(row0..row0 + tokens).contains(&row) || !values(d) {
+                assert_eq!(a, b, "latent_norm_rope touched row {row} dim {d}");
             }
+        }
+        // latent_rows reads the rows back as exactly x_hi + x_lo.
+        let (n, r0) = (tokens + 2, row0 - 2);
+        let (dckv, dkpe) = (poisoned(&g, n * dl), poisoned(&g, n * dr));
+        g.latent_rows(
+            g.ptr(&dc, r0 * 2 * LATENT_DIMS),
+            n,
+            (dl, dr),
+            g.ptr(&dckv, 0),
+            g.ptr(&dkpe, 0),
+        )
+        .unwrap();
+        let (ckv, kpe) = (g.download(&dckv).unwrap(), g.download(&dkpe).unwrap());
+        for r in 0..n {
+            let want = latent_values(&got_planes[row_of(r0 + r)], dims());
+            let got: Vec<f32> = ckv[r * dl..(r + 1) * dl]
+                .iter()
+                .chain(&kpe[r * dr..(r + 1) * dr])
+                .copied()
+                .collect();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "latent_rows {dl}+{dr}: row {}",
+                r0 + r
+            );
         }
     }
 }
@@ -1594,8 +1639,7 @@ fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
 fn mla_decode_split_over_sequence_matches() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("mla_decode");
-    // DeepSeek-V3's and GLM-5's latent (the kernel's unconditional row fetch) and a smaller
-    // one; 20 heads take mla_decode_split16 (short splits), 40 heads mla_decode_split over the
+    // DeepSeek-V3's and GLM-5's latent and a smaller one (zero dims in the format's rows); 20 heads take mla_decode_split16 (short splits), 40 heads mla_decode_split over the
     // whole sequence and split16 over the DSA keys (Gpu::mla_decode_form).
     for (dl, dr, heads) in [(512, 64, 20), (512, 64, 40), (128, 32, 20)] {
         mla_decode_case(&g, &mut rng, dl, dr, heads);
@@ -1636,7 +1680,7 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize) {
     let (dq, dp, dc, dw, df) = (
         g.upload(&q_lat).unwrap(),
         g.upload(&q_pe).unwrap(),
-        g.upload(&cache).unwrap(),
+        g.upload(&latent_split(&cache, dl, dr)).unwrap(),
         g.upload(&q_whole).unwrap(),
         g.upload(&inv_freq).unwrap(),
     );
@@ -2409,13 +2453,15 @@ fn decode_and_prefill_kernel_timings() {
         );
     }
 
-    // MLA decode over an f32 latent cache: 128 heads, 512 + 64, at 1K, 8K and 32K positions.
+    // MLA decode over a latent cache: 128 heads, 512 + 64, at 1K, 8K and 32K positions.
     let (heads, dl, dr) = (128, 512, 64);
     let ql = g.upload(&rng.normals(heads * dl)).unwrap();
     let qp = g.upload(&rng.normals(heads * dr)).unwrap();
     let out = g.zeros::<f32>(heads * dl).unwrap();
     for ctx in [1024, 8192, 32768] {
-        let cache = g.upload(&rng.normals(ctx * (dl + dr))).unwrap();
+        let cache = g
+            .upload(&latent_split(&rng.normals(ctx * (dl + dr)), dl, dr))
+            .unwrap();
         let a = MlaDecode {
             q_lat: g.ptr(&ql, 0),
             ql_tok: heads * dl,

@@ -147,10 +147,17 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// One layer's latent cache: `values` [capacity, kv_lora + dr] rows `[c_kv | k_pe]`, in f32.
+pub struct CpuLatent {
+    values: Mat,
+    kv_lora: usize,
+}
+
 impl Backend for Cpu {
     type Tensor = Mat;
     type Weight = CpuWeight;
     type Ids = Vec<i32>;
+    type Latent = CpuLatent;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -220,6 +227,45 @@ impl Backend for Cpu {
 
     fn zeros(&self, rows: usize, cols: usize) -> Mat {
         Mat::zeros(rows, cols)
+    }
+
+    fn latent_cache(&self, capacity: usize, kv_lora: usize, dr: usize) -> CpuLatent {
+        CpuLatent {
+            values: Mat::zeros(capacity, kv_lora + dr),
+            kv_lora,
+        }
+    }
+
+    fn latent_bytes(&self, cache: &CpuLatent) -> usize {
+        4 * cache.values.data.len()
+    }
+
+    fn latent_rows(&self, cache: &CpuLatent, rows: Range<usize>) -> (Mat, Mat) {
+        let (c, width) = (&cache.values, cache.values.cols);
+        (
+            self.slice(c, rows.clone(), 0..cache.kv_lora),
+            self.slice(c, rows, cache.kv_lora..width),
+        )
+    }
+
+    fn latent_append(
+        &self,
+        cache: &mut CpuLatent,
+        row0: usize,
+        kv: &Mat,
+        w: &CpuWeight,
+        eps: f32,
+        rope: &Rope,
+        query: Option<(&Mat, &CpuWeight)>,
+    ) -> Option<Mat> {
+        let (n, width) = (kv.rows, kv.cols);
+        let kv_lora = cache.kv_lora;
+        let c_kv = self.rms_norm(&self.slice(kv, 0..n, 0..kv_lora), w, eps);
+        let mut k_pe = self.slice(kv, 0..n, kv_lora..width);
+        self.rope(&mut k_pe, 1, 0, row0, rope);
+        self.write_block(&mut cache.values, row0, 0, &c_kv);
+        self.write_block(&mut cache.values, row0, kv_lora, &k_pe);
+        query.map(|(x, w)| self.rms_norm(x, w, eps))
     }
 
     fn slice(&self, x: &Mat, rows: Range<usize>, cols: Range<usize>) -> Mat {
@@ -414,13 +460,14 @@ impl Backend for Cpu {
         q: &Mat,
         heads: usize,
         rope: Option<&Rope>,
-        cache: &Mat,
+        cache: &CpuLatent,
         pos0: usize,
         scale: f32,
         keep: Option<&Vec<i32>>,
     ) -> Mat {
         let n = q_lat.rows;
         let kv_lora = q_lat.cols / heads;
+        let cache = &cache.values;
         let dr = cache.cols - kv_lora;
         let dn = q.cols / heads - dr;
         let mut q_pe = self.head_columns(q, heads, dn..dn + dr);

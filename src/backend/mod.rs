@@ -79,6 +79,10 @@ pub trait Backend: Send + Sync {
     type Weight: Send + Sync;
     /// Key positions per query, `[rows * k]` i32 (the DSA selection), in the backend's memory.
     type Ids: Send + Sync;
+    /// One layer's MLA latent cache: per position `[c_kv | k_pe]` (kv_lora + dr values), in a
+    /// form of the backend's choosing (the CPU: an f32 tensor; CUDA: what its decode kernel
+    /// copies as it is).
+    type Latent: Send + Sync;
 
     /// "cpu", "cuda": used in messages.
     fn name(&self) -> &'static str;
@@ -100,6 +104,17 @@ pub trait Backend: Send + Sync {
 
     /// A zero matrix `[rows, cols]` (caches, accumulators).
     fn zeros(&self, rows: usize, cols: usize) -> Self::Tensor;
+
+    /// An empty (zero) latent cache of `capacity` positions of `kv_lora + dr` values.
+    fn latent_cache(&self, capacity: usize, kv_lora: usize, dr: usize) -> Self::Latent;
+
+    /// Bytes the latent cache holds.
+    fn latent_bytes(&self, cache: &Self::Latent) -> usize;
+
+    /// Positions `rows` of a latent cache as f32 matrices: c_kv `[rows.len(), kv_lora]` and
+    /// k_pe `[rows.len(), dr]` (the prefill's expanded attention, traces).
+    fn latent_rows(&self, cache: &Self::Latent, rows: Range<usize>)
+        -> (Self::Tensor, Self::Tensor);
 
     /// A copy of the block `x[rows, cols]`: `[rows.len(), cols.len()]`.
     fn slice(&self, x: &Self::Tensor, rows: Range<usize>, cols: Range<usize>) -> Self::Tensor;
@@ -187,30 +202,21 @@ pub trait Backend: Send + Sync {
     }
 
     /// The MLA latent of n positions into its cache: `kv` [n, kv_lora + dr] (the kv_a_mqa
-    /// output, dr = `rope.rot_dims()`) -> rows `row0..row0+n` of `cache` [ctx, kv_lora + dr],
+    /// output, dr = `rope.rot_dims()`) -> positions `row0..row0+n` of `cache`,
     /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`; and with `query`
     /// (q-LoRA's latent [n, q_lora] and its norm), returns `rms_norm(query, eps)`. A GPU does
     /// it all in one launch, without the intermediate slices.
     #[allow(clippy::too_many_arguments)]
     fn latent_append(
         &self,
-        cache: &mut Self::Tensor,
+        cache: &mut Self::Latent,
         row0: usize,
         kv: &Self::Tensor,
         w: &Self::Weight,
         eps: f32,
         rope: &Rope,
         query: Option<(&Self::Tensor, &Self::Weight)>,
-    ) -> Option<Self::Tensor> {
-        let (n, width) = self.shape(kv);
-        let kv_lora = width - rope.rot_dims();
-        let c_kv = self.rms_norm(&self.slice(kv, 0..n, 0..kv_lora), w, eps);
-        let mut k_pe = self.slice(kv, 0..n, kv_lora..width);
-        self.rope(&mut k_pe, 1, 0, row0, rope);
-        self.write_block(cache, row0, 0, &c_kv);
-        self.write_block(cache, row0, kv_lora, &k_pe);
-        query.map(|(x, w)| self.rms_norm(x, w, eps))
-    }
+    ) -> Option<Self::Tensor>;
 
     // ----- matrix products ----------------------------------------------------------------
 
@@ -287,7 +293,7 @@ pub trait Backend: Send + Sync {
     /// - `q` [n, H*(dn+dr)] (H = `heads`), each head `[q_nope | q_pe]`: q_pe roped already
     ///   (`rope` None), or to be roped here as `rope` of its columns would (a GPU does it as it
     ///   loads the query, one launch fewer);
-    /// - `cache` [ctx, kv_lora+dr], rows `[c_kv | k_pe]`, of which rows `0..pos0+n` are valid.
+    /// - `cache`: positions `0..pos0+n` valid.
     ///
     /// score = scale * (q_lat.c_kv + q_pe.k_pe); returns softmax(score) . c_kv [n, H*kv_lora].
     #[allow(clippy::too_many_arguments)]
@@ -297,7 +303,7 @@ pub trait Backend: Send + Sync {
         q: &Self::Tensor,
         heads: usize,
         rope: Option<&Rope>,
-        cache: &Self::Tensor,
+        cache: &Self::Latent,
         pos0: usize,
         scale: f32,
         keep: Option<&Self::Ids>,

@@ -30,12 +30,7 @@ pub fn attention<B: Backend>(
 ) -> B::Tensor {
     let (b, cfg) = (&m.backend, &m.cfg);
     let w = &m.weights.layers[il].attn;
-    let (h, dn, dr, kv_lora) = (
-        cfg.n_head,
-        cfg.head_dim_nope,
-        cfg.head_dim_rope,
-        cfg.kv_lora,
-    );
+    let (h, dn) = (cfg.n_head, cfg.head_dim_nope);
     let (n, _) = b.shape(x);
     let indexer = m.weights.layers[il].indexer.as_ref();
 
@@ -83,10 +78,8 @@ pub fn attention<B: Backend>(
         taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
     }
     if taps.on() {
-        let rows = pos0..pos0 + n;
-        let c_kv = b.slice(latent, rows.clone(), 0..kv_lora);
+        let (c_kv, k_pe) = b.latent_rows(latent, pos0..pos0 + n);
         taps.tensor(b, || format!("L{il}.c_kv"), &c_kv);
-        let k_pe = b.slice(latent, rows, kv_lora..kv_lora + dr);
         taps.tensor(b, || format!("L{il}.k_pe"), &k_pe);
     }
 
@@ -118,8 +111,7 @@ pub fn attention<B: Backend>(
     let scale = cfg.attention_scale();
     let core = if n > 1 {
         // Expanded: per-head keys and values from the cached latents.
-        let c_kv_all = b.slice(latent, 0..s, 0..kv_lora); // [S, kv_lora]
-        let k_pe_all = b.slice(latent, 0..s, kv_lora..kv_lora + dr); // [S, dr]
+        let (c_kv_all, k_pe_all) = b.latent_rows(latent, 0..s); // [S, kv_lora], [S, dr]
         let k_nope = b.head_matmul(&c_kv_all, &w.k_b, true); // [S, H*dn]
         let v = b.head_matmul(&c_kv_all, &w.v_b, false); // [S, H*dv]
         b.attention(&q, &k_nope, &k_pe_all, &v, pos0, scale, keep)

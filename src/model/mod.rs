@@ -48,8 +48,8 @@ pub struct Model<B: Backend> {
 
 /// Per-sequence state: the latent cache of every layer and the DSA indexer keys.
 pub struct Cache<B: Backend> {
-    /// Per layer [n_ctx, kv_lora + dr]: rows `[c_kv | k_pe]`.
-    pub latent: Vec<B::Tensor>,
+    /// Per layer, `[c_kv | k_pe]` of each position.
+    pub latent: Vec<B::Latent>,
     /// Per layer running its own indexer: [n_ctx, idx_dim] roped, normed keys.
     pub index_keys: Vec<Option<B::Tensor>>,
     /// Positions filled.
@@ -188,7 +188,7 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         Cache {
             latent: (0..self.cfg.n_layer)
-                .map(|_| b.zeros(capacity, self.cfg.latent_width()))
+                .map(|_| b.latent_cache(capacity, self.cfg.kv_lora, self.cfg.head_dim_rope))
                 .collect(),
             index_keys: self
                 .weights

@@ -652,7 +652,8 @@ impl Bench {
         Ok(())
     }
 
-    /// Absorbed MLA decode of one token over an f32 latent cache of S rows [c_kv 512 | k_pe 64],
+    /// Absorbed MLA decode of one token over a latent cache of S rows [c_kv 512 | k_pe 64] (the
+    /// format's hi and lo bf16 parts, 4 bytes a value),
     /// q_pe roped by the kernel as the model's decode has it (`MlaDecode::qp_rope`).
     fn mla(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
@@ -989,8 +990,8 @@ fn token_ids(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
 }
 
-/// The cache bytes a decode token reads at `ctx` positions: every layer's latent rows (f32
-/// [kv_lora + rope]; with DSA, the top_k selected of them) and, in the layers that run their
+/// The cache bytes a decode token reads at `ctx` positions: every layer's latent rows (4
+/// bytes a value of [kv_lora + rope]; with DSA, the top_k selected of them) and, in the layers that run their
 /// own DSA indexer, the indexer key of every position (f32 [head_dim]).
 fn cache_bytes_per_token(cfg: &ModelConfig, ctx: usize) -> f64 {
     let (latent_rows, index_keys) = match &cfg.indexer {

@@ -15,6 +15,7 @@ use cudarc::driver::CudaSlice;
 
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
+use super::kernels::{LATENT_DIMS, LATENT_ROPE_AT};
 use super::ops::{
     route_f32_takes, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter,
     PairRope, RowsNorm, KERNEL_TYPES,
@@ -55,6 +56,16 @@ impl CudaTensor {
     pub fn buf_mut(&mut self) -> &mut CudaSlice<f32> {
         &mut self.buf
     }
+}
+
+/// One layer's latent cache in the format the MLA decode kernel copies as it is (kernels/
+/// common.cuh, `ops::latent_split`): per position LATENT_DIMS bf16 hi parts and as many lo
+/// parts, the bytes of LATENT_DIMS f32 values, so `rows` is a [capacity, LATENT_DIMS] tensor
+/// whose f32 words are not values.
+pub struct CudaLatent {
+    rows: CudaTensor,
+    kv_lora: usize,
+    dr: usize,
 }
 
 /// A weight in the file's format (`ty`, ggml shape `ne`); vectors are F32.
@@ -177,6 +188,7 @@ impl Backend for Cuda {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
     type Ids = CudaSlice<i32>;
+    type Latent = CudaLatent;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -257,6 +269,44 @@ impl Backend for Cuda {
             rows,
             cols,
         }
+    }
+
+    fn latent_cache(&self, capacity: usize, kv_lora: usize, dr: usize) -> CudaLatent {
+        assert!(
+            kv_lora <= LATENT_ROPE_AT && dr <= LATENT_DIMS - LATENT_ROPE_AT,
+            "latent cache: {kv_lora} + {dr} values past the format's {LATENT_ROPE_AT} + {}",
+            LATENT_DIMS - LATENT_ROPE_AT
+        );
+        CudaLatent {
+            rows: self.zeros(capacity, LATENT_DIMS),
+            kv_lora,
+            dr,
+        }
+    }
+
+    fn latent_bytes(&self, cache: &CudaLatent) -> usize {
+        4 * cache.rows.rows * cache.rows.cols
+    }
+
+    fn latent_rows(&self, cache: &CudaLatent, rows: Range<usize>) -> (CudaTensor, CudaTensor) {
+        assert!(
+            rows.end <= cache.rows.rows,
+            "latent_rows: {rows:?} of {}",
+            cache.rows.rows
+        );
+        let n = rows.len();
+        let (c_kv, k_pe) = (self.empty(n, cache.kv_lora), self.empty(n, cache.dr));
+        ok(
+            self.gpu.latent_rows(
+                self.p(&cache.rows, rows.start * LATENT_DIMS),
+                n,
+                (cache.kv_lora, cache.dr),
+                self.p(&c_kv, 0),
+                self.p(&k_pe, 0),
+            ),
+            "latent_rows",
+        );
+        (c_kv, k_pe)
     }
 
     fn slice(&self, x: &CudaTensor, rows: Range<usize>, cols: Range<usize>) -> CudaTensor {
@@ -450,7 +500,7 @@ impl Backend for Cuda {
 
     fn latent_append(
         &self,
-        cache: &mut CudaTensor,
+        cache: &mut CudaLatent,
         row0: usize,
         kv: &CudaTensor,
         w: &CudaWeight,
@@ -460,12 +510,14 @@ impl Backend for Cuda {
     ) -> Option<CudaTensor> {
         let dr = rope.rot_dims();
         assert!(
-            kv.cols == cache.cols && dr < kv.cols && row0 + kv.rows <= cache.rows,
-            "latent_append: [{}, {}] at row {row0} of [{}, {}]",
+            (kv.cols, dr) == (cache.kv_lora + cache.dr, cache.dr)
+                && row0 + kv.rows <= cache.rows.rows,
+            "latent_append: [{}, {}] at row {row0} of {} positions of {} + {}",
             kv.rows,
             kv.cols,
-            cache.rows,
-            cache.cols
+            cache.rows.rows,
+            cache.kv_lora,
+            cache.dr
         );
         let q_out = query.map(|(x, _)| {
             assert_eq!(x.rows, kv.rows, "latent_append: query rows");
@@ -481,9 +533,9 @@ impl Backend for Cuda {
             self.gpu.latent_norm_rope(
                 self.p(kv, 0),
                 self.w(w),
-                self.p(cache, row0 * cache.cols),
+                self.p(&cache.rows, row0 * LATENT_DIMS),
                 kv.rows,
-                kv.cols - dr,
+                cache.kv_lora,
                 dr,
                 row0,
                 self.constant(&rope.inv_freq),
@@ -709,14 +761,13 @@ impl Backend for Cuda {
         q: &CudaTensor,
         heads: usize,
         rope: Option<&Rope>,
-        cache: &CudaTensor,
+        cache: &CudaLatent,
         pos0: usize,
         scale: f32,
         keep: Option<&CudaSlice<i32>>,
     ) -> CudaTensor {
         let n = q_lat.rows;
-        let (dl, head) = (q_lat.cols / heads, q.cols / heads);
-        let dr = cache.cols - dl;
+        let (dl, dr, head) = (cache.kv_lora, cache.dr, q.cols / heads);
         assert_eq!(
             (heads * dl, heads * head),
             (q_lat.cols, q.cols),
@@ -730,7 +781,7 @@ impl Backend for Cuda {
             qp_tok: q.cols,
             qp_head: head,
             qp_rope: rope.map_or((0, 0.0), |r| (self.constant(&r.inv_freq), r.cos_sin_scale)),
-            cache: self.p(cache, 0),
+            cache: self.p(&cache.rows, 0),
             dl,
             dr,
             heads,

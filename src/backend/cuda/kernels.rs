@@ -55,7 +55,7 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
     let name = match kernel {
         k if k.starts_with("matvec_") || k.starts_with("embed_") => "matvec",
         k if k.starts_with("matmul_") => "matmul",
-        "rmsnorm" | "layernorm" | "add_rmsnorm" | "latent_norm_rope" => "norm",
+        "rmsnorm" | "layernorm" | "add_rmsnorm" | "latent_norm_rope" | "latent_rows" => "norm",
         "rope_pairs" => "rope",
         "silu_mul" | "add_inplace" | "copy_block" => "elementwise",
         "attention_prefill" => "attention",
@@ -83,6 +83,10 @@ pub const ATT_DV_MAX: usize = 256;
 pub const MLA_DL_MAX: usize = 512;
 /// Largest rope width next to it.
 pub const MLA_DR_MAX: usize = 64;
+/// The latent cache format (kernels/common.cuh): a row per position of LATENT_DIMS bf16 hi
+/// parts, then as many lo parts, c_kv from dim 0 and k_pe from dim LATENT_ROPE_AT, zeros between.
+pub const LATENT_DIMS: usize = MLA_DL_MAX + MLA_DR_MAX;
+pub const LATENT_ROPE_AT: usize = MLA_DL_MAX;
 /// Heads per block of mla_decode_split (two m16 tiles; mla_decode_split16: one), keys per
 /// shared tile, threads.
 pub const MLA_HB: usize = 32;

@@ -9,7 +9,8 @@ use super::device::{launch, DevicePtrRaw as Ptr, Gpu};
 use super::error::{check, CudaError};
 use super::kernels::{
     attention_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX, ATT_DV_MAX, ATT_THREADS,
-    DSA_DIM_MAX, DSA_Q_MAX, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS, TOPK_THREADS,
+    DSA_DIM_MAX, DSA_Q_MAX, LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS,
+    TOPK_THREADS,
 };
 
 /// The ggml types the matvec, matmul and embedding kernels read: every type the CPU reference
@@ -843,9 +844,10 @@ impl Gpu {
     }
 
     /// The MLA latent of `rows` tokens: row t of kv [rows, dl + dr] -> row t of `cache`
-    /// (pointing at the first row to fill, rows dl + dr wide), c_kv RMS-normed with w, k_pe
-    /// roped at position pos0 + t (inv_freq: [dr / 2] f32); with `query`, its rows RMS-normed
-    /// in the same launch (q-LoRA's latent, the same eps). See kernels/norm.cu.
+    /// (pointing at the first row to fill, in the latent cache format: `latent_split`), c_kv
+    /// RMS-normed with w, k_pe roped at position pos0 + t (inv_freq: [dr / 2] f32); with
+    /// `query`, its rows RMS-normed in the same launch (q-LoRA's latent, the same eps). See
+    /// kernels/norm.cu.
     #[allow(clippy::too_many_arguments)]
     pub fn latent_norm_rope(
         &self,
@@ -868,6 +870,7 @@ impl Gpu {
             "latent_norm_rope",
             || format!("rope width {dr}, positions up to {}", pos0 + rows),
         )?;
+        latent_fits("latent_norm_rope", dl, dr)?;
         if rows == 0 {
             return Ok(());
         }
@@ -876,6 +879,25 @@ impl Gpu {
         launch!(self, "latent_norm_rope", grid, block, 0;
             kv, w, cache, dl as i32, dr as i32, pos0 as i32, inv_freq, mscale, eps, qx, qw, qy,
             dq as i32);
+        Ok(())
+    }
+
+    /// Rows 0 .. rows of a latent cache back as f32: c_kv [rows, dl] and k_pe [rows, dr] (the
+    /// prefill's expanded attention; kernels/norm.cu).
+    pub fn latent_rows(
+        &self,
+        cache: Ptr,
+        rows: usize,
+        (dl, dr): (usize, usize),
+        c_kv: Ptr,
+        k_pe: Ptr,
+    ) -> Result<(), CudaError> {
+        latent_fits("latent_rows", dl, dr)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        launch!(self, "latent_rows", (rows as u32, 1, 1), 128, 0;
+            cache, dl as i32, dr as i32, c_kv, k_pe);
         Ok(())
     }
 
@@ -1040,6 +1062,41 @@ impl Gpu {
     }
 }
 
+/// Whether a latent of dl + dr values fits the latent cache format.
+fn latent_fits(kernel: &str, dl: usize, dr: usize) -> Result<(), CudaError> {
+    check(
+        dl <= LATENT_ROPE_AT && dr <= LATENT_DIMS - LATENT_ROPE_AT,
+        kernel,
+        || {
+            format!(
+                "latent {dl} + rope {dr}: the cache format holds at most {LATENT_ROPE_AT} + {}",
+                LATENT_DIMS - LATENT_ROPE_AT
+            )
+        },
+    )
+}
+
+/// The latent cache format (kernels/common.cuh) of `rows` [S, dl + dr] f32 `[c_kv | k_pe]`,
+/// as latent_norm_rope writes it: per row LATENT_DIMS bf16 values x_hi = bf16(x) (rounded to
+/// nearest even), then LATENT_DIMS values bf16(x - x_hi), c_kv at dims 0.., k_pe at
+/// LATENT_ROPE_AT.., zeros elsewhere. For callers that fill a cache from the host.
+pub fn latent_split(rows: &[f32], dl: usize, dr: usize) -> Vec<u16> {
+    assert!(dl <= LATENT_ROPE_AT && dr <= LATENT_DIMS - LATENT_ROPE_AT);
+    let mut out = vec![0u16; rows.len() / (dl + dr) * 2 * LATENT_DIMS];
+    for (src, dst) in rows
+        .chunks_exact(dl + dr)
+        .zip(out.chunks_exact_mut(2 * LATENT_DIMS))
+    {
+        for (i, &x) in src.iter().enumerate() {
+            let d = if i < dl { i } else { LATENT_ROPE_AT + i - dl };
+            let hi = half::bf16::from_f32(x);
+            dst[d] = hi.to_bits();
+            dst[LATENT_DIMS + d] = half::bf16::from_f32(x - hi.to_f32()).to_bits();
+        }
+    }
+    out
+}
+
 /// Absorbed MLA attention over the latent cache, the decode path (see kernels/mla_decode.cu):
 /// T query tokens at positions pos0 .. pos0 + T.
 pub struct MlaDecode {
@@ -1054,7 +1111,7 @@ pub struct MlaDecode {
     /// (inv_freq [dr / 2], cos/sin scale) of the rope that q_pe still needs (the kernel turns
     /// it at each token's position as it loads it), or (0, _) when q_pe is roped already.
     pub qp_rope: (Ptr, f32),
-    /// [S, dl + dr] rows [c_kv | k_pe].
+    /// [S] rows in the latent cache format (`latent_split`).
     pub cache: Ptr,
     pub dl: usize,
     pub dr: usize,

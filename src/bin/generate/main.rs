@@ -279,12 +279,17 @@ fn report_rank_memory<B: Backend + DeviceMemory>(
     let kv: usize = cache
         .latent
         .iter()
-        .chain(cache.index_keys.iter().flatten())
-        .map(|t| {
-            let (r, c) = b.shape(t);
-            r * c * 4
-        })
-        .sum();
+        .map(|l| b.latent_bytes(l))
+        .sum::<usize>()
+        + cache
+            .index_keys
+            .iter()
+            .flatten()
+            .map(|t| {
+                let (r, c) = b.shape(t);
+                r * c * 4
+            })
+            .sum::<usize>();
     let workspace = b
         .device_in_use()
         .map(|used| format!(", workspace {}", size(used.saturating_sub(weights + kv))))
