@@ -661,13 +661,16 @@ impl Bench {
         let rope = rope_frequencies(dr, 10000.0, None);
         let inv_freq = self.gpu.upload(&rope.inv_freq)?;
         let qp_rope = (self.gpu.ptr(&inv_freq, 0), rope.cos_sin_scale);
-        for fam in families() {
+        // The whole model's heads, and one rank's of tensor parallelism over 8 GPUs.
+        let shapes = families()
+            .into_iter()
+            .flat_map(|f| [(f.name, f.heads, ""), (f.name, f.heads / 8, " tp8 rank")]);
+        for (fam, h, rank) in shapes {
             for &s in MLA_CONTEXTS {
-                let name = format!("mla_decode {} {}K context", fam.name, s / 1024);
+                let name = format!("mla_decode {fam}{rank} {}K context", s / 1024);
                 if !self.wanted(&name) {
                     continue;
                 }
-                let h = fam.heads;
                 let cache_bytes = 4 * s * (dl + dr);
                 let q_bytes = 4 * h * (dl + dr);
                 let (copies, step) = rotation(cache_bytes + q_bytes, ARENA_BYTES);
@@ -705,7 +708,7 @@ impl Bench {
                     moved,
                     secs,
                     host,
-                    json!({"family": fam.name, "context": s, "heads": h,
+                    json!({"family": fam, "context": s, "heads": h,
                            "splits": splits, "keys_per_split": per, "launches": 2}),
                 );
             }
