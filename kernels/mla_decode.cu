@@ -397,8 +397,8 @@ __device__ __forceinline__ void mla_split_body(
     }
 }
 
-#define MLA_SPLIT(name, W)                                                                  \
-    extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) name(                        \
+#define MLA_SPLIT(name, W, BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(MLA_THREADS, BLOCKS) name(                   \
         const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,           \
         const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr,               \
         int n_heads, const int* key_ids, int n_ids, int pos0, int keys_per_split,             \
@@ -407,8 +407,12 @@ __device__ __forceinline__ void mla_split_body(
                           dr, n_heads, key_ids, n_ids, pos0, keys_per_split, scale, part_acc,  \
                           part_ml, out, out_tok);                                             \
     }
-MLA_SPLIT(mla_decode_split, 4)
-MLA_SPLIT(mla_decode_split16, 8)
+MLA_SPLIT(mla_decode_split, 4, 1)
+MLA_SPLIT(mla_decode_split16, 8, 1)
+// The 16-head form held to 128 registers (no spills under nvcc, sm_90), so that two blocks
+// share an SM where shared memory allows (the H200: 2 x 83 KiB), for long splits of few heads
+// (Gpu::mla_decode_form); short ones lose by it (the first tile's latency).
+MLA_SPLIT(mla_decode_split16x2, 8, 2)
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
 // grid (H, T, C), block of at most MLA_COMBINE_THREADS (ops.rs, mla_combine_shape); out row

@@ -59,7 +59,10 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         "rope_pairs" => "rope",
         "silu_mul" | "add_inplace" | "copy_block" => "elementwise",
         "attention_prefill" => "attention",
-        "mla_decode_split" | "mla_decode_split16" | "mla_decode_combine" => "mla_decode",
+        "mla_decode_split"
+        | "mla_decode_split16"
+        | "mla_decode_split16x2"
+        | "mla_decode_combine" => "mla_decode",
         "dsa_scores" | "topk_rows" | "keep_mask" => "dsa",
         "moe_router" | "moe_route_f32" | "moe_combine" => "moe",
         "argmax_rows" | "top_p_sample" => "sampling",
@@ -163,7 +166,9 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         // heads * dim <= DSA_Q_MAX, dim <= DSA_DIM_MAX: the widest keys make the largest tiles.
         "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX),
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
-        "mla_decode_split" | "mla_decode_split16" => mla_decode_smem_bytes(),
+        "mla_decode_split" | "mla_decode_split16" | "mla_decode_split16x2" => {
+            mla_decode_smem_bytes()
+        }
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         _ => 0,

@@ -1136,6 +1136,10 @@ use super::kernels::{
 /// SMs take nothing from anyone.
 const MLA_PDL_MAX_BLOCKS: u32 = 32;
 
+/// Keys a split (at one block an SM) from which few heads take mla_decode_split16x2: 16 tiles
+/// (DS3's 16 heads at 32K have 256, at 8K 64).
+const MLA_X2_KEYS: usize = 16 * MLA_BK;
+
 /// The most floats of split partials `mla_decode` keeps between calls (64 MiB; one decode
 /// token needs about multiprocessors * 32 * dl, 8.6 MB on an H200); a larger call (many
 /// tokens) allocates its own for the call.
@@ -1148,9 +1152,16 @@ impl Gpu {
     /// one or two key tiles are latency, else mla_decode_split (32 heads). Lab, H200: 16
     /// heads at 8K 23.2 -> 21.0 us; GLM-5's 64 heads over 2048 DSA keys 22.2 -> 20.1 us, 1K
     /// 20.4 -> 16.5 us; longer splits of many heads lose (GLM-5 8K 34.7 -> 41.6 us).
+    ///
+    /// Few heads with long splits (at least MLA_X2_KEYS keys a split at one block an SM) take
+    /// mla_decode_split16x2, the same form held to 128 registers, two blocks an SM on the H200:
+    /// one tensor-parallel rank's 16 heads (DS3) at 32K 42.4 -> 38.8 us, GLM-5's 8 at 32K
+    /// 40.1 -> 35.9, but at 8K 20.8 -> 21.9 and 19.0 -> 19.8 (bench, the same calls).
     pub fn mla_decode_form(&self, n_keys: usize, heads: usize) -> (&'static str, usize) {
-        let (_, per) = self.splits_of(n_keys, heads, MLA_HB);
-        if heads <= 16 || per <= 2 * MLA_BK {
+        let (_, per) = self.splits_of(n_keys, heads, MLA_HB, 1);
+        if heads <= 16 && self.splits_of(n_keys, heads, 16, 1).1 >= MLA_X2_KEYS {
+            ("mla_decode_split16x2", 16)
+        } else if heads <= 16 || per <= 2 * MLA_BK {
             ("mla_decode_split16", 16)
         } else {
             ("mla_decode_split", MLA_HB)
@@ -1160,18 +1171,30 @@ impl Gpu {
     /// The number of sequence splits and keys per split for up to `n_keys` keys and `heads`
     /// heads (`mla_decode_form`).
     pub fn mla_decode_splits(&self, n_keys: usize, heads: usize) -> (usize, usize) {
-        let (_, per_block) = self.mla_decode_form(n_keys, heads);
-        self.splits_of(n_keys, heads, per_block)
+        let (kernel, per_block) = self.mla_decode_form(n_keys, heads);
+        let per_sm = if kernel == "mla_decode_split16x2" {
+            self.blocks_per_sm(kernel, MLA_THREADS, mla_decode_smem_bytes())
+                .unwrap_or(1)
+                .max(1)
+        } else {
+            1
+        };
+        self.splits_of(n_keys, heads, per_block, per_sm)
     }
 
-    /// Splits for heads in groups of `per_block`: one block of the split kernel per
-    /// multiprocessor (it holds ~250 registers a thread, so one block fits an SM), keys per
-    /// split a multiple of the key tile (MLA_BK), at most MLA_MAX_SPLITS splits (what
-    /// mla_decode_combine merges).
-    fn splits_of(&self, n_keys: usize, heads: usize, per_block: usize) -> (usize, usize) {
+    /// Splits for heads in groups of `per_block`: `per_sm` blocks of the split kernel per
+    /// multiprocessor (the forms but split16x2 hold up to 217 registers a thread, so one block
+    /// fits an SM), keys per split a multiple of the key tile (MLA_BK), at most
+    /// MLA_MAX_SPLITS splits (what mla_decode_combine merges).
+    fn splits_of(
+        &self,
+        n_keys: usize,
+        heads: usize,
+        per_block: usize,
+        per_sm: usize,
+    ) -> (usize, usize) {
         let groups = heads.div_ceil(per_block);
-        let want = self
-            .multiprocessors
+        let want = (self.multiprocessors * per_sm)
             .div_ceil(groups)
             .clamp(1, MLA_MAX_SPLITS);
         let splits = want.min(n_keys.div_ceil(MLA_BK)).max(1);
