@@ -15,10 +15,10 @@ use cudarc::driver::CudaSlice;
 
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
-use super::kernels::{LATENT_DIMS, LATENT_ROPE_AT};
+use super::kernels::LATENT_DIMS;
 use super::ops::{
-    route_f32_takes, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter,
-    PairRope, RowsNorm, KERNEL_TYPES,
+    latent_fits, route_f32_takes, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode,
+    MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
@@ -272,11 +272,7 @@ impl Backend for Cuda {
     }
 
     fn latent_cache(&self, capacity: usize, kv_lora: usize, dr: usize) -> CudaLatent {
-        assert!(
-            kv_lora <= LATENT_ROPE_AT && dr <= LATENT_DIMS - LATENT_ROPE_AT,
-            "latent cache: {kv_lora} + {dr} values past the format's {LATENT_ROPE_AT} + {}",
-            LATENT_DIMS - LATENT_ROPE_AT
-        );
+        ok(latent_fits("latent cache", kv_lora, dr), "latent cache");
         CudaLatent {
             rows: self.zeros(capacity, LATENT_DIMS),
             kv_lora,

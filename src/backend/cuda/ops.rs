@@ -1063,7 +1063,7 @@ impl Gpu {
 }
 
 /// Whether a latent of dl + dr values fits the latent cache format.
-fn latent_fits(kernel: &str, dl: usize, dr: usize) -> Result<(), CudaError> {
+pub fn latent_fits(kernel: &str, dl: usize, dr: usize) -> Result<(), CudaError> {
     check(
         dl <= LATENT_ROPE_AT && dr <= LATENT_DIMS - LATENT_ROPE_AT,
         kernel,
@@ -1081,7 +1081,9 @@ fn latent_fits(kernel: &str, dl: usize, dr: usize) -> Result<(), CudaError> {
 /// nearest even), then LATENT_DIMS values bf16(x - x_hi), c_kv at dims 0.., k_pe at
 /// LATENT_ROPE_AT.., zeros elsewhere. For callers that fill a cache from the host.
 pub fn latent_split(rows: &[f32], dl: usize, dr: usize) -> Vec<u16> {
-    assert!(dl <= LATENT_ROPE_AT && dr <= LATENT_DIMS - LATENT_ROPE_AT);
+    if let Err(e) = latent_fits("latent_split", dl, dr) {
+        panic!("{e}");
+    }
     let mut out = vec![0u16; rows.len() / (dl + dr) * 2 * LATENT_DIMS];
     for (src, dst) in rows
         .chunks_exact(dl + dr)
