@@ -518,24 +518,37 @@ impl Bench {
         Ok(())
     }
 
-    /// MLA's absorbed k_b product of one decode token: per head h, q_lat[h] (512) = k_b[h]
-    /// (512 x dn) q_nope[h], one launch over the heads (types whose blocks fit dn: Q5_0, Q8_0).
+    /// MLA's absorbed per-head products of one decode token, one launch over the heads: k_b,
+    /// per head h q_lat[h] (512) = k_b[h] (512 x dn) q_nope[h] (types whose blocks fit dn:
+    /// Q5_0, Q8_0), and v_b, out[h] (dv) = v_b[h] (dv x 512) o_lat[h].
     fn heads(&mut self, arena: &CudaSlice<u8>, x: u64, y: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
-        for (fam, heads, dn) in [("ds3", 128usize, 128usize), ("glm5", 64, 192)] {
-            for ty in [GgmlType::Q5_0, GgmlType::Q8_0] {
-                let rows = 512;
-                let name = format!("matvec_heads {} {fam}.k_b {heads} x {rows}x{dn}", tname(ty));
+        let (kb, vb) = (
+            [GgmlType::Q5_0, GgmlType::Q8_0],
+            [GgmlType::Q4_K, GgmlType::Q6_K],
+        );
+        let shapes = [
+            ("ds3", "k_b", 128usize, 512usize, 128usize, kb),
+            ("glm5", "k_b", 64, 512, 192, kb),
+            ("ds3", "v_b", 128, 128, 512, vb),
+            ("glm5", "v_b", 64, 256, 512, vb),
+        ];
+        for (fam, what, heads, rows, k, types) in shapes {
+            for ty in types {
+                let name = format!(
+                    "matvec_heads {} {fam}.{what} {heads} x {rows}x{k}",
+                    tname(ty)
+                );
                 if !self.wanted(&name) {
                     continue;
                 }
-                let row_bytes = ty.row_bytes(dn).context("whole blocks")?;
+                let row_bytes = ty.row_bytes(k).context("whole blocks")?;
                 let bytes = heads * rows * row_bytes;
                 let (copies, step) = rotation(bytes, ARENA_BYTES);
                 let gpu = self.gpu.clone();
                 let timed = self.time(|i| {
                     let w = base + ((i % copies) * step) as u64;
-                    let mut a = Matvec::single(ty, w, (x, y), (rows, dn));
+                    let mut a = Matvec::single(ty, w, (x, y), (rows, k));
                     a.batch = heads;
                     a.mat_stride = rows * row_bytes;
                     a.y_stride = rows;
@@ -544,14 +557,14 @@ impl Bench {
                 let Some((secs, host)) = self.ok_or_report("matvec", &name, timed) else {
                     continue;
                 };
-                let moved = (bytes + 4 * heads * (dn + rows)) as f64;
+                let moved = (bytes + 4 * heads * (k + rows)) as f64;
                 self.push_bw(
                     "matvec",
                     name,
                     moved,
                     secs,
                     host,
-                    json!({"type": tname(ty), "rows": rows, "k": dn, "heads": heads,
+                    json!({"type": tname(ty), "rows": rows, "k": k, "heads": heads,
                            "family": fam}),
                 );
             }

@@ -1125,9 +1125,13 @@ impl Cuda {
         let y = self.empty(n, heads * dout);
         if n < MATMUL_MIN_ROWS || din % 32 != 0 {
             // One f32 matrix-vector item per (token, head), matrix index = head; item
-            // b = t * heads + h reads x + col0 + (b / x_group) * x_stride.
-            let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
-            let dids = self.upload_i32(&ids);
+            // b = t * heads + h reads x + col0 + (b / x_group) * x_stride. One token (decode)
+            // needs no ids: item h is matrix h, and a copy to the device between two kernels
+            // would stall the chain of programmatic launches twice a layer.
+            let dids = (n > 1).then(|| {
+                let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
+                self.upload_i32(&ids)
+            });
             let (x_group, x_stride) = if shared {
                 (heads, x.cols)
             } else {
@@ -1137,7 +1141,7 @@ impl Cuda {
                 ty: w.ty,
                 w: self.w(w),
                 mat_stride: head_bytes,
-                ids: self.gpu.ptr(&dids, 0),
+                ids: dids.as_ref().map_or(0, |d| self.gpu.ptr(d, 0)),
                 rows: b,
                 k: a,
                 x: self.p(x, col0),
