@@ -1060,13 +1060,15 @@ __device__ void matvec_t_body(const u8* w, i64 mat_stride, const int* ids, int r
     for (int e = 0; e < 8; e++) out[e] = acc[e];
 }
 
-// embed_<type>: y[t, :] = the dequantized row ids[t] of w (n elements per row). One block per
+// embed_<type>: y[t, :] = the dequantized row ids[t] of w (n elements per row; ids null: the
+// one row id0, a decode token's id passed by value, so that no copy precedes it). One block per
 // row, a thread per 8-element unit up to 1024 (ops.rs): each thread's units are loads waited
 // for one after another (128 threads took 7.9 us for DeepSeek-V3's 7168 values, ncu, H200).
 template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
-__device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int n, float* y) {
+__device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int id0, int n,
+                           float* y) {
     int t = blockIdx.x;
-    const u8* row = w + (i64)ids[t] * row_bytes;
+    const u8* row = w + (i64)(ids ? ids[t] : id0) * row_bytes;
     const int units_per_block = ELEMS / 8;
     for (int u = threadIdx.x; u < n / 8; u += blockDim.x) {
         float v[8];
@@ -1150,9 +1152,9 @@ __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int
                                                 x_group, x_stride, y, y_stride);             \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(1024) embed_##name(                       \
-        const u8* w, i64 row_bytes, const int* ids, int n, float* y) {                       \
+        const u8* w, i64 row_bytes, const int* ids, int id0, int n, float* y) {              \
         pdl_enter();                                                                         \
-        embed_body<elems, bytes, dq8_##name>(w, row_bytes, ids, n, y);                       \
+        embed_body<elems, bytes, dq8_##name>(w, row_bytes, ids, id0, n, y);                  \
     }
 
 FOR_EACH_QTYPE(DEFINE_MATVEC)

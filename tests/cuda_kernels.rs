@@ -10,8 +10,8 @@
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
-    latent_split, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter,
-    PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED,
+    latent_split, AttentionPrefill, Combine, EmbedRows, Matmul, Matvec, MatvecPart, MlaDecode,
+    MoeRouter, PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -891,14 +891,26 @@ fn embed_every_type_matches_dequantize() {
         let ids: Vec<i32> = (0..7).map(|_| rng.below(vocab) as i32).collect();
         let (dw, di) = (g.upload(&w).unwrap(), g.upload(&ids).unwrap());
         let dy = poisoned(&g, ids.len() * n);
-        g.embed(t, g.ptr(&dw, 0), n, g.ptr(&di, 0), ids.len(), g.ptr(&dy, 0))
-            .unwrap();
+        let rows = EmbedRows::Ids(g.ptr(&di, 0), ids.len());
+        g.embed(t, g.ptr(&dw, 0), n, rows, g.ptr(&dy, 0)).unwrap();
         let y = g.download(&dy).unwrap();
         let want: Vec<f64> = ids
             .iter()
             .flat_map(|&i| wf[i as usize * n..][..n].iter().map(|&v| v as f64))
             .collect();
         assert_close(&format!("embed {t}"), &y, &want, 1e-12);
+        // One decode token, its id by value.
+        let one = poisoned(&g, n);
+        let id = ids[3] as u32;
+        g.embed(t, g.ptr(&dw, 0), n, EmbedRows::One(id), g.ptr(&one, 0))
+            .unwrap();
+        let y = g.download(&one).unwrap();
+        assert_close(
+            &format!("embed {t}, one id"),
+            &y,
+            &want[3 * n..4 * n],
+            1e-12,
+        );
     }
 }
 

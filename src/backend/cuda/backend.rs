@@ -17,8 +17,8 @@ use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::kernels::LATENT_DIMS;
 use super::ops::{
-    latent_fits, route_f32_takes, AttentionPrefill, Combine, Matmul, Matvec, MatvecPart, MlaDecode,
-    MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
+    latent_fits, route_f32_takes, AttentionPrefill, Combine, EmbedRows, Matmul, Matvec, MatvecPart,
+    MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{Backend, BackendError, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
@@ -374,20 +374,19 @@ impl Backend for Cuda {
 
     fn embed(&self, table: &CudaWeight, tokens: &[u32]) -> CudaTensor {
         let e = table.ne[0];
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let dids = self.upload_i32(&ids);
         let y = self.empty(tokens.len(), e);
-        ok(
-            self.gpu.embed(
-                table.ty,
-                self.w(table),
-                e,
-                self.gpu.ptr(&dids, 0),
-                tokens.len(),
-                self.p(&y, 0),
-            ),
-            "embed",
-        );
+        let dids;
+        let rows = if let [token] = tokens {
+            EmbedRows::One(*token)
+        } else {
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            dids = self.upload_i32(&ids);
+            EmbedRows::Ids(self.gpu.ptr(&dids, 0), tokens.len())
+        };
+        let embedded = self
+            .gpu
+            .embed(table.ty, self.w(table), e, rows, self.p(&y, 0));
+        ok(embedded, "embed");
         y
     }
 

@@ -497,22 +497,32 @@ impl Gpu {
         Ok(())
     }
 
-    /// y[t, :] = dequantized row ids[t] of the [rows, n] matrix w.
+    /// y[t, :] = dequantized row t of `rows` of the [_, n] matrix w.
     pub fn embed(
         &self,
         ty: GgmlType,
         w: Ptr,
         n: usize,
-        ids: Ptr,
-        tokens: usize,
+        rows: EmbedRows,
         y: Ptr,
     ) -> Result<(), CudaError> {
         let (kernel, row_bytes) = typed_rows("embed", ty, n)?;
         let threads = (n / 8).next_multiple_of(32).clamp(32, 1024) as u32;
+        let (ids, id0, tokens) = match rows {
+            EmbedRows::Ids(ids, tokens) => (ids, 0, tokens),
+            EmbedRows::One(id) => (0, id as i32, 1),
+        };
         launch!(self, kernel, (tokens as u32, 1, 1), threads, 0;
-            w, row_bytes as i64, ids, n as i32, y);
+            w, row_bytes as i64, ids, id0, n as i32, y);
         Ok(())
     }
+}
+
+/// The rows `Gpu::embed` dequantizes: `tokens` ids on the device, or one id by value (a decode
+/// token: no copy to the device ahead of its first kernel).
+pub enum EmbedRows {
+    Ids(Ptr, usize),
+    One(u32),
 }
 
 /// Threads per block of rmsnorm / layernorm for rows of n values: each thread keeps at most
