@@ -1,7 +1,9 @@
 // Turning logits into a token on the GPU, so only one integer crosses the bus per step.
 //
-// argmax_rows: out[r] = the index of the largest of x[r, 0 .. n) (lowest on ties).
-//   grid (rows), block 1024.
+// argmax_row: out[0] = the index of the largest of x[0 .. n) (lowest on ties; 0 when no value
+//   is larger than -inf, as for NaNs, so that the id always names a row of the embedding).
+//   grid (ceil(n / ARGMAX_SPAN)), block ARGMAX_THREADS; work: [1 + 2 * grid] i32, zero
+//   (work[0] counts the blocks in, and the last puts it back to 0).
 //
 // top_p_sample: one row of logits; p_i = exp((x_i - max) / temperature). The kept set is
 //   {i : p_i >= thr} for the largest thr whose kept mass is at least top_p of the total (the
@@ -33,16 +35,52 @@ __device__ int block_argmax(float best, int arg, float* sv, int* si) {
     return arg;
 }
 
-extern "C" __global__ void argmax_rows(const float* x, int n, int* out) {
+// A block per ARGMAX_SPAN values, every thread's loads issued at once: the logits' one pass
+// is a single round trip (one block of 1024 threads walking 154880 values took ~150 dependent
+// steps on the token's critical path). The last block in reduces the blocks' best pairs.
+#define ARGMAX_THREADS 256
+#define ARGMAX_PER_THREAD 16
+#define ARGMAX_SPAN (ARGMAX_THREADS * ARGMAX_PER_THREAD)
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_row(const float* x, int n, int* work, int* out) {
     pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
-    const float* row = x + (i64)blockIdx.x * n;
+    __shared__ bool last;
+    int first = blockIdx.x * ARGMAX_SPAN + threadIdx.x;
+    float v[ARGMAX_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < ARGMAX_PER_THREAD; j++) {
+        int i = first + j * ARGMAX_THREADS;
+        v[j] = i < n ? x[i] : NEG_INF;
+    }
     float best = NEG_INF;
     int arg = 1 << 30;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) argmax_pair(&best, &arg, row[i], i);
+#pragma unroll
+    for (int j = 0; j < ARGMAX_PER_THREAD; j++) argmax_pair(&best, &arg, v[j], first + j * ARGMAX_THREADS);
     arg = block_argmax(best, arg, sv, si);
-    if (threadIdx.x == 0) out[blockIdx.x] = arg;
+    int* count = work;
+    int* pairs = work + 1;  // per block: the best value's bits, its index
+    if (threadIdx.x == 0) {
+        pairs[2 * blockIdx.x] = __float_as_int(arg < n ? x[arg] : NEG_INF);
+        pairs[2 * blockIdx.x + 1] = arg;
+        __threadfence();
+        last = atomicAdd(count, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    best = NEG_INF;
+    arg = 1 << 30;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += ARGMAX_THREADS)
+        argmax_pair(&best, &arg, __int_as_float(((volatile int*)pairs)[2 * b]),
+                    ((volatile int*)pairs)[2 * b + 1]);
+    arg = block_argmax(best, arg, sv, si);
+    if (threadIdx.x == 0) {
+        out[0] = arg < n ? arg : 0;
+        *count = 0;
+    }
 }
 
 // The kept mass for threshold bits `thr` (p >= thr, p positive floats compare as u32 bits).

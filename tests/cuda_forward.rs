@@ -358,6 +358,64 @@ fn prefill_equals_decode_on_the_gpu() {
     }
 }
 
+/// Greedy decoding a step ahead, as `generate` runs it (each forward queued on the GPU's pick
+/// of the token before, the pick read back after that), against one step at a time through
+/// host ids: the same kernels on the same inputs, so the same tokens and, bit for bit, the
+/// same last logits.
+#[test]
+fn greedy_steps_on_picks_equal_steps_on_host_ids() {
+    let Some(first) = cuda() else { return };
+    for (variant, model) in each_variant(first) {
+        let vocab = model.cfg.n_vocab;
+        let prompt: Vec<u32> = (0..5).map(|i| (i * 37 + 5) as u32 % vocab as u32).collect();
+        let steps = 10;
+        let b = &model.backend;
+
+        let mut cache = model.new_cache(32);
+        let mut next = b.argmax_last(
+            &model
+                .forward(&mut cache, &prompt, &mut Taps::none())
+                .unwrap(),
+        );
+        let mut host = vec![next];
+        let mut host_last = Vec::new();
+        for _ in 0..steps {
+            let logits = model
+                .forward(&mut cache, &[next], &mut Taps::none())
+                .unwrap();
+            next = b.argmax_last(&logits);
+            host.push(next);
+            host_last = b.download(&logits);
+        }
+
+        let mut cache = model.new_cache(32);
+        let mut pick = b.argmax_pick(
+            &model
+                .forward(&mut cache, &prompt, &mut Taps::none())
+                .unwrap(),
+        );
+        let mut picked = Vec::new();
+        let mut last = None;
+        for _ in 0..steps {
+            let logits = model.forward_pick(&mut cache, &pick).unwrap();
+            let ahead = b.argmax_pick(&logits);
+            picked.push(b.pick_id(&pick));
+            pick = ahead;
+            last = Some(logits);
+        }
+        picked.push(b.pick_id(&pick));
+        let last = b.download(&last.unwrap());
+
+        println!("{variant}: greedy on picks {picked:?}, on host ids {host:?}");
+        assert_eq!(picked, host, "{variant}: the tokens differ");
+        let same = last
+            .iter()
+            .zip(&host_last)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{variant}: the last logits differ");
+    }
+}
+
 /// Routing on the GPU (what runs when nothing traces) against the host routing of a traced
 /// run, on the same GPU and the same prompts: prefill (the 26-token prompt: choices downloaded
 /// and grouped) and decode steps (choices kept on the device). The router logits are the same

@@ -2321,21 +2321,31 @@ fn moe_router_and_combine_match() {
 fn argmax_takes_the_lowest_of_equal_maxima() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("argmax");
-    let (rows, n) = (3, 154_880);
-    let mut x = rng.normals(rows * n);
-    x[n + 70_000] = 100.0;
-    x[n + 90_000] = 100.0; // a later tie in row 1
-    let dx = g.upload(&x).unwrap();
-    let dout = poisoned_i32(&g, rows);
-    g.argmax_rows(g.ptr(&dx, 0), rows, n, g.ptr(&dout, 0))
-        .unwrap();
-    let got = g.download(&dout).unwrap();
-    for r in 0..rows {
-        let row = &x[r * n..][..n];
-        let want = (0..n).fold(0, |best, i| if row[i] > row[best] { i } else { best });
-        assert_eq!(got[r], want as i32, "row {r}");
+    // The vocabularies of GLM-5, of DeepSeek-V3, of the golden models, and one block's span.
+    for n in [154_880, 129_280, 1000, 4096] {
+        let mut x = rng.normals(n);
+        let (a, b) = (n * 9 / 20, n * 11 / 20); // a tie (in two blocks from 4096 values on)
+        x[a] = 100.0;
+        x[b] = 100.0;
+        let dx = g.upload(&x).unwrap();
+        for _ in 0..2 {
+            // twice: the kernel's block counter must be back at zero
+            let dout = poisoned_i32(&g, 1);
+            g.argmax_row(g.ptr(&dx, 0), n, g.ptr(&dout, 0)).unwrap();
+            assert_eq!(g.download(&dout).unwrap()[0], a as i32, "n {n}");
+        }
+        x[a] = 0.0;
+        let dx = g.upload(&x).unwrap();
+        let dout = poisoned_i32(&g, 1);
+        g.argmax_row(g.ptr(&dx, 0), n, g.ptr(&dout, 0)).unwrap();
+        assert_eq!(g.download(&dout).unwrap()[0], b as i32, "n {n}");
     }
-    assert_eq!(got[1], 70_000);
+    // No value above -inf (NaNs): 0, as the host's argmax, a row the embedding has.
+    let dx = g.upload(&vec![f32::NAN; 129_280]).unwrap();
+    let dout = poisoned_i32(&g, 1);
+    g.argmax_row(g.ptr(&dx, 0), 129_280, g.ptr(&dout, 0))
+        .unwrap();
+    assert_eq!(g.download(&dout).unwrap()[0], 0);
 }
 
 /// CPU twin of top_p_sample (f64).

@@ -20,7 +20,7 @@ use mla_engine::config::ModelConfig;
 use mla_engine::gguf::{GgmlType, GgufFile, GgufWriter, Value};
 use mla_engine::model::{Model, Taps};
 use mla_engine::sampling::argmax;
-use mla_engine::tp::{Local, PlanError, ShardPlan, ShardedModel, Split, TpError};
+use mla_engine::tp::{GreedyToken, Local, PlanError, ShardPlan, ShardedModel, Split, TpError};
 use mla_engine::trace::{compare, relative_error, Comparison, Trace};
 use mla_engine::weights::GgufTensors;
 use std::path::{Path, PathBuf};
@@ -103,6 +103,23 @@ fn greedy_tp(m: &ShardedModel<Cpu>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<
         out.push(next);
     }
     (out, logits)
+}
+
+/// The same continuation as `generate` takes it: each step queued on the ranks' picks of the
+/// token before (`greedy_step`), the picks read after that.
+fn greedy_ahead(m: &ShardedModel<Cpu>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = m.new_cache(m.ranks[0].cfg.n_ctx);
+    let (l, _) = m.forward(&mut cache, prompt, None).unwrap();
+    let mut out = vec![m.backend().argmax_last(&l)];
+    let mut picks = m.greedy_step(&mut cache, GreedyToken::Id(out[0])).unwrap();
+    while out.len() < n {
+        let ahead = m
+            .greedy_step(&mut cache, GreedyToken::Picks(&picks))
+            .unwrap();
+        out.push(m.pick_id(&picks));
+        picks = ahead;
+    }
+    out
 }
 
 /// Decode-step logits at TP = 1 for the same token sequence.
@@ -224,6 +241,11 @@ fn golden_at(tp: usize) {
             let (tokens_tp, logits_tp) = greedy_tp(&m, &tokens, 16);
             let tokens_one = greedy(&base, &tokens, 16);
             assert_eq!(tokens_tp, tokens_one, "{v} p{prompt} TP={tp}: greedy");
+            let tokens_ahead = greedy_ahead(&m, &tokens, 16);
+            assert_eq!(
+                tokens_ahead, tokens_one,
+                "{v} p{prompt} TP={tp}: greedy on picks"
+            );
             let logits_one = decode_logits(&base, &tokens, &tokens_one);
             let decode_err = relative_error(&logits_tp, &logits_one);
             assert!(

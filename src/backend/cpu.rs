@@ -158,6 +158,7 @@ impl Backend for Cpu {
     type Weight = CpuWeight;
     type Ids = Vec<i32>;
     type Latent = CpuLatent;
+    type Pick = u32;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -308,6 +309,10 @@ impl Backend for Cpu {
             .expect("embedding type checked at load");
         }
         y
+    }
+
+    fn embed_pick(&self, table: &CpuWeight, pick: &u32) -> Mat {
+        self.embed(table, &[*pick])
     }
 
     fn rms_norm(&self, x: &Mat, w: &CpuWeight, eps: f32) -> Mat {
@@ -537,6 +542,15 @@ impl Backend for Cpu {
 
     fn ids_to_host(&self, ids: &Vec<i32>) -> Vec<i32> {
         ids.clone()
+    }
+
+    fn argmax_pick(&self, logits: &Mat) -> u32 {
+        let cols = logits.cols;
+        crate::sampling::argmax(&logits.data[logits.data.len() - cols..]) as u32
+    }
+
+    fn pick_id(&self, pick: &u32) -> u32 {
+        *pick
     }
 
     fn moe_experts(

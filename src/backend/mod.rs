@@ -83,6 +83,9 @@ pub trait Backend: Send + Sync {
     /// form of the backend's choosing (the CPU: an f32 tensor; CUDA: what its decode kernel
     /// copies as it is).
     type Latent: Send + Sync;
+    /// A greedy pick (`argmax_pick`): one token id in the backend's memory, on its way to the
+    /// host.
+    type Pick: Send + Sync;
 
     /// "cpu", "cuda": used in messages.
     fn name(&self) -> &'static str;
@@ -132,6 +135,9 @@ pub trait Backend: Send + Sync {
     /// Embedding rows: `table` {E, V} -> [tokens.len(), E], dequantized rows of the table.
     /// Token ids are validated by the caller (< V).
     fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Self::Tensor;
+
+    /// `embed` of the one token `pick` holds, read where it is: the host need not have seen it.
+    fn embed_pick(&self, table: &Self::Weight, pick: &Self::Pick) -> Self::Tensor;
 
     /// RMSNorm of each row: `x` [n, d], `w` {d} -> `x / sqrt(mean(x^2) + eps) * w`.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32) -> Self::Tensor;
@@ -371,12 +377,18 @@ pub trait Backend: Send + Sync {
 
     // ----- sampling ----------------------------------------------------------------------------
 
-    /// Greedy sampling: the index of the largest value in the last row of `logits` (the first
-    /// on ties). A GPU backend answers without copying the row to the host.
+    /// Greedy sampling, queued: the index of the largest value in the last row of `logits`
+    /// (the first on ties), left in the backend's memory. A GPU backend copies no logits to the
+    /// host, and work queued after the pick (the next token's forward, `embed_pick`) need not
+    /// wait for the host to read it.
+    fn argmax_pick(&self, logits: &Self::Tensor) -> Self::Pick;
+
+    /// The id of `pick`, once the work queued before it is done (not the work queued after).
+    fn pick_id(&self, pick: &Self::Pick) -> u32;
+
+    /// Greedy sampling: `argmax_pick`, waited for.
     fn argmax_last(&self, logits: &Self::Tensor) -> u32 {
-        let (rows, cols) = self.shape(logits);
-        let all = self.download(logits);
-        crate::sampling::argmax(&all[(rows - 1) * cols..]) as u32
+        self.pick_id(&self.argmax_pick(logits))
     }
 }
 

@@ -213,7 +213,18 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         taps: &mut Taps,
     ) -> Result<B::Tensor, ForwardError> {
-        self.run(cache, tokens, taps, false)
+        self.run(cache, Input::Ids(tokens), taps, false)
+    }
+
+    /// One decode step of greedy generation whose token is `pick` (the argmax of the previous
+    /// logits, `Backend::argmax_pick`): the step is queued behind the pick, so that the host
+    /// can read the pick while the device already runs this step. Returns the logits [1, V].
+    pub fn forward_pick(
+        &self,
+        cache: &mut Cache<B>,
+        pick: &B::Pick,
+    ) -> Result<B::Tensor, ForwardError> {
+        self.run(cache, Input::Pick(pick), &mut Taps::none(), false)
     }
 
     /// Like `forward`, but only the last token's logits [1, V]: what generation needs after a
@@ -223,42 +234,51 @@ impl<B: Backend> Model<B> {
         cache: &mut Cache<B>,
         tokens: &[u32],
     ) -> Result<B::Tensor, ForwardError> {
-        self.run(cache, tokens, &mut Taps::none(), true)
+        self.run(cache, Input::Ids(tokens), &mut Taps::none(), true)
     }
 
     fn run(
         &self,
         cache: &mut Cache<B>,
-        tokens: &[u32],
+        input: Input<B>,
         taps: &mut Taps,
         last_only: bool,
     ) -> Result<B::Tensor, ForwardError> {
         let cfg = &self.cfg;
         let b = &self.backend;
         let w = &self.weights;
-        if tokens.is_empty() {
+        let n = match input {
+            Input::Ids(tokens) => tokens.len(),
+            Input::Pick(_) => 1, // an argmax of the logits: always in the vocabulary
+        };
+        if n == 0 {
             return Err(ForwardError::Empty);
         }
-        if let Some((index, &id)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= cfg.n_vocab)
-        {
-            return Err(ForwardError::TokenOutOfRange {
-                id,
-                index,
-                n_vocab: cfg.n_vocab,
-            });
+        if let Input::Ids(tokens) = input {
+            if let Some((index, &id)) = tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as usize >= cfg.n_vocab)
+            {
+                return Err(ForwardError::TokenOutOfRange {
+                    id,
+                    index,
+                    n_vocab: cfg.n_vocab,
+                });
+            }
         }
-        if cache.len + tokens.len() > cache.capacity {
+        if cache.len + n > cache.capacity {
             return Err(ForwardError::ContextFull {
-                needed: cache.len + tokens.len(),
+                needed: cache.len + n,
                 n_ctx: cache.capacity,
             });
         }
         let pos0 = cache.len;
 
-        let mut x = b.embed(&w.token_embd, tokens); // [n, E]
+        let mut x = match input {
+            Input::Ids(tokens) => b.embed(&w.token_embd, tokens),
+            Input::Pick(pick) => b.embed_pick(&w.token_embd, pick),
+        }; // [n, E]
         taps.tensor(b, || "embed".into(), &x);
 
         // DSA: the last full indexer's selection, reused by the shared layers after it.
@@ -287,14 +307,13 @@ impl<B: Backend> Model<B> {
                     y
                 }
                 Ffn::Moe(m) => moe::forward(self, il, m, &h, taps),
-                Ffn::OtherRank => b.zeros(tokens.len(), cfg.n_embd),
+                Ffn::OtherRank => b.zeros(n, cfg.n_embd),
             };
             self.comm.all_reduce(b, &mut out);
             ffn_out = Some(out);
         }
-        cache.len += tokens.len();
+        cache.len += n;
 
-        let n = tokens.len();
         if last_only && n > 1 {
             // Only the last position goes on (forward_last, never traced: the last layer's
             // h_out below is then that row alone).
@@ -311,6 +330,12 @@ impl<B: Backend> Model<B> {
         taps.tensor(b, || "logits".into(), &logits);
         Ok(logits)
     }
+}
+
+/// The tokens a forward embeds: ids from the host, or one greedy pick left where it was made.
+enum Input<'a, B: Backend> {
+    Ids(&'a [u32]),
+    Pick(&'a B::Pick),
 }
 
 /// `x += y` (the previous layer's output; None before the first layer), then the RMSNorm of

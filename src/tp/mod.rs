@@ -27,4 +27,4 @@ pub mod sharded;
 
 pub use local::Local;
 pub use plan::{PlanError, RankBytes, ShardPlan, Split};
-pub use sharded::{merge_traces, ShardSource, ShardedCache, ShardedModel, TpError};
+pub use sharded::{merge_traces, GreedyToken, ShardSource, ShardedCache, ShardedModel, TpError};

@@ -306,12 +306,69 @@ impl<B: Backend> ShardedModel<B> {
             let mut taps = Taps::new(trace);
             return Ok((step(model, cache, &mut taps)?, Vec::new()));
         }
-        let results: Vec<Result<(B::Tensor, Trace), ForwardError>> = std::thread::scope(|s| {
+        let results = self.on_ranks(cache, tracing, |_, model, cache, taps| {
+            step(model, cache, taps)
+        })?;
+        let mut logits = None;
+        let mut traces = Vec::new();
+        for (l, t) in results {
+            logits.get_or_insert(l);
+            traces.push(t);
+        }
+        let mut mismatches = Vec::new();
+        if let Some(out) = trace {
+            let (merged, m) = merge_traces(&traces);
+            *out = merged;
+            mismatches = m;
+        }
+        Ok((logits.expect("at least one rank"), mismatches))
+    }
+
+    /// One step of greedy decoding: the forward of `token` on every rank, then each rank's
+    /// `argmax_pick` of its logits (gathered: the same on every rank), not yet read. Queue the
+    /// next step on these picks before reading them (`pick_id`), and the devices never wait
+    /// for the host between two tokens.
+    pub fn greedy_step(
+        &self,
+        cache: &mut ShardedCache<B>,
+        token: GreedyToken<B>,
+    ) -> Result<Vec<B::Pick>, ForwardError> {
+        let picks = self.on_ranks(cache, false, |rank, model, cache, _| {
+            let logits = match token {
+                GreedyToken::Id(id) => model.forward(cache, &[id], &mut Taps::none())?,
+                GreedyToken::Picks(picks) => model.forward_pick(cache, &picks[rank])?,
+            };
+            Ok(model.backend.argmax_pick(&logits))
+        })?;
+        Ok(picks.into_iter().map(|(pick, _)| pick).collect())
+    }
+
+    /// The token id of `picks` (`greedy_step`), once the ranks have made it.
+    pub fn pick_id(&self, picks: &[B::Pick]) -> u32 {
+        self.ranks[0].backend.pick_id(&picks[0])
+    }
+
+    /// `step(rank, model, cache, taps)` on every rank at once, each on a thread of its own
+    /// (one rank: here), with a trace of its own when `tracing`.
+    fn on_ranks<T: Send>(
+        &self,
+        cache: &mut ShardedCache<B>,
+        tracing: bool,
+        step: impl Fn(usize, &Model<B>, &mut Cache<B>, &mut Taps) -> Result<T, ForwardError> + Sync,
+    ) -> Result<Vec<(T, Trace)>, ForwardError> {
+        if let ([model], [cache]) = (&self.ranks[..], &mut cache.ranks[..]) {
+            let mut t = Trace::new();
+            let out = step(0, model, cache, &mut Taps::new(tracing.then_some(&mut t)))?;
+            return Ok(vec![(out, t)]);
+        }
+        let step = &step;
+        let results: Vec<Result<(T, Trace), ForwardError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
                 .iter()
                 .zip(cache.ranks.iter_mut())
-                .map(|(model, cache)| {
+                .enumerate()
+                .map(|(rank, (model, cache))| {
                     s.spawn(move || {
                         // A rank that panics breaks the group, so that the others stop in
                         // their next collective instead of waiting for it forever. (Forward
@@ -319,8 +376,8 @@ impl<B: Backend> ShardedModel<B> {
                         let _guard = AbortOnPanic(&*model.comm);
                         let mut t = Trace::new();
                         let mut taps = Taps::new(tracing.then_some(&mut t));
-                        let logits = step(model, cache, &mut taps)?;
-                        Ok((logits, t))
+                        let out = step(rank, model, cache, &mut taps)?;
+                        Ok((out, t))
                     })
                 })
                 .collect();
@@ -336,21 +393,14 @@ impl<B: Backend> ShardedModel<B> {
             }
             joined.into_iter().map(|j| j.unwrap()).collect()
         });
-        let mut logits = None;
-        let mut traces = Vec::new();
-        for r in results {
-            let (l, t) = r?;
-            logits.get_or_insert(l);
-            traces.push(t);
-        }
-        let mut mismatches = Vec::new();
-        if let Some(out) = trace {
-            let (merged, m) = merge_traces(&traces);
-            *out = merged;
-            mismatches = m;
-        }
-        Ok((logits.expect("at least one rank"), mismatches))
+        results.into_iter().collect()
     }
+}
+
+/// The token of a greedy step: an id the host has, or the picks of the step before.
+pub enum GreedyToken<'a, B: Backend> {
+    Id(u32),
+    Picks(&'a [B::Pick]),
 }
 
 /// Breaks the rank's group when dropped while its thread panics.

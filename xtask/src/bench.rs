@@ -911,6 +911,25 @@ impl Bench {
         self.dsa(&arena, y)?;
         self.prefill(&arena, x, y)?;
         self.moe_prefill(&arena, x, y)?;
+        self.argmax(y)?;
+        Ok(())
+    }
+
+    /// The greedy pick of a decode token, on its critical path: the argmax of the logits.
+    fn argmax(&mut self, logits: u64) -> Result<()> {
+        let id = self.gpu.empty_i32(1)?;
+        let out = self.gpu.ptr(&id, 0);
+        for (fam, n) in [("ds3", 129_280), ("glm5", 154_880)] {
+            let name = format!("argmax {fam}.logits {n}");
+            if !self.wanted(&name) {
+                continue;
+            }
+            let gpu = self.gpu.clone();
+            let timed = self.time(|_| Ok(gpu.argmax_row(logits, n, out)?));
+            if let Some((secs, host)) = self.ok_or_report("sampling", &name, timed) {
+                self.push_bw("sampling", name, 4.0 * n as f64, secs, host, json!({}));
+            }
+        }
         Ok(())
     }
 
@@ -934,13 +953,19 @@ impl Bench {
         model
             .backend
             .download(&model.forward(&mut cache, &prompt, &mut Taps::none())?);
-        let mut next = 1u32;
-        // One greedy step as `generate` takes it: the forward and the argmax on the GPU. A
-        // decode time: the median of `tokens` steps after 3 of warm-up.
+        // Greedy steps as `generate` takes them: the forward queued on the GPU's pick of the
+        // token before (argmax_pick), then that pick read back, so that the GPU runs a step
+        // ahead of the host. A decode time: the median of `tokens` steps after 3 of warm-up.
+        let mut before: Option<<Cuda as Backend>::Pick> = None;
         let mut step = |cache: &mut Cache<Cuda>| -> Result<f64> {
             let t = Instant::now();
-            let logits = model.forward(cache, &[next], &mut Taps::none())?;
-            next = model.backend.argmax_last(&logits);
+            let logits = match &before {
+                Some(pick) => model.forward_pick(cache, pick)?,
+                None => model.forward(cache, &[1], &mut Taps::none())?,
+            };
+            if let Some(pick) = before.replace(model.backend.argmax_pick(&logits)) {
+                model.backend.pick_id(&pick);
+            }
             Ok(t.elapsed().as_secs_f64())
         };
         let mut decode_secs = |cache: &mut Cache<Cuda>| -> Result<f64> {

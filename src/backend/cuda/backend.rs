@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaEvent, CudaSlice};
 
 use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
@@ -37,6 +37,14 @@ pub struct Cuda {
     /// uploaded once by content (`constant`): a copy between two kernels costs the stream a
     /// few microseconds and breaks the chain of dependent launches.
     constants: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
+}
+
+/// A greedy pick: the id the argmax kernel writes, and the mark after it that the read-back
+/// waits for.
+pub struct CudaPick {
+    /// [1]
+    id: CudaSlice<i32>,
+    done: CudaEvent,
 }
 
 /// An activation `[rows, cols]`, f32, row-major.
@@ -189,6 +197,7 @@ impl Backend for Cuda {
     type Weight = CudaWeight;
     type Ids = CudaSlice<i32>;
     type Latent = CudaLatent;
+    type Pick = CudaPick;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -383,6 +392,17 @@ impl Backend for Cuda {
             dids = self.upload_i32(&ids);
             EmbedRows::Ids(self.gpu.ptr(&dids, 0), tokens.len())
         };
+        let embedded = self
+            .gpu
+            .embed(table.ty, self.w(table), e, rows, self.p(&y, 0));
+        ok(embedded, "embed");
+        y
+    }
+
+    fn embed_pick(&self, table: &CudaWeight, pick: &CudaPick) -> CudaTensor {
+        let e = table.ne[0];
+        let y = self.empty(1, e);
+        let rows = EmbedRows::Ids(self.gpu.ptr(&pick.id, 0), 1);
         let embedded = self
             .gpu
             .embed(table.ty, self.w(table), e, rows, self.p(&y, 0));
@@ -949,15 +969,20 @@ impl Backend for Cuda {
         self.combine(&d_out, Some(&dslots), &dw, n, k)
     }
 
-    fn argmax_last(&self, logits: &CudaTensor) -> u32 {
+    fn argmax_pick(&self, logits: &CudaTensor) -> CudaPick {
         let (rows, cols) = (logits.rows, logits.cols);
-        let out = ok(self.gpu.empty_i32(1), "alloc");
+        let id = ok(self.gpu.empty_i32(1), "alloc");
         let last = self.p(logits, (rows - 1) * cols);
         ok(
-            self.gpu.argmax_rows(last, 1, cols, self.gpu.ptr(&out, 0)),
+            self.gpu.argmax_row(last, cols, self.gpu.ptr(&id, 0)),
             "argmax",
         );
-        ok(self.gpu.download(&out), "download")[0] as u32
+        let done = ok(self.gpu.mark(), "event");
+        CudaPick { id, done }
+    }
+
+    fn pick_id(&self, pick: &CudaPick) -> u32 {
+        ok(self.gpu.read_after(&pick.id, &pick.done), "download")[0] as u32
     }
 
     fn moe_routed(

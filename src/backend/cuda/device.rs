@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -20,8 +20,10 @@ pub type DevicePtrRaw = u64;
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
-    /// Every launch and copy goes to this one stream, in order.
+    /// Every launch and copy goes to this one stream, in order (but the read-back of picks).
     pub stream: Arc<CudaStream>,
+    /// Reads greedy picks back (`read_pick`) while `stream` runs the work queued after them.
+    pick_stream: Arc<CudaStream>,
     /// "sm_90", "sm_120": the architecture kernels are compiled for.
     pub arch: String,
     pub name: String,
@@ -42,6 +44,9 @@ pub struct Gpu {
     /// Grow-only counters of the tensor-core matvec's combine (`Matvec::combine`, ops.rs), zero
     /// between launches: the block that sums a group's rows puts its counter back.
     pub(super) combine_done: Mutex<Option<CudaSlice<i32>>>,
+    /// Grow-only counter and per-block pairs of `argmax_row` (ops.rs), the counter zero
+    /// between launches.
+    pub(super) argmax_work: Mutex<Option<CudaSlice<i32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -64,10 +69,17 @@ impl Gpu {
             )));
         }
         let ctx = CudaContext::new(ordinal)?;
+        // cudarc gives every buffer two events for ordering across streams; all of our work
+        // runs in order on `stream` (the pick read-back waits on an event of its own), so the
+        // ~4 driver calls per buffer they cost were host time spent on every activation
+        // (measured on an H200: host enqueue ~670 us of a ~900-980 us decode token).
+        // SAFETY: called before any buffer of this context exists.
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
         let multiprocessors =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let stream = ctx.default_stream();
+        let pick_stream = ctx.new_stream()?;
         let dependent_launch = major >= 9 && std::env::var("MLA_PDL").map_or(true, |v| v != "0");
         Ok(Gpu {
             dependent_launch,
@@ -75,6 +87,7 @@ impl Gpu {
             arch: format!("sm_{major}{minor}"),
             multiprocessors,
             stream,
+            pick_stream,
             ctx,
             modules: Mutex::default(),
             functions: Mutex::default(),
@@ -82,6 +95,7 @@ impl Gpu {
             mla_work: Mutex::default(),
             route_done: Mutex::default(),
             combine_done: Mutex::default(),
+            argmax_work: Mutex::default(),
         })
     }
 
@@ -189,6 +203,25 @@ impl Gpu {
     pub fn empty_i32(&self, n: usize) -> Result<CudaSlice<i32>, CudaError> {
         // SAFETY: as `empty`: the caller's kernel writes every element before any read.
         Ok(unsafe { self.stream.alloc::<i32>(n.max(1)) }?)
+    }
+
+    /// Marks the work queued so far, for `read_pick` to wait on.
+    pub fn mark(&self) -> Result<CudaEvent, CudaError> {
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        Ok(self.stream.record_event(Some(flags))?)
+    }
+
+    /// `buf` once the work before `done` has written it, without waiting for the work queued
+    /// after `done`: the copy runs on a stream of its own.
+    pub fn read_after<T: DeviceRepr + Default + Clone>(
+        &self,
+        buf: &CudaSlice<T>,
+        done: &CudaEvent,
+    ) -> Result<Vec<T>, CudaError> {
+        self.pick_stream.wait(done)?;
+        let host = self.pick_stream.clone_dtoh(buf)?;
+        self.pick_stream.synchronize()?;
+        Ok(host)
     }
 
     /// Waits for all queued work, surfacing any error a kernel raised.

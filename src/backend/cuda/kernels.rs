@@ -65,7 +65,7 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         | "mla_decode_combine" => "mla_decode",
         "dsa_scores" | "topk_rows" | "keep_mask" => "dsa",
         "moe_router" | "moe_route_f32" | "moe_combine" => "moe",
-        "argmax_rows" | "top_p_sample" => "sampling",
+        "argmax_row" | "top_p_sample" => "sampling",
         _ => return None,
     };
     FAMILIES.iter().find(|f| f.name == name)

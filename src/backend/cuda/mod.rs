@@ -15,6 +15,6 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 
-pub use backend::{Cuda, CudaTensor, CudaWeight};
+pub use backend::{Cuda, CudaPick, CudaTensor, CudaWeight};
 pub use device::{driver_available, DevicePtrRaw, Gpu};
 pub use error::CudaError;

@@ -1503,9 +1503,12 @@ impl Gpu {
         Ok(())
     }
 
-    /// out[r] = argmax of row r of x ([rows, n]).
-    pub fn argmax_rows(&self, x: Ptr, rows: usize, n: usize, out: Ptr) -> Result<(), CudaError> {
-        launch!(self, "argmax_rows", (rows as u32, 1, 1), 1024, 0; x, n as i32, out);
+    /// out[0] = the index of the largest of x[0..n) (the lowest on ties).
+    pub fn argmax_row(&self, x: Ptr, n: usize, out: Ptr) -> Result<(), CudaError> {
+        const SPAN: usize = 256 * 16; // ARGMAX_SPAN, kernels/sampling.cu
+        let blocks = n.div_ceil(SPAN);
+        let work = self.zeroed_counters(&self.argmax_work, 1 + 2 * blocks)?;
+        launch!(self, "argmax_row", (blocks as u32, 1, 1), 256, 0; x, n as i32, work, out);
         Ok(())
     }
 

@@ -17,7 +17,7 @@ use mla_engine::model::{Cache, Model};
 use mla_engine::sampling::Sampler;
 use mla_engine::tokenizer::{render_chat, Message, TextStream, Tokenizer};
 use mla_engine::tp::nccl::{Clock, Nccl};
-use mla_engine::tp::{Local, ShardPlan, ShardedCache, ShardedModel};
+use mla_engine::tp::{GreedyToken, Local, ShardPlan, ShardedCache, ShardedModel};
 use mla_engine::trace::Trace;
 use std::io::Write;
 use std::path::PathBuf;
@@ -469,6 +469,11 @@ fn generate<B: Backend + DeviceMemory>(
     out.flush()?;
     let start = Instant::now();
     let mut generated = 0;
+    // Greedy decoding runs a step ahead: the step after a token is queued on the device's pick
+    // of it before the host reads that pick, so the device does not wait for the host between
+    // two tokens. `ahead`: the picks of the token after `next`, when already queued.
+    let greedy = cli.temperature <= 0.0;
+    let mut ahead: Option<Vec<B::Pick>> = None;
     while generated < max_new {
         if Some(next) == tok.eos {
             break;
@@ -479,7 +484,18 @@ fn generate<B: Backend + DeviceMemory>(
         if generated == max_new {
             break;
         }
-        next = pick(&model.forward(&mut cache, &[next], None)?.0);
+        next = if greedy {
+            let picks = match ahead.take() {
+                Some(picks) => picks,
+                None => model.greedy_step(&mut cache, GreedyToken::Id(next))?,
+            };
+            if generated + 1 < max_new {
+                ahead = Some(model.greedy_step(&mut cache, GreedyToken::Picks(&picks))?);
+            }
+            model.pick_id(&picks)
+        } else {
+            pick(&model.forward(&mut cache, &[next], None)?.0)
+        };
     }
     writeln!(out)?;
     let gen_secs = start.elapsed().as_secs_f64();
