@@ -1302,7 +1302,7 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
         // Rows outside row0..row0+tokens hold values the kernel must keep, and so do the
         // format's dims past c_kv and k_pe in its rows (marked 0x1234 here); their values are
         // NaN.
-        let mut cache = latent_split(&rng.normals(ctx * width), dl, dr);
+        let mut cache = latent_split(&rng.normals(ctx * width), dl, dr).unwrap();
         let row_of = |r: usize| 2 * LATENT_DIMS * r..2 * LATENT_DIMS * (r + 1);
         let values = |d: usize| d < dl || (LATENT_ROPE_AT..LATENT_ROPE_AT + dr).contains(&d);
         for r in row0..row0 + tokens {
@@ -1697,7 +1697,7 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize, p
     let (dq, dp, dc, dw, df) = (
         g.upload(&q_lat).unwrap(),
         g.upload(&q_pe).unwrap(),
-        g.upload(&latent_split(&cache, dl, dr)).unwrap(),
+        g.upload(&latent_split(&cache, dl, dr).unwrap()).unwrap(),
         g.upload(&q_whole).unwrap(),
         g.upload(&inv_freq).unwrap(),
     );
@@ -2496,7 +2496,7 @@ fn decode_and_prefill_kernel_timings() {
     let out = g.zeros::<f32>(heads * dl).unwrap();
     for ctx in [1024, 8192, 32768] {
         let cache = g
-            .upload(&latent_split(&rng.normals(ctx * (dl + dr)), dl, dr))
+            .upload(&latent_split(&rng.normals(ctx * (dl + dr)), dl, dr).unwrap())
             .unwrap();
         let a = MlaDecode {
             q_lat: g.ptr(&ql, 0),

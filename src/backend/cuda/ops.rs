@@ -1090,10 +1090,8 @@ pub fn latent_fits(kernel: &str, dl: usize, dr: usize) -> Result<(), CudaError> 
 /// as latent_norm_rope writes it: per row LATENT_DIMS bf16 values x_hi = bf16(x) (rounded to
 /// nearest even), then LATENT_DIMS values bf16(x - x_hi), c_kv at dims 0.., k_pe at
 /// LATENT_ROPE_AT.., zeros elsewhere. For callers that fill a cache from the host.
-pub fn latent_split(rows: &[f32], dl: usize, dr: usize) -> Vec<u16> {
-    if let Err(e) = latent_fits("latent_split", dl, dr) {
-        panic!("{e}");
-    }
+pub fn latent_split(rows: &[f32], dl: usize, dr: usize) -> Result<Vec<u16>, CudaError> {
+    latent_fits("latent_split", dl, dr)?;
     let mut out = vec![0u16; rows.len() / (dl + dr) * 2 * LATENT_DIMS];
     for (src, dst) in rows
         .chunks_exact(dl + dr)
@@ -1106,7 +1104,7 @@ pub fn latent_split(rows: &[f32], dl: usize, dr: usize) -> Vec<u16> {
             dst[LATENT_DIMS + d] = half::bf16::from_f32(x - hi.to_f32()).to_bits();
         }
     }
-    out
+    Ok(out)
 }
 
 /// Absorbed MLA attention over the latent cache, the decode path (see kernels/mla_decode.cu):
