@@ -22,7 +22,7 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     /// Every launch and copy goes to this one stream, in order (but the read-back of picks).
     pub stream: Arc<CudaStream>,
-    /// Reads greedy picks back (`read_pick`) while `stream` runs the work queued after them.
+    /// Reads greedy picks back (`read_after`) while `stream` runs the work queued after them.
     pick_stream: Arc<CudaStream>,
     /// "sm_90", "sm_120": the architecture kernels are compiled for.
     pub arch: String,
@@ -205,7 +205,7 @@ impl Gpu {
         Ok(unsafe { self.stream.alloc::<i32>(n.max(1)) }?)
     }
 
-    /// Marks the work queued so far, for `read_pick` to wait on.
+    /// Marks the work queued so far, for `read_after` to wait on.
     pub fn mark(&self) -> Result<CudaEvent, CudaError> {
         let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         Ok(self.stream.record_event(Some(flags))?)
