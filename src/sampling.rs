@@ -93,25 +93,32 @@ impl Sampler {
             .map(|(i, p)| (p, i))
             .collect();
         sorted.par_sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut kept = 0;
-        let mut mass = 0.0;
-        for p in &sorted {
-            kept += 1;
-            mass += p.0;
-            if mass >= self.top_p as f64 {
-                break;
-            }
-        }
-        let r = self.rng.next_f64() * mass;
-        let mut acc = 0.0;
-        for p in &sorted[..kept] {
-            acc += p.0;
-            if r < acc {
-                return p.1 as u32;
-            }
-        }
-        sorted[kept - 1].1 as u32
+        draw_nucleus(&sorted, self.top_p, &mut self.rng)
     }
+}
+
+/// The draw of `Sampler::sample` from (p, id) in falling order (every token of the nucleus
+/// first): the shortest prefix whose mass reaches top_p (at least one), and a uniform draw
+/// over that prefix's mass.
+fn draw_nucleus(sorted: &[(f64, usize)], top_p: f32, rng: &mut Rng) -> u32 {
+    let mut kept = 0;
+    let mut mass = 0.0;
+    for p in sorted {
+        kept += 1;
+        mass += p.0;
+        if mass >= top_p as f64 {
+            break;
+        }
+    }
+    let r = rng.next_f64() * mass;
+    let mut acc = 0.0;
+    for p in &sorted[..kept] {
+        acc += p.0;
+        if r < acc {
+            return p.1 as u32;
+        }
+    }
+    sorted[kept - 1].1 as u32
 }
 
 #[cfg(test)]
@@ -137,7 +144,8 @@ mod tests {
         assert!(draw(3).contains(&0) && draw(3).contains(&1));
     }
 
-    /// The sampler as first written, every token sorted: the definition `sample` keeps.
+    /// The sampler as first written, every token sorted before the draw: the definition
+    /// `sample` keeps.
     fn sample_by_full_sort(temperature: f32, top_p: f32, rng: &mut Rng, logits: &[f32]) -> u32 {
         let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let mut probs: Vec<(f64, usize)> = logits
@@ -148,23 +156,7 @@ mod tests {
         let total: f64 = probs.iter().map(|p| p.0).sum();
         probs.iter_mut().for_each(|p| p.0 /= total);
         probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let (mut kept, mut mass) = (0, 0.0);
-        for p in &probs {
-            kept += 1;
-            mass += p.0;
-            if mass >= top_p as f64 {
-                break;
-            }
-        }
-        let r = rng.next_f64() * mass;
-        let mut acc = 0.0;
-        for p in &probs[..kept] {
-            acc += p.0;
-            if r < acc {
-                return p.1 as u32;
-            }
-        }
-        probs[kept - 1].1 as u32
+        draw_nucleus(&probs, top_p, rng)
     }
 
     /// Logits of `n` tokens: normal with standard deviation `scale`, some rounded to halves
