@@ -874,10 +874,11 @@ __device__ __forceinline__ int dp4a_u8s8(u32 a, u32 b, int c) {
 #define INT_Q6_STRETCH 840
 #define INT_Q6_CHUNKS 54
 
-// 4 words from 2-byte aligned shared memory.
-__device__ __forceinline__ void lds_words4(const u8* p, u32* out) {
+// 4 words from 2-byte aligned shared memory, each shifted right by `extra` more bits (< 8)
+// with the bits of the word above.
+__device__ __forceinline__ void lds_words4(const u8* p, u32* out, u32 extra = 0) {
     const u32* base = (const u32*)((unsigned long long)p & ~3ull);
-    u32 sh = 8 * (u32)((unsigned long long)p & 3);
+    u32 sh = 8 * (u32)((unsigned long long)p & 3) + extra;
     u32 a[5];
 #pragma unroll
     for (int i = 0; i < 5; i++) a[i] = base[i];
@@ -998,13 +999,15 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
             const u8* b = sm + r * INT_Q6_CHUNKS * 16 + skew + 210 * (blk & 3);
             u32 ql[4], qh[4];
             lds_words4(b + 64 * h + 32 * j + l0, ql);
-            lds_words4(b + 128 + 32 * h + l0, qh);
+            // qh shifted down by 2j in its funnel shift: quarter j's high bits at bits 0-1 of
+            // each byte, quarter j + 2's at 4-5, where qb wants them (SASS per ql word and row,
+            // beside the two funnel shifts and 8 dp4a: 6 shift and logic instructions, not 9).
+            lds_words4(b + 128 + 32 * h + l0, qh, 2 * j);
             int ia[4] = {da.x, da.y, da.z, da.w}, ib[4] = {db.x, db.y, db.z, db.w};
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                u32 qa = (ql[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * j)) & 0x03030303u) << 4);
-                u32 qb = ((ql[i] >> 4) & 0x0F0F0F0Fu) |
-                         (((qh[i] >> (2 * j + 4)) & 0x03030303u) << 4);
+                u32 qa = (ql[i] & 0x0F0F0F0Fu) | ((qh[i] << 4) & 0x30303030u);
+                u32 qb = ((ql[i] >> 4) & 0x0F0F0F0Fu) | (qh[i] & 0x30303030u);
 #pragma unroll
                 for (int pl = 0; pl < 4; pl++) {
                     ia[pl] = dp4a_u8s8(qa, (&xa[pl].x)[i], ia[pl]);
