@@ -827,6 +827,187 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 
+// ---- Q4_K on the tensor cores, the weights by bulk copies (sm_90 and later) ----
+//
+// matvec_tc_q4_k's lanes load their weights themselves, 32 bytes of each of 8 rows per
+// instruction, and reach ~70% of the copy bandwidth on the addresses alone (eighth look).
+// Here one producer warp has the copy engine (cp.async.bulk, completion counted on an
+// mbarrier) move each tile's rows into shared memory as 1152-byte segments (8 256-blocks of
+// one row), TMA_STAGES stages ahead, and 8 consumer warps take a 256-block each of every stage
+// into the registers TcQ4k::dot multiplies with x's planes (lab, H200, 36864 x 6144 as one
+// matrix: 60.7 -> 39.3 us, 76% of copy; segments of 4 blocks 47.6 us, of 1 block 194 us).
+//
+// Products whose items all read one x (a single matrix, a token's MoE gate and up), with the
+// arguments and items of matvec_tc_q4_k but per_block, x_group and x_stride, and no combine:
+// a group is one tile of 16 rows of one item (glu: of the gate's item, then of the up's), and
+// block b takes groups b, b + gridDim.x, ... of one wave of blocks. (With the expert downs
+// too, one x per item and each tile's combine behind a fence and an atomic, DS3 decode
+// measured 1,082 -> 971 tokens/s.) Dynamic shared memory tma_smem_bytes(k) (ops.rs): x's
+// planes as tc_smem_bytes(k), rounded up to 128 bytes, then the stages.
+#define TMA_STAGES 3
+#define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
+#define TMA_ROW 1168     // a row's segment, 8 x 144 bytes padded to 16 mod 128 (see below)
+#define TMA_STAGE (16 * TMA_ROW)
+
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(u64* b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_bytes(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_addr(b)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
+    asm volatile(
+        "{\n .reg .pred p;\n wait_%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        " @!p bra wait_%=;\n}\n" ::"r"(shared_addr(b)),
+        "r"(parity)
+        : "memory");
+}
+// `bytes` (a multiple of 16) from 16-byte aligned global src to shared dst, counted on b.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(shared_addr(dst)), "l"(src), "r"(bytes), "r"(shared_addr(b))
+        : "memory");
+}
+// The 8 consumer warps only (the producer warp has left).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+extern "C" __global__ void __launch_bounds__(288, 2)
+    matvec_tma_q4_k(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,
+                    const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,
+                    float* y, i64 y_stride, int glu) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) u8 tma_sm[];
+    __shared__ u64 full[TMA_STAGES], empty[TMA_STAGES];
+    __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
+    int stride = tc_plane_stride(k), nb = k / 256;
+    const float* scales = (const float*)(tma_sm + 4 * stride);
+    const float* sums = scales + tc_scales_len(k);
+    u8* stages = tma_sm + ((4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32) + 127) & ~127);
+    const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16;
+    const int groups = items / mats * tiles, steps = (nb + TMA_BLOCKS - 1) / TMA_BLOCKS;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // Unit m of group grp: its item (glu: the gate's, then the up's).
+    auto item_of = [&](int grp, int m) {
+        return tc_item(grp / tiles + m * (items / 2), items, w, w2, sw, sw2, mat_stride, ids,
+                       items);
+    };
+    // The block's next group from grp on whose item this rank holds.
+    auto next_group = [&](int grp) {
+        while (grp < groups && !item_of(grp, 0).held) grp += gridDim.x;
+        return grp;
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < TMA_STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], TMA_BLOCKS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == TMA_BLOCKS) {
+        // Producer: stage n of the block's sequence into slot n % TMA_STAGES once the
+        // consumers have released what it held before (its (n / TMA_STAGES - 1)-th phase).
+        if (ids) pdl_wait();  // the MoE choices come from the router kernel
+        int n = 0;
+        for (int grp = next_group(blockIdx.x); grp < groups; grp = next_group(grp + gridDim.x)) {
+            int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
+            for (int m = 0; m < mats; m++) {
+                const u8* mat = item_of(grp, m).mat + (i64)r0 * row_bytes;
+                for (int st = 0; st < steps; st++, n++) {
+                    int slot = n % TMA_STAGES, cnt = min(TMA_BLOCKS, nb - st * TMA_BLOCKS);
+                    if (n >= TMA_STAGES) mbar_wait(&empty[slot], (n / TMA_STAGES - 1) & 1);
+                    if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * cnt * 144));
+                    __syncwarp();
+                    if (lane < nr)
+                        bulk_copy(stages + slot * TMA_STAGE + lane * TMA_ROW,
+                                  mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * 144,
+                                  cnt * 144, &full[slot]);
+                }
+            }
+        }
+        return;
+    }
+    pdl_enter();  // x may come from the previous kernel
+    // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
+    // segments TMA_ROW = 16 mod 128 bytes apart put the 8 rows' headers on distinct banks and
+    // their 32-byte qs pieces two to a bank (one and two wavefronts).
+    const int g = lane >> 2, t = lane & 3, c = warp;
+    const u8* bcol = tma_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
+    float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
+    float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
+    // x's planes over the 8 consumer warps (tc_prepare_x's layout).
+    for (int blk = warp; blk < nb; blk += TMA_BLOCKS) {
+        XDigits xd = x_block_digits(x, blk, lane);
+        float* sc = (float*)(tma_sm + 4 * stride);
+        if (lane == 0) sc[blk] = xd.s;
+        if ((lane & 3) == 0) sc[tc_scales_len(k) + 8 * blk + lane / 4] = xd.sum;
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+            *(uint2*)(tma_sm + p * stride + 256 * blk + 8 * lane) = xd.words[p];
+    }
+    consumers_sync();
+    int n = 0, par = 0;
+    for (int grp = next_group(blockIdx.x); grp < groups;
+         grp = next_group(grp + gridDim.x), par ^= 1) {
+        int tile = grp % tiles;
+        for (int m = 0; m < mats; m++) {
+            float acc_lo = 0.0f, acc_hi = 0.0f;
+            for (int st = 0; st < steps; st++, n++) {
+                int slot = n % TMA_STAGES, kb = st * TMA_BLOCKS + c;
+                mbar_wait(&full[slot], (n / TMA_STAGES) & 1);
+                TcQ4k q;
+                if (kb < nb) {
+                    const u8* blo = stages + slot * TMA_STAGE + g * TMA_ROW + 144 * c;
+                    const u8* bhi = blo + 8 * TMA_ROW;
+                    q.h_lo = *(const uint4*)blo;
+                    q.h_hi = *(const uint4*)bhi;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        q.q_lo[i] = *(const uint2*)(blo + 16 + 32 * i + 8 * t);
+                        q.q_hi[i] = *(const uint2*)(bhi + 16 + 32 * i + 8 * t);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
+                if (kb < nb)
+                    q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
+            }
+            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
+            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
+            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+            if (t == 0) {
+                partial[par][m][warp][g] = acc_lo;
+                partial[par][m][warp][g + 8] = acc_hi;
+            }
+        }
+        consumers_sync();
+        // The warps' partials in warp order, so that the glu and pair forms give the same bits.
+        if (warp == 0 && lane < 16 && tile * 16 + lane < rows) {
+            float sum = 0.0f;
+            for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
+            if (glu) {
+                float up = 0.0f;
+                for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
+                sum = silu(sum) * up;
+            }
+            y[(grp / tiles) * y_stride + tile * 16 + lane] = sum;
+        }
+    }
+#else
+    __trap();  // ops.rs launches it on sm_90 and later only
+#endif
+}
+
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //
 // The Q6_K CUDA-core piece above spends ~5 instructions per weight and row (the byte into a

@@ -341,38 +341,61 @@ fn chosen_outputs(y: &[f32], rows: usize, ids: &[i32], what: &str) -> Vec<f32> {
     got
 }
 
-/// The Q4_K matvec on the integer tensor cores (matvec_tc_q4_k / matvec_tc8_q4_k, taken for
-/// many rows over the batch): x with wide and tiny values (the per-block integer planes), a tail
-/// tile, shared and per-item inputs, a MoE choice held elsewhere (id -1: output left alone), an
-/// odd number of 256-blocks (k = 4352: the shared-memory layout's padding), and each block
-/// geometry of ops.rs: 8 warps with 8 and 4 tiles (items), 4 warps with 2 tiles (one matrix),
+/// The Q4_K tensor-core kernels the tests below run: matvec_tma_q4_k (the weights by bulk
+/// copies, where the GPU has them) and the matvec_tc kernels of older GPUs and long rows.
+fn q4k_tensor_core_forms(g: &Gpu) -> Vec<bool> {
+    if g.bulk_copies {
+        vec![true, false]
+    } else {
+        vec![false]
+    }
+}
+
+/// The Q4_K matvec on the integer tensor cores (matvec_tma_q4_k, matvec_tc_q4_k and
+/// matvec_tc8_q4_k, taken for many rows over the batch): x with wide and tiny values (the
+/// per-block integer planes), a tail tile, shared and per-item inputs, a MoE choice held
+/// elsewhere (id -1: output left alone), an odd number of 256-blocks (k = 4352: the
+/// shared-memory layout's padding), fewer 256-blocks than a bulk-copy stage holds (k = 1536)
+/// and a partial last stage, and each block geometry of the matvec_tc kernels in ops.rs: 8
+/// warps with 8 and 4 tiles (items), 4 warps with 2 tiles (one matrix),
 /// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory), and
 /// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long).
 #[test]
 fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("matvec_tc");
-    let t = GgmlType::Q4_K;
-    let cases: [(usize, usize, usize, &[i32]); 5] = [
-        (2100, 1536, 3, &[2, 0, -1, 1, 1]),
-        (2048, 4608, 2, &[1, 0, -1, 1]),
-        (8200, 4352, 1, &[0]),
-        (7200, 9216, 1, &[0]),
-        (6150, 12288, 1, &[0]),
-    ];
-    for (rows, k, mats, ids) in cases {
-        let w = random_rows(&mut rng, t, rows * mats, k);
-        let wf = dequant_rows(t, &w, rows * mats, k);
-        let x = hard_x(&mut rng, 2 * k);
-        let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, ids);
-        let got = chosen_outputs(&y, rows, ids, "");
-        let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
-        assert_close(
-            &format!("matvec q4_k (tensor cores) {rows}x{k}"),
-            &got,
-            &want,
-            F32_OP,
+    let Some(mut g) = gpu() else { return };
+    for bulk in q4k_tensor_core_forms(&g) {
+        g.bulk_copies = bulk;
+        println!(
+            "Q4_K tensor-core kernel: {}",
+            if bulk {
+                "matvec_tma_q4_k"
+            } else {
+                "matvec_tc_q4_k / matvec_tc8_q4_k"
+            }
         );
+        let mut rng = Rng::new("matvec_tc");
+        let t = GgmlType::Q4_K;
+        let cases: [(usize, usize, usize, &[i32]); 5] = [
+            (2100, 1536, 3, &[2, 0, -1, 1, 1]),
+            (2048, 4608, 2, &[1, 0, -1, 1]),
+            (8200, 4352, 1, &[0]),
+            (7200, 9216, 1, &[0]),
+            (6150, 12288, 1, &[0]),
+        ];
+        for (rows, k, mats, ids) in cases {
+            let w = random_rows(&mut rng, t, rows * mats, k);
+            let wf = dequant_rows(t, &w, rows * mats, k);
+            let x = hard_x(&mut rng, 2 * k);
+            let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, ids);
+            let got = chosen_outputs(&y, rows, ids, "");
+            let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
+            assert_close(
+                &format!("matvec q4_k (tensor cores) {rows}x{k}"),
+                &got,
+                &want,
+                F32_OP,
+            );
+        }
     }
 }
 
@@ -512,149 +535,160 @@ fn matvec_q6_k_integer_path_matches_dequantized_dot() {
 /// product; a choice held elsewhere is left alone in both halves.
 #[test]
 fn matvec_q4_k_pair_matches_two_products() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("matvec_pair");
-    let (t, rows, k, mats) = (GgmlType::Q4_K, 2048, 1024, 3);
-    let (wa, wb) = (
-        random_rows(&mut rng, t, rows * mats, k),
-        random_rows(&mut rng, t, rows * mats, k),
-    );
-    let x = rng.normals(2 * k);
-    let ids = [2i32, 0, -1, 1];
-    let (dwa, dwb, dx, di) = (
-        g.upload(&wa).unwrap(),
-        g.upload(&wb).unwrap(),
-        g.upload(&x).unwrap(),
-        g.upload(&ids).unwrap(),
-    );
-    let dy = poisoned(&g, 2 * ids.len() * rows);
-    let a = Matvec {
-        ty: t,
-        w: g.ptr(&dwa, 0),
-        mat_stride: rows * t.row_bytes(k).unwrap(),
-        ids: g.ptr(&di, 0),
-        rows,
-        k,
-        x: g.ptr(&dx, 0),
-        x_group: 2,
-        x_stride: k,
-        y: g.ptr(&dy, 0),
-        y_stride: rows,
-        batch: 2 * ids.len(),
-        transposed: false,
-        pair: g.ptr(&dwb, 0),
-        glu: false,
-        combine: None,
-        shared: (0, 0),
-    };
-    assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
-    g.matvec(&a).unwrap();
-    let y = g.download(&dy).unwrap();
-    let (wfa, wfb) = (
-        dequant_rows(t, &wa, rows * mats, k),
-        dequant_rows(t, &wb, rows * mats, k),
-    );
-    for (half, wf) in [(0, &wfa), (1, &wfb)] {
-        let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
-        let got = chosen_outputs(yh, rows, &ids, &format!("half {half} "));
-        let want = expert_matvec_want(wf, (rows, k), &x, 2, &ids);
-        assert_close(
-            &format!("matvec q4_k pair, half {half}"),
-            &got,
-            &want,
-            F32_OP,
-        );
-    }
-    // The dense FFN's form (Cuda::swiglu_linear): no ids, one matrix each; item t is the gate
-    // product of token t, item tokens + t its up product.
-    let tokens = 2;
-    let dy = poisoned(&g, 2 * tokens * rows);
-    let dense = Matvec {
-        mat_stride: 0,
-        ids: 0,
-        x_group: 1,
-        batch: 2 * tokens,
-        y: g.ptr(&dy, 0),
-        ..a
-    };
-    assert!(
-        g.takes_pair(&dense),
-        "the tensor-core kernel takes this pair"
-    );
-    g.matvec(&dense).unwrap();
-    let y = g.download(&dy).unwrap();
-    for (half, wf) in [(0, &wfa), (1, &wfb)] {
-        let x = &x;
-        let want: Vec<f64> = (0..tokens)
-            .flat_map(|t| (0..rows).map(move |r| dot64(&wf[r * k..][..k], &x[t * k..][..k])))
-            .collect();
-        assert_close(
-            &format!("matvec q4_k dense pair, half {half}"),
-            &y[half * tokens * rows..][..tokens * rows],
-            &want,
-            F32_OP,
-        );
-    }
-    // The MoE decode form with the shared expert as a choice (id MOE_SHARED): its items read
-    // the matrix at `shared` (.0 in the first half, .1 in the pair's), the others their
-    // experts; a choice held elsewhere is still left alone.
-    let (sa, sb) = (
-        random_rows(&mut rng, t, rows, k),
-        random_rows(&mut rng, t, rows, k),
-    );
-    let (dsa, dsb) = (g.upload(&sa).unwrap(), g.upload(&sb).unwrap());
-    // Two inputs; then twelve choices (24 items of 128 tiles) of one input: one wave of blocks
-    // walking their groups past the choices held elsewhere.
-    let short = [2i32, MOE_SHARED, -1, 1];
-    let long = [2i32, MOE_SHARED, -1, 1, 0, 1, 2, -1, 0, 2, MOE_SHARED, 0];
-    for (ids, x_group) in [(&short[..], 2), (&long[..], long.len())] {
-        let di = g.upload(ids).unwrap();
-        let x = rng.normals(ids.len().div_ceil(x_group) * k);
-        let dx = g.upload(&x).unwrap();
-        let dy = poisoned(&g, 2 * ids.len() * rows);
-        let with_shared = Matvec {
-            ids: g.ptr(&di, 0),
-            y: g.ptr(&dy, 0),
-            shared: (g.ptr(&dsa, 0), g.ptr(&dsb, 0)),
-            x: g.ptr(&dx, 0),
-            x_group,
-            batch: 2 * ids.len(),
-            ..a
-        };
-        assert!(
-            g.takes_shared(&with_shared),
-            "the tensor-core kernel takes a shared matrix"
-        );
-        g.matvec(&with_shared).unwrap();
-        let y = g.download(&dy).unwrap();
-        let (sfa, sfb) = (dequant_rows(t, &sa, rows, k), dequant_rows(t, &sb, rows, k));
-        for (half, wf, sf) in [(0, &wfa, &sfa), (1, &wfb, &sfb)] {
-            let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
-            let (mut got, mut want) = (Vec::new(), Vec::new());
-            for (b, &m) in ids.iter().enumerate() {
-                let (yb, xb) = (&yh[b * rows..][..rows], &x[(b / x_group) * k..][..k]);
-                let mat = match m {
-                    -1 => {
-                        assert!(
-                            yb.iter().all(|v| v.is_nan()),
-                            "half {half} item {b} written"
-                        );
-                        continue;
-                    }
-                    MOE_SHARED => &sf[..],
-                    m => &wf[m as usize * rows * k..][..rows * k],
-                };
-                got.extend_from_slice(yb);
-                want.extend((0..rows).map(|r| dot64(&mat[r * k..][..k], xb)));
+    let Some(mut g) = gpu() else { return };
+    for bulk in q4k_tensor_core_forms(&g) {
+        g.bulk_copies = bulk;
+        println!(
+            "Q4_K tensor-core kernel: {}",
+            if bulk {
+                "matvec_tma_q4_k"
+            } else {
+                "matvec_tc_q4_k / matvec_tc8_q4_k"
             }
+        );
+        let mut rng = Rng::new("matvec_pair");
+        let (t, rows, k, mats) = (GgmlType::Q4_K, 2048, 1024, 3);
+        let (wa, wb) = (
+            random_rows(&mut rng, t, rows * mats, k),
+            random_rows(&mut rng, t, rows * mats, k),
+        );
+        let x = rng.normals(2 * k);
+        let ids = [2i32, 0, -1, 1];
+        let (dwa, dwb, dx, di) = (
+            g.upload(&wa).unwrap(),
+            g.upload(&wb).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let dy = poisoned(&g, 2 * ids.len() * rows);
+        let a = Matvec {
+            ty: t,
+            w: g.ptr(&dwa, 0),
+            mat_stride: rows * t.row_bytes(k).unwrap(),
+            ids: g.ptr(&di, 0),
+            rows,
+            k,
+            x: g.ptr(&dx, 0),
+            x_group: 2,
+            x_stride: k,
+            y: g.ptr(&dy, 0),
+            y_stride: rows,
+            batch: 2 * ids.len(),
+            transposed: false,
+            pair: g.ptr(&dwb, 0),
+            glu: false,
+            combine: None,
+            shared: (0, 0),
+        };
+        assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
+        g.matvec(&a).unwrap();
+        let y = g.download(&dy).unwrap();
+        let (wfa, wfb) = (
+            dequant_rows(t, &wa, rows * mats, k),
+            dequant_rows(t, &wb, rows * mats, k),
+        );
+        for (half, wf) in [(0, &wfa), (1, &wfb)] {
+            let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
+            let got = chosen_outputs(yh, rows, &ids, &format!("half {half} "));
+            let want = expert_matvec_want(wf, (rows, k), &x, 2, &ids);
             assert_close(
-                &format!(
-                    "matvec q4_k pair with the shared matrix, inputs of {x_group}, half {half}"
-                ),
+                &format!("matvec q4_k pair, half {half}"),
                 &got,
                 &want,
                 F32_OP,
             );
+        }
+        // The dense FFN's form (Cuda::swiglu_linear): no ids, one matrix each; item t is the gate
+        // product of token t, item tokens + t its up product.
+        let tokens = 2;
+        let dy = poisoned(&g, 2 * tokens * rows);
+        let dense = Matvec {
+            mat_stride: 0,
+            ids: 0,
+            x_group: 1,
+            batch: 2 * tokens,
+            y: g.ptr(&dy, 0),
+            ..a
+        };
+        assert!(
+            g.takes_pair(&dense),
+            "the tensor-core kernel takes this pair"
+        );
+        g.matvec(&dense).unwrap();
+        let y = g.download(&dy).unwrap();
+        for (half, wf) in [(0, &wfa), (1, &wfb)] {
+            let x = &x;
+            let want: Vec<f64> = (0..tokens)
+                .flat_map(|t| (0..rows).map(move |r| dot64(&wf[r * k..][..k], &x[t * k..][..k])))
+                .collect();
+            assert_close(
+                &format!("matvec q4_k dense pair, half {half}"),
+                &y[half * tokens * rows..][..tokens * rows],
+                &want,
+                F32_OP,
+            );
+        }
+        // The MoE decode form with the shared expert as a choice (id MOE_SHARED): its items read
+        // the matrix at `shared` (.0 in the first half, .1 in the pair's), the others their
+        // experts; a choice held elsewhere is still left alone.
+        let (sa, sb) = (
+            random_rows(&mut rng, t, rows, k),
+            random_rows(&mut rng, t, rows, k),
+        );
+        let (dsa, dsb) = (g.upload(&sa).unwrap(), g.upload(&sb).unwrap());
+        // Two inputs; then twelve choices (24 items of 128 tiles) of one input: one wave of blocks
+        // walking their groups past the choices held elsewhere.
+        let short = [2i32, MOE_SHARED, -1, 1];
+        let long = [2i32, MOE_SHARED, -1, 1, 0, 1, 2, -1, 0, 2, MOE_SHARED, 0];
+        for (ids, x_group) in [(&short[..], 2), (&long[..], long.len())] {
+            let di = g.upload(ids).unwrap();
+            let x = rng.normals(ids.len().div_ceil(x_group) * k);
+            let dx = g.upload(&x).unwrap();
+            let dy = poisoned(&g, 2 * ids.len() * rows);
+            let with_shared = Matvec {
+                ids: g.ptr(&di, 0),
+                y: g.ptr(&dy, 0),
+                shared: (g.ptr(&dsa, 0), g.ptr(&dsb, 0)),
+                x: g.ptr(&dx, 0),
+                x_group,
+                batch: 2 * ids.len(),
+                ..a
+            };
+            assert!(
+                g.takes_shared(&with_shared),
+                "the tensor-core kernel takes a shared matrix"
+            );
+            g.matvec(&with_shared).unwrap();
+            let y = g.download(&dy).unwrap();
+            let (sfa, sfb) = (dequant_rows(t, &sa, rows, k), dequant_rows(t, &sb, rows, k));
+            for (half, wf, sf) in [(0, &wfa, &sfa), (1, &wfb, &sfb)] {
+                let yh = &y[half * ids.len() * rows..][..ids.len() * rows];
+                let (mut got, mut want) = (Vec::new(), Vec::new());
+                for (b, &m) in ids.iter().enumerate() {
+                    let (yb, xb) = (&yh[b * rows..][..rows], &x[(b / x_group) * k..][..k]);
+                    let mat = match m {
+                        -1 => {
+                            assert!(
+                                yb.iter().all(|v| v.is_nan()),
+                                "half {half} item {b} written"
+                            );
+                            continue;
+                        }
+                        MOE_SHARED => &sf[..],
+                        m => &wf[m as usize * rows * k..][..rows * k],
+                    };
+                    got.extend_from_slice(yb);
+                    want.extend((0..rows).map(|r| dot64(&mat[r * k..][..k], xb)));
+                }
+                assert_close(
+                    &format!(
+                        "matvec q4_k pair with the shared matrix, inputs of {x_group}, half {half}"
+                    ),
+                    &got,
+                    &want,
+                    F32_OP,
+                );
+            }
         }
     }
 }
@@ -667,77 +701,88 @@ fn matvec_q4_k_pair_matches_two_products() {
 /// tile).
 #[test]
 fn matvec_q4_k_glu_pair_folds_the_silu() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("matvec_glu");
-    let t = GgmlType::Q4_K;
-    let cases = [
-        (None, 2048, 2048, 1),
-        (None, 3072, 9216, 1),
-        (Some(&[2i32, 0, -1, 1][..]), 2000, 2048, 4),
-    ];
-    for (given, rows, k, x_group) in cases {
-        let ids = given.unwrap_or(&[0, 1]); // no ids: item b uses matrix b
-        let n = ids.len();
-        let mats = 3;
-        let (wa, wb) = (
-            random_rows(&mut rng, t, rows * mats, k),
-            random_rows(&mut rng, t, rows * mats, k),
+    let Some(mut g) = gpu() else { return };
+    for bulk in q4k_tensor_core_forms(&g) {
+        g.bulk_copies = bulk;
+        println!(
+            "Q4_K tensor-core kernel: {}",
+            if bulk {
+                "matvec_tma_q4_k"
+            } else {
+                "matvec_tc_q4_k / matvec_tc8_q4_k"
+            }
         );
-        let (wfa, wfb) = (
-            dequant_rows(t, &wa, rows * mats, k),
-            dequant_rows(t, &wb, rows * mats, k),
-        );
-        let x = rng.normals(n.div_ceil(x_group) * k);
-        let (dwa, dwb, dx, di) = (
-            g.upload(&wa).unwrap(),
-            g.upload(&wb).unwrap(),
-            g.upload(&x).unwrap(),
-            g.upload(ids).unwrap(),
-        );
-        let (glu_y, pair_y) = (poisoned(&g, n * rows), poisoned(&g, 2 * n * rows));
-        let a = Matvec {
-            mat_stride: rows * t.row_bytes(k).unwrap(),
-            ids: given.map_or(0, |_| g.ptr(&di, 0)),
-            x_group,
-            batch: 2 * n,
-            pair: g.ptr(&dwb, 0),
-            glu: true,
-            ..Matvec::single(
-                t,
-                g.ptr(&dwa, 0),
-                (g.ptr(&dx, 0), g.ptr(&glu_y, 0)),
-                (rows, k),
-            )
-        };
-        assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
-        g.matvec(&a).unwrap();
-        let glu = g.download(&glu_y).unwrap();
-        let gate = expert_matvec_want(&wfa, (rows, k), &x, x_group, ids);
-        let up = expert_matvec_want(&wfb, (rows, k), &x, x_group, ids);
-        let want: Vec<f64> = gate
-            .iter()
-            .zip(&up)
-            .map(|(&gv, &u)| gv / (1.0 + (-gv).exp()) * u)
-            .collect();
-        let what = format!("matvec q4_k glu pair {rows}x{k}, {n} items");
-        let got = chosen_outputs(&glu, rows, ids, &what);
-        assert_close(&what, &got, &want, F32_OP);
+        let mut rng = Rng::new("matvec_glu");
+        let t = GgmlType::Q4_K;
+        let cases = [
+            (None, 2048, 2048, 1),
+            (None, 3072, 9216, 1),
+            (Some(&[2i32, 0, -1, 1][..]), 2000, 2048, 4),
+        ];
+        for (given, rows, k, x_group) in cases {
+            let ids = given.unwrap_or(&[0, 1]); // no ids: item b uses matrix b
+            let n = ids.len();
+            let mats = 3;
+            let (wa, wb) = (
+                random_rows(&mut rng, t, rows * mats, k),
+                random_rows(&mut rng, t, rows * mats, k),
+            );
+            let (wfa, wfb) = (
+                dequant_rows(t, &wa, rows * mats, k),
+                dequant_rows(t, &wb, rows * mats, k),
+            );
+            let x = rng.normals(n.div_ceil(x_group) * k);
+            let (dwa, dwb, dx, di) = (
+                g.upload(&wa).unwrap(),
+                g.upload(&wb).unwrap(),
+                g.upload(&x).unwrap(),
+                g.upload(ids).unwrap(),
+            );
+            let (glu_y, pair_y) = (poisoned(&g, n * rows), poisoned(&g, 2 * n * rows));
+            let a = Matvec {
+                mat_stride: rows * t.row_bytes(k).unwrap(),
+                ids: given.map_or(0, |_| g.ptr(&di, 0)),
+                x_group,
+                batch: 2 * n,
+                pair: g.ptr(&dwb, 0),
+                glu: true,
+                ..Matvec::single(
+                    t,
+                    g.ptr(&dwa, 0),
+                    (g.ptr(&dx, 0), g.ptr(&glu_y, 0)),
+                    (rows, k),
+                )
+            };
+            assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
+            g.matvec(&a).unwrap();
+            let glu = g.download(&glu_y).unwrap();
+            let gate = expert_matvec_want(&wfa, (rows, k), &x, x_group, ids);
+            let up = expert_matvec_want(&wfb, (rows, k), &x, x_group, ids);
+            let want: Vec<f64> = gate
+                .iter()
+                .zip(&up)
+                .map(|(&gv, &u)| gv / (1.0 + (-gv).exp()) * u)
+                .collect();
+            let what = format!("matvec q4_k glu pair {rows}x{k}, {n} items");
+            let got = chosen_outputs(&glu, rows, ids, &what);
+            assert_close(&what, &got, &want, F32_OP);
 
-        g.matvec(&Matvec {
-            glu: false,
-            combine: None,
-            y: g.ptr(&pair_y, 0),
-            ..a
-        })
-        .unwrap();
-        let (gp, up) = (g.ptr(&pair_y, 0), g.ptr(&pair_y, n * rows));
-        g.silu_mul(gp, up, gp, n * rows).unwrap();
-        let plain = g.download(&pair_y).unwrap();
-        let same = glu
-            .iter()
-            .zip(&plain)
-            .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
-        assert!(same, "{what}: not the pair then silu_mul, bit for bit");
+            g.matvec(&Matvec {
+                glu: false,
+                combine: None,
+                y: g.ptr(&pair_y, 0),
+                ..a
+            })
+            .unwrap();
+            let (gp, up) = (g.ptr(&pair_y, 0), g.ptr(&pair_y, n * rows));
+            g.silu_mul(gp, up, gp, n * rows).unwrap();
+            let plain = g.download(&pair_y).unwrap();
+            let same = glu
+                .iter()
+                .zip(&plain)
+                .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
+            assert!(same, "{what}: not the pair then silu_mul, bit for bit");
+        }
     }
 }
 
@@ -747,82 +792,95 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
 /// moe_combine; twice in a row (the kernel puts its counters back).
 #[test]
 fn matvec_q4_k_combine_sums_each_tokens_choices() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("matvec_combine");
-    let (t, rows, k, mats, choices) = (GgmlType::Q4_K, 2000, 2048, 4, 5);
-    let ids = [3i32, 0, 2, 1, 0, 1, 1, 3, 2, 0]; // 2 tokens of 5 choices
-    let n = ids.len() / choices;
-    let w = random_rows(&mut rng, t, rows * mats, k);
-    let wf = dequant_rows(t, &w, rows * mats, k);
-    let x = rng.normals(ids.len() * k);
-    let mut weights = rng.normals(ids.len());
-    weights[3] = 0.0;
-    let (dw, dx, di, dcw) = (
-        g.upload(&w).unwrap(),
-        g.upload(&x).unwrap(),
-        g.upload(&ids).unwrap(),
-        g.upload(&weights).unwrap(),
-    );
-    let (dy, dout, dplain) = (
-        poisoned(&g, ids.len() * rows),
-        poisoned(&g, n * rows),
-        poisoned(&g, n * rows),
-    );
-    let a = Matvec {
-        mat_stride: rows * t.row_bytes(k).unwrap(),
-        ids: g.ptr(&di, 0),
-        batch: ids.len(),
-        combine: Some(Combine {
-            weights: g.ptr(&dcw, 0),
-            out: g.ptr(&dout, 0),
+    let Some(mut g) = gpu() else { return };
+    for bulk in q4k_tensor_core_forms(&g) {
+        g.bulk_copies = bulk;
+        println!(
+            "Q4_K tensor-core kernel: {}",
+            if bulk {
+                "matvec_tma_q4_k"
+            } else {
+                "matvec_tc_q4_k / matvec_tc8_q4_k"
+            }
+        );
+        let mut rng = Rng::new("matvec_combine");
+        let (t, rows, k, mats, choices) = (GgmlType::Q4_K, 2000, 2048, 4, 5);
+        let ids = [3i32, 0, 2, 1, 0, 1, 1, 3, 2, 0]; // 2 tokens of 5 choices
+        let n = ids.len() / choices;
+        let w = random_rows(&mut rng, t, rows * mats, k);
+        let wf = dequant_rows(t, &w, rows * mats, k);
+        let x = rng.normals(ids.len() * k);
+        let mut weights = rng.normals(ids.len());
+        weights[3] = 0.0;
+        let (dw, dx, di, dcw) = (
+            g.upload(&w).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+            g.upload(&weights).unwrap(),
+        );
+        let (dy, dout, dplain) = (
+            poisoned(&g, ids.len() * rows),
+            poisoned(&g, n * rows),
+            poisoned(&g, n * rows),
+        );
+        let a = Matvec {
+            mat_stride: rows * t.row_bytes(k).unwrap(),
+            ids: g.ptr(&di, 0),
+            batch: ids.len(),
+            combine: Some(Combine {
+                weights: g.ptr(&dcw, 0),
+                out: g.ptr(&dout, 0),
+                choices,
+            }),
+            ..Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k))
+        };
+        assert!(
+            g.takes_combine(&a),
+            "the tensor-core kernel takes the combine"
+        );
+        let each = expert_matvec_want(&wf, (rows, k), &x, 1, &ids);
+        let want: Vec<f64> = (0..n * rows)
+            .map(|i| {
+                let (tok, r) = (i / rows, i % rows);
+                (0..choices)
+                    .map(|j| {
+                        weights[tok * choices + j] as f64 * each[(tok * choices + j) * rows + r]
+                    })
+                    .sum()
+            })
+            .collect();
+        let mut got = Vec::new();
+        for round in 0..2 {
+            g.matvec(&a).unwrap();
+            got = g.download(&dout).unwrap();
+            assert_close(
+                &format!("matvec q4_k combine, round {round}"),
+                &got,
+                &want,
+                F32_OP,
+            );
+        }
+        g.matvec(&Matvec { combine: None, ..a }).unwrap();
+        g.moe_combine(
+            g.ptr(&dy, 0),
+            0,
+            g.ptr(&dcw, 0),
+            n,
             choices,
-        }),
-        ..Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k))
-    };
-    assert!(
-        g.takes_combine(&a),
-        "the tensor-core kernel takes the combine"
-    );
-    let each = expert_matvec_want(&wf, (rows, k), &x, 1, &ids);
-    let want: Vec<f64> = (0..n * rows)
-        .map(|i| {
-            let (tok, r) = (i / rows, i % rows);
-            (0..choices)
-                .map(|j| weights[tok * choices + j] as f64 * each[(tok * choices + j) * rows + r])
-                .sum()
-        })
-        .collect();
-    let mut got = Vec::new();
-    for round in 0..2 {
-        g.matvec(&a).unwrap();
-        got = g.download(&dout).unwrap();
-        assert_close(
-            &format!("matvec q4_k combine, round {round}"),
-            &got,
-            &want,
-            F32_OP,
+            rows,
+            g.ptr(&dplain, 0),
+        )
+        .unwrap();
+        let plain = g.download(&dplain).unwrap();
+        let same = got
+            .iter()
+            .zip(&plain)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "the combine in the launch is not moe_combine's, bit for bit"
         );
     }
-    g.matvec(&Matvec { combine: None, ..a }).unwrap();
-    g.moe_combine(
-        g.ptr(&dy, 0),
-        0,
-        g.ptr(&dcw, 0),
-        n,
-        choices,
-        rows,
-        g.ptr(&dplain, 0),
-    )
-    .unwrap();
-    let plain = g.download(&dplain).unwrap();
-    let same = got
-        .iter()
-        .zip(&plain)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    assert!(
-        same,
-        "the combine in the launch is not moe_combine's, bit for bit"
-    );
 }
 
 #[test]
@@ -1950,13 +2008,14 @@ fn dsa_scores_and_topk_match() {
 /// MoE decode with the shared expert as one more choice of the token (`Backend::moe_routed` on
 /// the tensor-core kernels: router rows of k + 1, the gate-up pair, the down product and the
 /// combine) equals the CPU's routed experts plus its shared expert, on GLM-5-like Q4_K experts
-/// (16 of them, 8 chosen, sigmoid with a selection bias).
+/// (16 of them, 8 chosen, sigmoid with a selection bias; hidden 2048, so that the gate-up pair
+/// takes matvec_tma_q4_k where the GPU has bulk copies).
 #[test]
 fn moe_decode_with_the_shared_expert_matches_the_cpu() {
     let Some(_) = gpu() else { return };
     let cuda = Cuda::new(0).unwrap();
     let mut rng = Rng::new("moe_shared");
-    let (e, f, n_exp) = (1024, 1024, 16);
+    let (e, f, n_exp) = (2048, 1024, 16);
     let m = MoeConfig {
         n_expert: n_exp,
         n_used: 8,

@@ -35,6 +35,9 @@ pub struct Gpu {
     /// Whether kernels launch with programmatic dependent launch (`launch_raw`): sm_90 and
     /// later, unless MLA_PDL=0 (to measure without it, or to rule it out).
     pub dependent_launch: bool,
+    /// Whether the Q4_K tensor-core products take their weights by bulk copies
+    /// (matvec_tma_q4_k, ops.rs): sm_90 and later, unless MLA_BULK=0 (to measure without).
+    pub bulk_copies: bool,
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
@@ -81,8 +84,10 @@ impl Gpu {
         let stream = ctx.default_stream();
         let pick_stream = ctx.new_stream()?;
         let dependent_launch = major >= 9 && std::env::var("MLA_PDL").map_or(true, |v| v != "0");
+        let bulk_copies = major >= 9 && std::env::var("MLA_BULK").map_or(true, |v| v != "0");
         Ok(Gpu {
             dependent_launch,
+            bulk_copies,
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
             multiprocessors,

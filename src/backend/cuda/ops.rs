@@ -300,6 +300,24 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
     4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
 }
 
+/// matvec_tma_q4_k (the weights by bulk copies, sm_90 and later) takes the tensor-core
+/// products whose items all read one x (a single matrix, a token's MoE gate and up) from
+/// TMA_K_MIN to TMA_K_MAX: up to where its x planes and TMA_STAGES stages of 16 rows x 1168
+/// bytes fit SM120's 99 KiB (longer rows stay on matvec_tc8_q4_k), and from a whole stage of
+/// 8 256-blocks a tile on (H200: DS3's q_b 24576 x 1536 took 10.0 -> 12.4 us). Measured on an
+/// H200 against the matvec_tc kernels, same call (docs/performance.md): ffn_up 18432 x 7168
+/// 38.2 -> 28.2 us, GLM-5's 12288 x 6144 19.7 -> 15.9 us; in a decode token (ncu) the launches
+/// it takes (the MoE and dense gate-up pairs, GLM-5's q_b) DS3 220 -> 214 us, GLM-5 234 -> 209.
+const TMA_K_MIN: usize = 2048;
+pub(super) const TMA_K_MAX: usize = 9216;
+const TMA_STAGES: usize = 3;
+
+/// Dynamic shared memory of matvec_tma_q4_k: x as tc_smem_bytes(k) to a 128-byte boundary,
+/// then the stages.
+pub(super) fn tma_smem_bytes(k: usize) -> usize {
+    tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * 16 * 1168
+}
+
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
 /// or 8; they divide dl / 32) until there is a block per multiprocessor, and as many groups of
 /// threads summing the splits as there are splits (a power of two, at most
@@ -318,6 +336,11 @@ fn mla_combine_shape(multiprocessors: usize, a: &MlaDecode, splits: usize) -> (u
     (chunks as u32, (cols * groups).next_multiple_of(32) as u32)
 }
 
+/// Whether every item of `a` reads one x (a single matrix, the MoE gate and up of a token).
+fn one_x_of(a: &Matvec) -> bool {
+    a.x_group >= if a.pair != 0 { a.batch / 2 } else { a.batch }
+}
+
 /// `uses_tensor_cores` for a type and row length the kernels read.
 fn on_tensor_cores(a: &Matvec) -> bool {
     a.ty.row_bytes(a.k)
@@ -328,6 +351,14 @@ impl Gpu {
     /// Whether `matvec` takes `a` with a `pair` (the tensor-core kernels, an even batch).
     pub fn takes_pair(&self, a: &Matvec) -> bool {
         a.batch % 2 == 0 && on_tensor_cores(a)
+    }
+
+    /// Whether the tensor-core product `a` goes to matvec_tma_q4_k (see TMA_K_MAX).
+    fn uses_bulk_copies(&self, a: &Matvec) -> bool {
+        self.bulk_copies
+            && (TMA_K_MIN..=TMA_K_MAX).contains(&a.k)
+            && one_x_of(a)
+            && a.combine.is_none()
     }
 
     /// Whether `matvec` takes `a` with a `combine` (the tensor-core kernels, with ids, no pair).
@@ -375,10 +406,21 @@ impl Gpu {
             // tiles. The faster choices in the lab runs (H200: 8 warps took 10-12% off the
             // expert products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
+            if self.uses_bulk_copies(a) {
+                // A group per tile of an item (glu: of both matrices), one wave of blocks.
+                let smem = tma_smem_bytes(a.k);
+                let kernel = "matvec_tma_q4_k";
+                let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
+                let slots = self.multiprocessors * self.blocks_per_sm(kernel, 288, smem)?.max(1);
+                launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
+                    a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
+                    a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.y,
+                    a.y_stride as i64, a.glu as i32);
+                return Ok(());
+            }
             let long_k = a.k >= 4096;
             let smem = tc_smem_bytes(a.k);
-            let inputs = if a.pair != 0 { a.batch / 2 } else { a.batch };
-            let one_x = a.x_group >= inputs;
+            let one_x = one_x_of(a);
             let tc8_slots = || -> Result<usize, CudaError> {
                 Ok(self.multiprocessors * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1))
             };
