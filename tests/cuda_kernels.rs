@@ -341,13 +341,22 @@ fn chosen_outputs(y: &[f32], rows: usize, ids: &[i32], what: &str) -> Vec<f32> {
     got
 }
 
-/// The Q4_K tensor-core kernels the tests below run: matvec_tma_q4_k (the weights by bulk
-/// copies, where the GPU has them) and the matvec_tc kernels of older GPUs and long rows.
-fn q4k_tensor_core_forms(g: &Gpu) -> Vec<bool> {
-    if g.bulk_copies {
-        vec![true, false]
+/// Runs `check` on each Q4_K tensor-core kernel: matvec_tma_q4_k (the weights by bulk copies,
+/// where the GPU has them) and the matvec_tc kernels of older GPUs and long rows.
+fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, mut check: impl FnMut(&Gpu)) {
+    let forms: &[bool] = if g.bulk_copies {
+        &[true, false]
     } else {
-        vec![false]
+        &[false]
+    };
+    for &bulk in forms {
+        g.bulk_copies = bulk;
+        let kernels = match bulk {
+            true => "matvec_tma_q4_k",
+            false => "matvec_tc_q4_k / matvec_tc8_q4_k",
+        };
+        println!("Q4_K tensor-core kernel: {kernels}");
+        check(g);
     }
 }
 
@@ -363,16 +372,7 @@ fn q4k_tensor_core_forms(g: &Gpu) -> Vec<bool> {
 #[test]
 fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     let Some(mut g) = gpu() else { return };
-    for bulk in q4k_tensor_core_forms(&g) {
-        g.bulk_copies = bulk;
-        println!(
-            "Q4_K tensor-core kernel: {}",
-            if bulk {
-                "matvec_tma_q4_k"
-            } else {
-                "matvec_tc_q4_k / matvec_tc8_q4_k"
-            }
-        );
+    for_each_q4k_tensor_core_kernel(&mut g, |g| {
         let mut rng = Rng::new("matvec_tc");
         let t = GgmlType::Q4_K;
         let cases: [(usize, usize, usize, &[i32]); 5] = [
@@ -386,7 +386,7 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
             let w = random_rows(&mut rng, t, rows * mats, k);
             let wf = dequant_rows(t, &w, rows * mats, k);
             let x = hard_x(&mut rng, 2 * k);
-            let y = expert_matvec(&g, t, &w, (rows, k), &x, 3, ids);
+            let y = expert_matvec(g, t, &w, (rows, k), &x, 3, ids);
             let got = chosen_outputs(&y, rows, ids, "");
             let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
             assert_close(
@@ -396,7 +396,7 @@ fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
                 F32_OP,
             );
         }
-    }
+    });
 }
 
 /// `n` normal values in 256-blocks that are hard for the integer paths (x as digit planes per
@@ -536,16 +536,7 @@ fn matvec_q6_k_integer_path_matches_dequantized_dot() {
 #[test]
 fn matvec_q4_k_pair_matches_two_products() {
     let Some(mut g) = gpu() else { return };
-    for bulk in q4k_tensor_core_forms(&g) {
-        g.bulk_copies = bulk;
-        println!(
-            "Q4_K tensor-core kernel: {}",
-            if bulk {
-                "matvec_tma_q4_k"
-            } else {
-                "matvec_tc_q4_k / matvec_tc8_q4_k"
-            }
-        );
+    for_each_q4k_tensor_core_kernel(&mut g, |g| {
         let mut rng = Rng::new("matvec_pair");
         let (t, rows, k, mats) = (GgmlType::Q4_K, 2048, 1024, 3);
         let (wa, wb) = (
@@ -560,7 +551,7 @@ fn matvec_q4_k_pair_matches_two_products() {
             g.upload(&x).unwrap(),
             g.upload(&ids).unwrap(),
         );
-        let dy = poisoned(&g, 2 * ids.len() * rows);
+        let dy = poisoned(g, 2 * ids.len() * rows);
         let a = Matvec {
             ty: t,
             w: g.ptr(&dwa, 0),
@@ -601,7 +592,7 @@ fn matvec_q4_k_pair_matches_two_products() {
         // The dense FFN's form (Cuda::swiglu_linear): no ids, one matrix each; item t is the gate
         // product of token t, item tokens + t its up product.
         let tokens = 2;
-        let dy = poisoned(&g, 2 * tokens * rows);
+        let dy = poisoned(g, 2 * tokens * rows);
         let dense = Matvec {
             mat_stride: 0,
             ids: 0,
@@ -644,7 +635,7 @@ fn matvec_q4_k_pair_matches_two_products() {
             let di = g.upload(ids).unwrap();
             let x = rng.normals(ids.len().div_ceil(x_group) * k);
             let dx = g.upload(&x).unwrap();
-            let dy = poisoned(&g, 2 * ids.len() * rows);
+            let dy = poisoned(g, 2 * ids.len() * rows);
             let with_shared = Matvec {
                 ids: g.ptr(&di, 0),
                 y: g.ptr(&dy, 0),
@@ -690,7 +681,7 @@ fn matvec_q4_k_pair_matches_two_products() {
                 );
             }
         }
-    }
+    });
 }
 
 /// The gate and up pair of a gated FFN with its silu in the same launch (`Matvec::glu`): item
@@ -702,16 +693,7 @@ fn matvec_q4_k_pair_matches_two_products() {
 #[test]
 fn matvec_q4_k_glu_pair_folds_the_silu() {
     let Some(mut g) = gpu() else { return };
-    for bulk in q4k_tensor_core_forms(&g) {
-        g.bulk_copies = bulk;
-        println!(
-            "Q4_K tensor-core kernel: {}",
-            if bulk {
-                "matvec_tma_q4_k"
-            } else {
-                "matvec_tc_q4_k / matvec_tc8_q4_k"
-            }
-        );
+    for_each_q4k_tensor_core_kernel(&mut g, |g| {
         let mut rng = Rng::new("matvec_glu");
         let t = GgmlType::Q4_K;
         let cases = [
@@ -738,7 +720,7 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
                 g.upload(&x).unwrap(),
                 g.upload(ids).unwrap(),
             );
-            let (glu_y, pair_y) = (poisoned(&g, n * rows), poisoned(&g, 2 * n * rows));
+            let (glu_y, pair_y) = (poisoned(g, n * rows), poisoned(g, 2 * n * rows));
             let a = Matvec {
                 mat_stride: rows * t.row_bytes(k).unwrap(),
                 ids: given.map_or(0, |_| g.ptr(&di, 0)),
@@ -783,7 +765,7 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
                 .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
             assert!(same, "{what}: not the pair then silu_mul, bit for bit");
         }
-    }
+    });
 }
 
 /// The MoE combine in the down product's launch (`Matvec::combine`): each token's outputs summed
@@ -793,16 +775,7 @@ fn matvec_q4_k_glu_pair_folds_the_silu() {
 #[test]
 fn matvec_q4_k_combine_sums_each_tokens_choices() {
     let Some(mut g) = gpu() else { return };
-    for bulk in q4k_tensor_core_forms(&g) {
-        g.bulk_copies = bulk;
-        println!(
-            "Q4_K tensor-core kernel: {}",
-            if bulk {
-                "matvec_tma_q4_k"
-            } else {
-                "matvec_tc_q4_k / matvec_tc8_q4_k"
-            }
-        );
+    for_each_q4k_tensor_core_kernel(&mut g, |g| {
         let mut rng = Rng::new("matvec_combine");
         let (t, rows, k, mats, choices) = (GgmlType::Q4_K, 2000, 2048, 4, 5);
         let ids = [3i32, 0, 2, 1, 0, 1, 1, 3, 2, 0]; // 2 tokens of 5 choices
@@ -819,9 +792,9 @@ fn matvec_q4_k_combine_sums_each_tokens_choices() {
             g.upload(&weights).unwrap(),
         );
         let (dy, dout, dplain) = (
-            poisoned(&g, ids.len() * rows),
-            poisoned(&g, n * rows),
-            poisoned(&g, n * rows),
+            poisoned(g, ids.len() * rows),
+            poisoned(g, n * rows),
+            poisoned(g, n * rows),
         );
         let a = Matvec {
             mat_stride: rows * t.row_bytes(k).unwrap(),
@@ -880,7 +853,7 @@ fn matvec_q4_k_combine_sums_each_tokens_choices() {
             same,
             "the combine in the launch is not moe_combine's, bit for bit"
         );
-    }
+    });
 }
 
 #[test]
