@@ -530,13 +530,13 @@ __device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int l
     return r;
 }
 
-// Planes, scales and sums of x[0, k) into shared memory, one warp per 256-element block at a
-// time.
-__device__ void tc_prepare_x(const float* x, int k, u8* sm) {
+// Planes, scales and sums of x[0, k) into shared memory by the block's first nwarps warps, one
+// warp per 256-element block at a time.
+__device__ void tc_prepare_x(const float* x, int k, u8* sm, int nwarps) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
     float* sums = scales + tc_scales_len(k);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int blk = warp; blk < k / 256; blk += nwarps) {
         XDigits xd = x_block_digits(x, blk, lane);
         if (lane == 0) scales[blk] = xd.s;
@@ -737,7 +737,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     for (; grp < g_end; grp = next_group(grp + g_step)) {
         int xi = item_of(grp).xi, tile = tile_of(grp);
         if (xi != prepared) {
-            tc_prepare_x(x + (i64)xi * x_stride, k, tc_sm);
+            tc_prepare_x(x + (i64)xi * x_stride, k, tc_sm, TC_WARPS);
             __syncthreads();
             prepared = xi;
         }
@@ -944,16 +944,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     const u8* bcol = tma_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
     float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
     float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
-    // x's planes over the 8 consumer warps (tc_prepare_x's layout).
-    for (int blk = warp; blk < nb; blk += TMA_BLOCKS) {
-        XDigits xd = x_block_digits(x, blk, lane);
-        float* sc = (float*)(tma_sm + 4 * stride);
-        if (lane == 0) sc[blk] = xd.s;
-        if ((lane & 3) == 0) sc[tc_scales_len(k) + 8 * blk + lane / 4] = xd.sum;
-#pragma unroll
-        for (int p = 0; p < 4; p++)
-            *(uint2*)(tma_sm + p * stride + 256 * blk + 8 * lane) = xd.words[p];
-    }
+    tc_prepare_x(x, k, tma_sm, TMA_BLOCKS);  // by the consumer warps
     consumers_sync();
     int n = 0, par = 0;
     for (int grp = next_group(blockIdx.x); grp < groups;
