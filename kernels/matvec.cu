@@ -840,10 +840,17 @@ DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 // Products whose items all read one x (a single matrix, a token's MoE gate and up), with the
 // arguments and items of matvec_tc_q4_k but per_block, x_group and x_stride, and no combine:
 // a group is one tile of 16 rows of one item (glu: of the gate's item, then of the up's), and
-// block b takes groups b, b + gridDim.x, ... of one wave of blocks. (With the expert downs
-// too, one x per item and each tile's combine behind a fence and an atomic, DS3 decode
-// measured 1,082 -> 971 tokens/s.) Dynamic shared memory tma_smem_bytes(k) (ops.rs): x's
-// planes as tc_smem_bytes(k), rounded up to 128 bytes, then the stages.
+// block b takes groups b, b + gridDim.x, ... of one wave of blocks. (The expert downs, an x
+// per item and their combine, were slower here in the model both times they were tried:
+// docs/performance.md, nineteenth and twentieth looks.)
+//
+// Rows longer than shared memory holds x's planes for beside the stages (attn_output and the
+// dense down, k 12288-18432) are taken in parts of kpart elements (the last may be shorter):
+// the block walks all its groups through part 0, prepares x's planes of part 1, walks them
+// again, and so on, each lane that writes a row adding that part's sum to what it stored
+// before (so the rows need no combine between blocks, and the copies run on into the next part
+// while x is prepared). glu needs one part. Dynamic shared memory tma_smem_bytes(kpart)
+// (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
 #define TMA_STAGES 3
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 #define TMA_ROW 1168     // a row's segment, 8 x 144 bytes padded to 16 mod 128 (see below)
@@ -882,18 +889,20 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256
 
 extern "C" __global__ void __launch_bounds__(288, 2)
     matvec_tma_q4_k(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,
-                    const int* ids, int items, int rows, int k, i64 row_bytes, const float* x,
-                    float* y, i64 y_stride, int glu) {
+                    const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,
+                    const float* x, float* y, i64 y_stride, int glu) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 tma_sm[];
     __shared__ u64 full[TMA_STAGES], empty[TMA_STAGES];
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
-    int stride = tc_plane_stride(k), nb = k / 256;
-    const float* scales = (const float*)(tma_sm + 4 * stride);
-    const float* sums = scales + tc_scales_len(k);
-    u8* stages = tma_sm + ((4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32) + 127) & ~127);
-    const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16;
-    const int groups = items / mats * tiles, steps = (nb + TMA_BLOCKS - 1) / TMA_BLOCKS;
+    const int pstride = tc_plane_stride(kpart);
+    u8* stages =
+        tma_sm + ((4 * pstride + 4 * tc_scales_len(kpart) + 4 * (kpart / 32) + 127) & ~127);
+    const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
+    const int nb = k / 256, part_blocks = kpart / 256, parts = (nb + part_blocks - 1) / part_blocks;
+    // Part p: its first 256-block, its 256-blocks and its stages.
+    auto part_nb = [&](int p) { return min(part_blocks, nb - p * part_blocks); };
+    auto part_steps = [&](int p) { return (part_nb(p) + TMA_BLOCKS - 1) / TMA_BLOCKS; };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Unit m of group grp: its item (glu: the gate's, then the up's).
     auto item_of = [&](int grp, int m) {
@@ -918,19 +927,24 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         // consumers have released what it held before (its (n / TMA_STAGES - 1)-th phase).
         if (ids) pdl_wait();  // the MoE choices come from the router kernel
         int n = 0;
-        for (int grp = next_group(blockIdx.x); grp < groups; grp = next_group(grp + gridDim.x)) {
-            int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
-            for (int m = 0; m < mats; m++) {
-                const u8* mat = item_of(grp, m).mat + (i64)r0 * row_bytes;
-                for (int st = 0; st < steps; st++, n++) {
-                    int slot = n % TMA_STAGES, cnt = min(TMA_BLOCKS, nb - st * TMA_BLOCKS);
-                    if (n >= TMA_STAGES) mbar_wait(&empty[slot], (n / TMA_STAGES - 1) & 1);
-                    if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * cnt * 144));
-                    __syncwarp();
-                    if (lane < nr)
-                        bulk_copy(stages + slot * TMA_STAGE + lane * TMA_ROW,
-                                  mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * 144,
-                                  cnt * 144, &full[slot]);
+        for (int p = 0; p < parts; p++) {
+            const int pnb = part_nb(p), steps = part_steps(p);
+            for (int grp = next_group(blockIdx.x); grp < groups;
+                 grp = next_group(grp + gridDim.x)) {
+                int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
+                for (int m = 0; m < mats; m++) {
+                    const u8* mat = item_of(grp, m).mat + (i64)r0 * row_bytes +
+                                    (i64)p * part_blocks * 144;
+                    for (int st = 0; st < steps; st++, n++) {
+                        int slot = n % TMA_STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
+                        if (n >= TMA_STAGES) mbar_wait(&empty[slot], (n / TMA_STAGES - 1) & 1);
+                        if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * cnt * 144));
+                        __syncwarp();
+                        if (lane < nr)
+                            bulk_copy(stages + slot * TMA_STAGE + lane * TMA_ROW,
+                                      mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * 144,
+                                      cnt * 144, &full[slot]);
+                    }
                 }
             }
         }
@@ -941,57 +955,66 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     // segments TMA_ROW = 16 mod 128 bytes apart put the 8 rows' headers on distinct banks and
     // their 32-byte qs pieces two to a bank (one and two wavefronts).
     const int g = lane >> 2, t = lane & 3, c = warp;
-    const u8* bcol = tma_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
     float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
     float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
-    tc_prepare_x(x, k, tma_sm, TMA_BLOCKS);  // by the consumer warps
-    consumers_sync();
     int n = 0, par = 0;
-    for (int grp = next_group(blockIdx.x); grp < groups;
-         grp = next_group(grp + gridDim.x), par ^= 1) {
-        int tile = grp % tiles;
-        for (int m = 0; m < mats; m++) {
-            float acc_lo = 0.0f, acc_hi = 0.0f;
-            for (int st = 0; st < steps; st++, n++) {
-                int slot = n % TMA_STAGES, kb = st * TMA_BLOCKS + c;
-                mbar_wait(&full[slot], (n / TMA_STAGES) & 1);
-                TcQ4k q;
-                if (kb < nb) {
-                    const u8* blo = stages + slot * TMA_STAGE + g * TMA_ROW + 144 * c;
-                    const u8* bhi = blo + 8 * TMA_ROW;
-                    q.h_lo = *(const uint4*)blo;
-                    q.h_hi = *(const uint4*)bhi;
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        q.q_lo[i] = *(const uint2*)(blo + 16 + 32 * i + 8 * t);
-                        q.q_hi[i] = *(const uint2*)(bhi + 16 + 32 * i + 8 * t);
-                    }
-                }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
-                if (kb < nb)
-                    q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
-            }
-            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
-            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
-            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
-            if (t == 0) {
-                partial[par][m][warp][g] = acc_lo;
-                partial[par][m][warp][g + 8] = acc_hi;
-            }
-        }
+    for (int p = 0; p < parts; p++) {
+        // The last group's dots of part p - 1 are behind its consumers_sync: its planes are free.
+        const int pnb = part_nb(p), steps = part_steps(p), stride = tc_plane_stride(256 * pnb);
+        const float* scales = (const float*)(tma_sm + 4 * stride);
+        const float* sums = scales + tc_scales_len(256 * pnb);
+        const u8* bcol = tma_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
+        tc_prepare_x(x + 256 * p * part_blocks, 256 * pnb, tma_sm, TMA_BLOCKS);  // by the consumers
         consumers_sync();
-        // The warps' partials in warp order, so that the glu and pair forms give the same bits.
-        if (warp == 0 && lane < 16 && tile * 16 + lane < rows) {
-            float sum = 0.0f;
-            for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
-            if (glu) {
-                float up = 0.0f;
-                for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
-                sum = silu(sum) * up;
+        for (int grp = next_group(blockIdx.x); grp < groups;
+             grp = next_group(grp + gridDim.x), par ^= 1) {
+            const int tile = grp % tiles;
+            for (int m = 0; m < mats; m++) {
+                float acc_lo = 0.0f, acc_hi = 0.0f;
+                for (int st = 0; st < steps; st++, n++) {
+                    int slot = n % TMA_STAGES, kb = st * TMA_BLOCKS + c;
+                    mbar_wait(&full[slot], (n / TMA_STAGES) & 1);
+                    TcQ4k q;
+                    if (kb < pnb) {
+                        const u8* blo = stages + slot * TMA_STAGE + g * TMA_ROW + 144 * c;
+                        const u8* bhi = blo + 8 * TMA_ROW;
+                        q.h_lo = *(const uint4*)blo;
+                        q.h_hi = *(const uint4*)bhi;
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            q.q_lo[i] = *(const uint2*)(blo + 16 + 32 * i + 8 * t);
+                            q.q_hi[i] = *(const uint2*)(bhi + 16 + 32 * i + 8 * t);
+                        }
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
+                    if (kb < pnb)
+                        q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo,
+                              acc_hi);
+                }
+                acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
+                acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
+                acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+                acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+                if (t == 0) {
+                    partial[par][m][warp][g] = acc_lo;
+                    partial[par][m][warp][g + 8] = acc_hi;
+                }
             }
-            y[(grp / tiles) * y_stride + tile * 16 + lane] = sum;
+            consumers_sync();
+            // The warps' partials in warp order, so that the glu and pair forms give the same
+            // bits; a later part adds to the row its lane stored before.
+            if (warp == 0 && lane < 16 && tile * 16 + lane < rows) {
+                float sum = 0.0f;
+                for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
+                if (glu) {
+                    float up = 0.0f;
+                    for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
+                    sum = silu(sum) * up;
+                }
+                float* row = y + (grp / tiles) * y_stride + tile * 16 + lane;
+                *row = p == 0 ? sum : *row + sum;
+            }
         }
     }
 #else

@@ -368,19 +368,22 @@ fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, mut check: impl FnMut(&Gpu)) {
 /// and a partial last stage, and each block geometry of the matvec_tc kernels in ops.rs: 8
 /// warps with 8 and 4 tiles (items), 4 warps with 2 tiles (one matrix),
 /// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory), and
-/// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long).
+/// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long); the
+/// bulk-copy kernel's rows in parts beyond 9216 (12288: two of 24 256-blocks; 9472: of 19 and
+/// 18, each ending in a partial stage).
 #[test]
 fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
     let Some(mut g) = gpu() else { return };
     for_each_q4k_tensor_core_kernel(&mut g, |g| {
         let mut rng = Rng::new("matvec_tc");
         let t = GgmlType::Q4_K;
-        let cases: [(usize, usize, usize, &[i32]); 5] = [
+        let cases: [(usize, usize, usize, &[i32]); 6] = [
             (2100, 1536, 3, &[2, 0, -1, 1, 1]),
             (2048, 4608, 2, &[1, 0, -1, 1]),
             (8200, 4352, 1, &[0]),
             (7200, 9216, 1, &[0]),
             (6150, 12288, 1, &[0]),
+            (6144, 9472, 1, &[0]),
         ];
         for (rows, k, mats, ids) in cases {
             let w = random_rows(&mut rng, t, rows * mats, k);

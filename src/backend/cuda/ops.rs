@@ -302,12 +302,16 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 
 /// matvec_tma_q4_k (the weights by bulk copies, sm_90 and later) takes the tensor-core
 /// products whose items all read one x (a single matrix, a token's MoE gate and up) from
-/// TMA_K_MIN to TMA_K_MAX: up to where its x planes and TMA_STAGES stages of 16 rows x 1168
-/// bytes fit SM120's 99 KiB (longer rows stay on matvec_tc8_q4_k), and from a whole stage of
-/// 8 256-blocks a tile on (H200: DS3's q_b 24576 x 1536 took 10.0 -> 12.4 us). Measured on an
-/// H200 against the matvec_tc kernels, same call (docs/performance.md): ffn_up 18432 x 7168
-/// 38.2 -> 28.2 us, GLM-5's 12288 x 6144 19.7 -> 15.9 us; in a decode token (ncu) the launches
-/// it takes (the MoE and dense gate-up pairs, GLM-5's q_b) DS3 220 -> 214 us, GLM-5 234 -> 209.
+/// k = TMA_K_MIN on, from a whole stage of 8 256-blocks a tile (H200: DS3's q_b 24576 x 1536
+/// took 10.0 -> 12.4 us). Its x planes and TMA_STAGES stages of 16 rows x 1168 bytes fit
+/// SM120's 99 KiB up to TMA_K_MAX (10240 would not, with the 3 KiB of static shared memory
+/// NVRTC gives it); longer rows (attn_output, the dense down; not glu) go in parts of at most
+/// that many elements (tma_part_k). Measured on an H200 against the matvec_tc kernels, same
+/// call (docs/performance.md): ffn_up 18432 x 7168 38.2 -> 28.2 us, GLM-5's 12288 x 6144 19.7
+/// -> 15.9 us; in a decode token (ncu) the launches it takes (the MoE and dense gate-up pairs,
+/// GLM-5's q_b) DS3 220 -> 214 us, GLM-5 234 -> 209; the rows in parts tie or lose alone (DS3's
+/// dense down 29.8 -> 31.0 us) and win in the model, their copies starting before the
+/// previous kernel ends (decode GLM-5 1,137.7 -> 1,177.6 tokens/s, DS3 1,106 -> 1,115).
 const TMA_K_MIN: usize = 2048;
 pub(super) const TMA_K_MAX: usize = 9216;
 const TMA_STAGES: usize = 3;
@@ -316,6 +320,14 @@ const TMA_STAGES: usize = 3;
 /// then the stages.
 pub(super) fn tma_smem_bytes(k: usize) -> usize {
     tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * 16 * 1168
+}
+
+/// The elements of each part of x that matvec_tma_q4_k holds as planes at a time: k, or
+/// beyond TMA_K_MAX as few equal parts of whole 256-blocks as fit (the last may be shorter).
+fn tma_part_k(k: usize) -> usize {
+    let blocks = k / 256;
+    let parts = blocks.div_ceil(TMA_K_MAX / 256);
+    blocks.div_ceil(parts) * 256
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
@@ -356,7 +368,8 @@ impl Gpu {
     /// Whether the tensor-core product `a` goes to matvec_tma_q4_k (see TMA_K_MAX).
     fn uses_bulk_copies(&self, a: &Matvec) -> bool {
         self.bulk_copies
-            && (TMA_K_MIN..=TMA_K_MAX).contains(&a.k)
+            && a.k >= TMA_K_MIN
+            && (a.k <= TMA_K_MAX || !a.glu)
             && one_x_of(a)
             && a.combine.is_none()
     }
@@ -408,14 +421,15 @@ impl Gpu {
             let tiles = a.rows.div_ceil(16);
             if self.uses_bulk_copies(a) {
                 // A group per tile of an item (glu: of both matrices), one wave of blocks.
-                let smem = tma_smem_bytes(a.k);
+                let kpart = tma_part_k(a.k);
+                let smem = tma_smem_bytes(kpart);
                 let kernel = "matvec_tma_q4_k";
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
                 let slots = self.multiprocessors * self.blocks_per_sm(kernel, 288, smem)?.max(1);
                 launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
-                    a.batch as i32, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.y,
-                    a.y_stride as i64, a.glu as i32);
+                    a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
+                    a.x, a.y, a.y_stride as i64, a.glu as i32);
                 return Ok(());
             }
             let long_k = a.k >= 4096;
