@@ -311,7 +311,8 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 /// -> 15.9 us; in a decode token (ncu) the launches it takes (the MoE and dense gate-up pairs,
 /// GLM-5's q_b) DS3 220 -> 214 us, GLM-5 234 -> 209; the rows in parts tie or lose alone (DS3's
 /// dense down 29.8 -> 31.0 us) and win in the model, their copies starting before the
-/// previous kernel ends (decode GLM-5 1,137.7 -> 1,177.6 tokens/s, DS3 1,106 -> 1,115).
+/// previous kernel ends (decode GLM-5 1,135-1,138 -> 1,177-1,179 tokens/s, DS3 1,107-1,108 ->
+/// 1,116-1,117).
 const TMA_K_MIN: usize = 2048;
 pub(super) const TMA_K_MAX: usize = 9216;
 const TMA_STAGES: usize = 3;
