@@ -899,8 +899,9 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     u8* stages =
         tma_sm + ((4 * pstride + 4 * tc_scales_len(kpart) + 4 * (kpart / 32) + 127) & ~127);
     const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
-    const int nb = k / 256, part_blocks = kpart / 256, parts = (nb + part_blocks - 1) / part_blocks;
-    // Part p: its first 256-block, its 256-blocks and its stages.
+    const int nb = k / 256, part_blocks = kpart / 256;
+    const int parts = (nb + part_blocks - 1) / part_blocks;
+    // Part p's 256-blocks and stages (it starts at 256-block p * part_blocks).
     auto part_nb = [&](int p) { return min(part_blocks, nb - p * part_blocks); };
     auto part_steps = [&](int p) { return (part_nb(p) + TMA_BLOCKS - 1) / TMA_BLOCKS; };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -964,7 +965,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
         const u8* bcol = tma_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
-        tc_prepare_x(x + 256 * p * part_blocks, 256 * pnb, tma_sm, TMA_BLOCKS);  // by the consumers
+        tc_prepare_x(x + 256 * p * part_blocks, 256 * pnb, tma_sm, TMA_BLOCKS);  // by consumers
         consumers_sync();
         for (int grp = next_group(blockIdx.x); grp < groups;
              grp = next_group(grp + gridDim.x), par ^= 1) {
