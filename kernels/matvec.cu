@@ -1073,8 +1073,11 @@ __device__ __forceinline__ int dp4a_u8s8(u32 a, u32 b, int c) {
 // 4 words from 2-byte aligned shared memory, each shifted right by `extra` more bits (< 8)
 // with the bits of the word above.
 __device__ __forceinline__ void lds_words4(const u8* p, u32* out, u32 extra = 0) {
-    const u32* base = (const u32*)((unsigned long long)p & ~3ull);
-    u32 sh = 8 * (u32)((unsigned long long)p & 3) + extra;
+    // By pointer arithmetic on p, not an integer mask: the compiler then still knows the
+    // address is shared memory (LDS; a cast from an integer made generic loads).
+    const u32 mis = (u32)((unsigned long long)p & 3);
+    const u32* base = (const u32*)(p - mis);
+    u32 sh = 8 * mis + extra;
     u32 a[5];
 #pragma unroll
     for (int i = 0; i < 5; i++) a[i] = base[i];
@@ -1228,6 +1231,281 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
         for (int i = 0; i < ks; i++) sum += partial[warp + i][lane];
         y[r0 + lane] = sum;
     }
+}
+
+// ---- Q6_K on the tensor cores, the weights by bulk copies (sm_90 and later) ----
+//
+// matvec_int_q6_k above reached ~73% of the copy bandwidth on the lm head, its math alone
+// near the whole time (eighteenth look). Here the Q6_K lm head takes matvec_tma_q4_k's
+// shape: a producer warp has the copy engine move each tile's 16 rows into shared memory 8
+// 256-blocks a stage, and 8 consumer warps multiply a 256-block each on the integer tensor
+// cores with x's digit planes (prepared by the block, as for Q4_K).
+//
+// The block's tiles (b, b + gridDim.x, ...) are one sequence of 256-blocks, tile after tile,
+// and each stage takes the next 8 of it: rows of 28 blocks (DeepSeek-V3's lm head) then fill
+// every stage, where a stage per 8 blocks of a tile left the last of 4 half empty (its fixed
+// cost per stage made the kernel slower than matvec_int_q6_k there). A stage then holds two
+// segments of each row, the end of tile i's row and the start of tile i + 1's: the producer's
+// lanes 0-15 copy the first of the 16 rows, lanes 16-31 the second (so k >= 2048: a stage spans
+// at most two tiles).
+//
+// Rows are 210 bytes a 256-block, so a segment starts anywhere modulo 16 (even): each is copied
+// from the 16-byte boundary below it (up to 14 bytes of the row before), the second after the
+// first's bytes rounded up to 16, and consumers read 2-byte aligned words through funnel
+// shifts (lds_words). The matrix may end 2-byte aligned: its last bytes past a 16-byte
+// boundary are stored by the producer's lanes from registers, so that no copy reads past it.
+//
+// Each m16n8k32 product takes a 32-value quarter of a half (Q6_K's quarter j of half h: low
+// 4 bits in the low (j < 2) or high nibble of ql[64h + 32 (j & 1) + l], high 2 bits at bits
+// 2j of qh[32h + l]), which spans two 16-value sub-blocks of their own scale. Lanes t = 0, 1
+// hold values of the first, t = 2, 3 of the second (8 each), so B's columns 0-3 are x's
+// planes on the first sub-block (zero on the second) and columns 4-7 on the second: each
+// lane's two outputs then belong to one sub-block and take its scale. The values' -32 offset
+// is -32 times the digit sum of each plane and sub-block, prepared with the planes. Single
+// matrices with 2048 <= k <= TMA6_K_MAX (ops.rs): two stages of 16 x 1744 bytes beside x fit
+// SM120's 99 KiB.
+#define TMA6_STAGES 2
+// A row's 8 blocks in two segments from 16-byte boundaries take 1728 bytes at most; 1744 is
+// 80 modulo 128, so the 8 rows a load instruction reads fall on distinct pairs of banks.
+#define TMA6_ROW 1744
+#define TMA6_STAGE (16 * TMA6_ROW)
+
+// x's scales (rounded up to 4: the sums after them are read as int4) and the index of the
+// -32 x digit sum of plane p, sub-block sb (= 8h + 2j + s) of block blk: ordered [blk][s]
+// [p >> 1][h][j][p & 1], so that a lane reads its 16 sums of a block as 4 int4.
+__device__ __forceinline__ int q6_scales_len(int k) { return (k / 256 + 3) & ~3; }
+__device__ __forceinline__ int q6_sum_index(int blk, int sb, int p) {
+    int h = sb >> 3, j = (sb >> 1) & 3, s = sb & 1;
+    return ((((blk * 2 + s) * 2 + (p >> 1)) * 2 + h) * 4 + j) * 2 + (p & 1);
+}
+
+// Planes (as tc_prepare_x), scales and offset sums of x[0, k) into shared memory by the
+// block's first nwarps warps, one warp per 256-element block at a time.
+__device__ void q6_prepare_x(const float* x, int k, u8* sm, int nwarps) {
+    int stride = tc_plane_stride(k);
+    float* scales = (float*)(sm + 4 * stride);
+    int* sums = (int*)(scales + q6_scales_len(k));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int blk = warp; blk < k / 256; blk += nwarps) {
+        XDigits xd = x_block_digits(x, blk, lane);
+        if (lane == 0) scales[blk] = xd.s;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            *(uint2*)(sm + p * stride + 256 * blk + 8 * lane) = xd.words[p];
+            // Lanes 2i and 2i + 1 hold sub-block i.
+            int s = xd.dsum[p] + __shfl_xor_sync(0xffffffffu, xd.dsum[p], 1);
+            if ((lane & 1) == 0) sums[q6_sum_index(blk, lane >> 1, p)] = -32 * s;
+        }
+    }
+}
+
+// The 8 bytes at p (2-byte aligned shared memory) as two words.
+__device__ __forceinline__ uint2 lds_words2(const u8* p) {
+    const u32 mis = (u32)((unsigned long long)p & 3);  // as in lds_words4
+    const u32* base = (const u32*)(p - mis);
+    u32 sh = 8 * mis, a = base[0], b = base[1], c = base[2];
+    return make_uint2(__funnelshift_r(a, b, sh), __funnelshift_r(b, c, sh));
+}
+
+// A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
+// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half (qh[h]), and from the scales at s = t >> 1
+// on (sc: byte 2i is sub-block 2i + s's), d.
+struct TcQ6k {
+    uint2 ql[2][2], qh[2];
+    u32 sc[4], d;
+
+    __device__ __forceinline__ void load(const u8* b, int t) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            ql[h][0] = lds_words2(b + 64 * h + 8 * t);
+            ql[h][1] = lds_words2(b + 64 * h + 32 + 8 * t);
+            qh[h] = lds_words2(b + 128 + 32 * h + 8 * t);
+        }
+        lds_words4(b + 192 + (t >> 1), sc);  // reads up to 2 bytes past the block (in the stage)
+        d = *(const u16*)(b + 208);
+    }
+
+    // Quarter j of half h, word i (values 8t + 4i ..) as 4 bytes 0..63.
+    __device__ __forceinline__ u32 quarter(int h, int j, int i) const {
+        u32 l = (&ql[h][j & 1].x)[i], q = (&qh[h].x)[i];
+        u32 lo = j < 2 ? l & 0x0F0F0F0Fu : (l >> 4) & 0x0F0F0F0Fu;
+        u32 hi = j < 2 ? q << (4 - 2 * j) : q >> (2 * j - 4);
+        return lo | (hi & 0x30303030u);
+    }
+    // The scale of the lane's sub-block in quarter j of half h.
+    __device__ __forceinline__ int scale(int h, int j) const {
+        return (int)(signed char)(sc[2 * h + (j >> 1)] >> (16 * (j & 1)));
+    }
+};
+
+// acc_lo / acc_hi += rows g and g + 8's block (lo, hi) . x's block: bk the lane's plane bytes
+// of it (plane g & 3, + 8t), live whether its B columns' sub-block is its own (else zeros),
+// off its 16 offset sums, s x's block scale, pf0 / pf1 the weights of its output planes.
+__device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u8* bk, bool live,
+                                       const int4* off, float s, float pf0, float pf1,
+                                       float& acc_lo, float& acc_hi) {
+    int ci[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint2 bb = live ? *(const uint2*)(bk + 128 * h + 32 * j) : make_uint2(0u, 0u);
+            int cc[4];
+            mma_s8_16832(cc, lo.quarter(h, j, 0), hi.quarter(h, j, 0), lo.quarter(h, j, 1),
+                         hi.quarter(h, j, 1), bb.x, bb.y);
+            int4 o4 = off[2 * h + (j >> 1)];
+            int o0 = j & 1 ? o4.z : o4.x, o1 = j & 1 ? o4.w : o4.y;
+            int sl = lo.scale(h, j), sh = hi.scale(h, j);
+            ci[0] += sl * (cc[0] + o0);
+            ci[1] += sl * (cc[1] + o1);
+            ci[2] += sh * (cc[2] + o0);
+            ci[3] += sh * (cc[3] + o1);
+        }
+    }
+    acc_lo += f16_to_f32((u16)lo.d) * s * (pf0 * (float)ci[0] + pf1 * (float)ci[1]);
+    acc_hi += f16_to_f32((u16)hi.d) * s * (pf0 * (float)ci[2] + pf1 * (float)ci[3]);
+}
+
+// The bytes of a row's segment of cnt blocks from address src (its low 32 bits enough) as
+// copied: from the 16-byte boundary below src, rounded up to 16.
+__device__ __forceinline__ u32 q6_segment_bytes(u32 src, int cnt) {
+    return ((src & 15) + 210 * cnt + 15) & ~15u;
+}
+
+// y = w x for one Q6_K matrix of `rows` rows of k (a multiple of 256, at least 2048) values,
+// row_bytes apart; w and x 16-byte aligned. Block 288 threads (8 consumer warps, 1 producer),
+// dynamic shared memory tma6_smem_bytes(k) (ops.rs): x's planes, scales and sums to a 128-byte
+// boundary, then the stages. One grid wave of blocks.
+extern "C" __global__ void __launch_bounds__(288, 2)
+    matvec_tma_q6_k(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) u8 tma_sm[];
+    __shared__ u64 full[TMA6_STAGES], empty[TMA6_STAGES];
+    __shared__ float partial[2][TMA_BLOCKS][16];  // [tile parity][warp][row]
+    const int stride = tc_plane_stride(k), nb = k / 256;
+    const float* scales = (const float*)(tma_sm + 4 * stride);
+    const int* sums = (const int*)(scales + q6_scales_len(k));
+    u8* stages = tma_sm + ((4 * stride + 4 * q6_scales_len(k) + k + 127) & ~127);
+    const int tiles = (rows + 15) / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // The block's tiles, and the stages of their sequence of blocks.
+    const int mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int nst = (mine * nb + TMA_BLOCKS - 1) / TMA_BLOCKS;
+    const u8* end = w + (i64)rows * row_bytes;
+    const u8* end16 = (const u8*)((unsigned long long)end & ~15ull);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < TMA6_STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], TMA_BLOCKS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    // Row r of the block's tile i, from block b.
+    auto row_at = [&](int i, int r, int b) {
+        return w + (i64)(16 * ((int)blockIdx.x + i * (int)gridDim.x) + r) * row_bytes + 210 * b;
+    };
+    // Stage n starts at block a of the block's tile i0 (both advanced stage by stage) and takes
+    // cnt0 = min(8, nb - a) blocks of it, then 8 - cnt0 of tile i0 + 1.
+    if (warp == TMA_BLOCKS) {
+        // Producer: lane seg * 16 + r copies row r's segment seg. Lanes 0 .. 6 hold the
+        // matrix's last bytes past end16, 2 each.
+        const int tail = (int)(end - end16), seg = lane >> 4, r = lane & 15;
+        const u16 tail_v = 2 * lane < tail ? ld_nc16(end16 + 2 * lane) : 0;
+        for (int n = 0, i0 = 0, a = 0; n < nst; n++) {
+            const int slot = n % TMA6_STAGES, cnt0 = min(TMA_BLOCKS, nb - a);
+            const int i = i0 + seg, cnt = seg ? TMA_BLOCKS - cnt0 : cnt0;
+            if (n >= TMA6_STAGES) mbar_wait(&empty[slot], (n / TMA6_STAGES - 1) & 1);
+            const bool copies =
+                cnt > 0 && i < mine && 16 * ((int)blockIdx.x + i * (int)gridDim.x) + r < rows;
+            const u8* src = row_at(copies ? i : 0, r, seg ? 0 : a);
+            const u8* from = (const u8*)((unsigned long long)src & ~15ull);
+            u8* dst = stages + slot * TMA6_STAGE + r * TMA6_ROW +
+                      (seg ? q6_segment_bytes((u32)(unsigned long long)row_at(i0, r, a), cnt0) : 0);
+            u32 bytes = copies ? q6_segment_bytes((u32)(unsigned long long)src, cnt) : 0;
+            const bool at_end = copies && from + bytes > end;  // the matrix's last row
+            if (at_end) bytes = (u32)(end16 - from);
+            const u32 ends = __ballot_sync(0xffffffffu, at_end);
+            if (ends) {
+                u8* to = (u8*)__shfl_sync(0xffffffffu, (unsigned long long)(dst + bytes),
+                                          __ffs(ends) - 1);
+                if (2 * lane < tail) *(u16*)(to + 2 * lane) = tail_v;
+            }
+            const u32 total = __reduce_add_sync(0xffffffffu, bytes);
+            __syncwarp();  // the tail's stores before the arrival that publishes the stage
+            if (lane == 0) mbar_expect_bytes(&full[slot], total);
+            __syncwarp();
+            if (copies) bulk_copy(dst, from, bytes, &full[slot]);
+            a += TMA_BLOCKS;
+            if (a >= nb) a -= nb, i0++;
+        }
+        return;
+    }
+    pdl_enter();  // x may come from the previous kernel
+    q6_prepare_x(x, k, tma_sm, TMA_BLOCKS);
+    consumers_sync();
+    // Consumer warp c takes block c of each stage, rows g and g + 8 of its tile; acc_* sum
+    // tile i0's rows, next_* tile i0 + 1's until i0 ends.
+    const int g = lane >> 2, t = lane & 3, c = warp;
+    const float pf0 = t & 1 ? 128.0f : 2097152.0f, pf1 = t & 1 ? 1.0f : 16384.0f;
+    const bool live = (g >> 2) == (t >> 1);
+    const u8* bcol = tma_sm + (g & 3) * stride + 8 * t;
+    const int4* lane_sums = (const int4*)(sums + ((t >> 1) * 2 + (t & 1)) * 16);
+    // Where rows g and g + 8 lie modulo 16 (32-bit addresses suffice), from tile i0's row g
+    // on: the stage rows' offsets follow from it as the producer's copies did.
+    const u32 row8 = (u32)(8 * row_bytes), tile_step = (u32)(16 * gridDim.x * row_bytes);
+    u32 row_lo = (u32)(unsigned long long)w + (u32)(16 * blockIdx.x + g) * (u32)row_bytes;
+    float acc_lo = 0.0f, acc_hi = 0.0f, next_lo = 0.0f, next_hi = 0.0f;
+    for (int n = 0, i0 = 0, a = 0; n < nst; n++) {
+        const int slot = n % TMA6_STAGES, cnt0 = min(TMA_BLOCKS, nb - a);
+        const bool second = c >= cnt0;  // the block is tile i0 + 1's
+        const int i = i0 + second, blk = second ? c - cnt0 : a + c;
+        mbar_wait(&full[slot], (n / TMA6_STAGES) & 1);
+        TcQ6k lo, hi;
+        if (i < mine) {
+            const u32 first_lo = row_lo + 210 * a, next = row_lo + tile_step;
+            u32 at_lo = ((first_lo & 15) + 210 * c), at_hi = ((first_lo + row8) & 15) + 210 * c;
+            if (second) {
+                at_lo = q6_segment_bytes(first_lo, cnt0) + (next & 15) + 210 * blk;
+                at_hi = q6_segment_bytes(first_lo + row8, cnt0) + ((next + row8) & 15) + 210 * blk;
+            }
+            const u8* st = stages + slot * TMA6_STAGE + g * TMA6_ROW;
+            lo.load(st + at_lo, t);
+            hi.load(st + 8 * TMA6_ROW + at_hi, t);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
+        if (i < mine) {
+            float d_lo = 0.0f, d_hi = 0.0f;
+            q6_dot(lo, hi, bcol + 256 * blk, live, lane_sums + 16 * blk, scales[blk], pf0, pf1,
+                   d_lo, d_hi);
+            if (second) next_lo += d_lo, next_hi += d_hi;
+            else acc_lo += d_lo, acc_hi += d_hi;
+        }
+        if (a + TMA_BLOCKS >= nb) {
+            // Tile i0 ends in this stage: its rows' sums over the warps to y.
+            const int par = i0 & 1, r0 = 16 * ((int)blockIdx.x + i0 * (int)gridDim.x);
+            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
+            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
+            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+            if (t == 0) {
+                partial[par][warp][g] = acc_lo;
+                partial[par][warp][g + 8] = acc_hi;
+            }
+            consumers_sync();
+            if (warp == 0 && lane < 16 && r0 + lane < rows) {
+                float sum = 0.0f;
+                for (int p = 0; p < TMA_BLOCKS; p++) sum += partial[par][p][lane];
+                y[r0 + lane] = sum;
+            }
+            acc_lo = next_lo, acc_hi = next_hi, next_lo = 0.0f, next_hi = 0.0f;
+        }
+        a += TMA_BLOCKS;
+        if (a >= nb) a -= nb, i0++, row_lo += tile_step;
+    }
+#else
+    __trap();  // ops.rs launches it on sm_90 and later only
+#endif
 }
 
 // matvec_t_<type>: the transposed product for small batches, y_b[j] = sum_i W_b[i, j] * x_b[i]

@@ -343,7 +343,23 @@ fn chosen_outputs(y: &[f32], rows: usize, ids: &[i32], what: &str) -> Vec<f32> {
 
 /// Runs `check` on each Q4_K tensor-core kernel: matvec_tma_q4_k (the weights by bulk copies,
 /// where the GPU has them) and the matvec_tc kernels of older GPUs and long rows.
-fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, mut check: impl FnMut(&Gpu)) {
+fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, check: impl FnMut(&Gpu)) {
+    for_each_bulk_copy_form(
+        g,
+        "Q4_K tensor-core",
+        ("matvec_tma_q4_k", "matvec_tc_q4_k / matvec_tc8_q4_k"),
+        check,
+    );
+}
+
+/// Runs `check` with the bulk-copy kernels (`kernels.0`) where the GPU has them, then without
+/// (`kernels.1`), saying which.
+fn for_each_bulk_copy_form(
+    g: &mut Gpu,
+    what: &str,
+    kernels: (&str, &str),
+    mut check: impl FnMut(&Gpu),
+) {
     let forms: &[bool] = if g.bulk_copies {
         &[true, false]
     } else {
@@ -351,11 +367,8 @@ fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, mut check: impl FnMut(&Gpu)) {
     };
     for &bulk in forms {
         g.bulk_copies = bulk;
-        let kernels = match bulk {
-            true => "matvec_tma_q4_k",
-            false => "matvec_tc_q4_k / matvec_tc8_q4_k",
-        };
-        println!("Q4_K tensor-core kernel: {kernels}");
+        let kernel = if bulk { kernels.0 } else { kernels.1 };
+        println!("{what} kernel: {kernel}");
         check(g);
     }
 }
@@ -500,37 +513,46 @@ fn matvec_f32_wide_blocks_match_dot() {
     }
 }
 
-/// Q6_K matrices of lm-head size take the integer kernel (x as digit planes, dp4a, rows staged
-/// through shared memory 4 blocks at a time): equal to the dequantized f64 product like every
-/// f32 matvec, with a partial group of rows, a partial last stretch (5 blocks), rows at every
-/// 2-byte offset from 16-byte alignment (1050-byte rows), a matrix end that is not 16-byte
-/// aligned, blocks whose largest value dwarfs the rest and blocks of tiny values; groups of 2
-/// warps (32771 rows) and of 1 (65543 rows of one block).
+/// Q6_K matrices of lm-head size take the integer kernels (x as digit planes: matvec_tma_q6_k
+/// on the tensor cores with its rows by bulk copies for rows of 2048 to 8192, and
+/// matvec_int_q6_k with dp4a, rows staged through shared memory 4 blocks at a time): equal to
+/// the dequantized f64 product like every f32 matvec, with partial tiles and groups of rows,
+/// partial last stretches (5 blocks), stages of 8 blocks that span two tiles (17-block rows)
+/// or one (8), rows at every 2-byte offset from 16-byte alignment (1050- and 3570-byte rows),
+/// a matrix end that is not 16-byte aligned, blocks whose largest value dwarfs the rest and
+/// blocks of tiny values; groups of 2 warps (32771 rows) and of 1 (65543 rows of one block).
 #[test]
 fn matvec_q6_k_integer_path_matches_dequantized_dot() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new("matvec_int_q6_k");
-    for (rows, k) in [(32771, 1280), (65543, 256)] {
-        let t = GgmlType::Q6_K;
-        let w = random_rows(&mut rng, t, rows, k);
-        let wf = dequant_rows(t, &w, rows, k);
-        let x = hard_x(&mut rng, k);
-        let (dw, dx, dy) = (
-            g.upload(&w).unwrap(),
-            g.upload(&x).unwrap(),
-            poisoned(&g, rows),
-        );
-        let a = Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
-        g.matvec(&a).unwrap();
-        let y = g.download(&dy).unwrap();
-        let want: Vec<f64> = (0..rows).map(|r| dot64(&wf[r * k..][..k], &x)).collect();
-        assert_close(
-            &format!("matvec q6_k (integer) {rows}x{k}"),
-            &y,
-            &want,
-            F32_OP,
-        );
-    }
+    let Some(mut g) = gpu() else { return };
+    for_each_bulk_copy_form(
+        &mut g,
+        "Q6_K",
+        ("matvec_tma_q6_k", "matvec_int_q6_k"),
+        |g| {
+            let mut rng = Rng::new("matvec_int_q6_k");
+            for (rows, k) in [(32771, 1280), (65543, 256), (32790, 4352), (32777, 2048)] {
+                let t = GgmlType::Q6_K;
+                let w = random_rows(&mut rng, t, rows, k);
+                let wf = dequant_rows(t, &w, rows, k);
+                let x = hard_x(&mut rng, k);
+                let (dw, dx, dy) = (
+                    g.upload(&w).unwrap(),
+                    g.upload(&x).unwrap(),
+                    poisoned(g, rows),
+                );
+                let a = Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
+                g.matvec(&a).unwrap();
+                let y = g.download(&dy).unwrap();
+                let want: Vec<f64> = (0..rows).map(|r| dot64(&wf[r * k..][..k], &x)).collect();
+                assert_close(
+                    &format!("matvec q6_k (integer) {rows}x{k}"),
+                    &y,
+                    &want,
+                    F32_OP,
+                );
+            }
+        },
+    );
 }
 
 /// A pair of matrix sets in one launch (`Matvec::pair`, the MoE gate and up): items 4 .. 8

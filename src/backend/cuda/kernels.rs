@@ -172,6 +172,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         "matvec_tma_q4_k" => super::ops::tma_smem_bytes(super::ops::TMA_K_MAX),
+        "matvec_tma_q6_k" => super::ops::tma6_smem_bytes(super::ops::TMA6_K_MAX),
         _ => 0,
     }
 }

@@ -294,6 +294,19 @@ fn uses_int_q6_k(a: &Matvec) -> bool {
         && a.rows >= INT_Q6_MIN_ROWS
 }
 
+/// matvec_tma_q6_k (the bulk-copy form of matvec_int_q6_k, sm_90 and later) takes its
+/// matrices from TMA6_K_MIN (a stage's 8 blocks then span two tiles at most) up to this row
+/// length: x's planes, scales and offset sums (5k bytes and a little)
+/// and two stages of 16 x 1744 bytes fit SM120's 99 KiB with the kernel's static shared memory.
+pub(super) const TMA6_K_MAX: usize = 8192;
+const TMA6_K_MIN: usize = 2048;
+
+/// Dynamic shared memory of matvec_tma_q6_k: x's planes, scales (rounded up to 4) and sums of
+/// k bytes to a 128-byte boundary, then two stages.
+pub(super) fn tma6_smem_bytes(k: usize) -> usize {
+    (4 * (k + 32) + 4 * (k / 256).next_multiple_of(4) + k).next_multiple_of(128) + 2 * 16 * 1744
+}
+
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
 /// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
 pub(super) fn tc_smem_bytes(k: usize) -> usize {
@@ -474,6 +487,9 @@ impl Gpu {
             return Ok(());
         }
         if uses_int_q6_k(a) {
+            if self.bulk_copies && (TMA6_K_MIN..=TMA6_K_MAX).contains(&a.k) && a.w % 16 == 0 {
+                return self.matvec_tma_q6_k(a, row_bytes);
+            }
             return self.matvec_int_q6_k(a, row_bytes);
         }
         let rb = row_bytes as i64;
@@ -551,6 +567,17 @@ impl Gpu {
         launch!(self, "matvec_int_q6_k", (grid1(groups, per_block), 1, 1),
             32 * MATVEC_WARPS as u32, 0;
             a.w, a.rows as i32, a.k as i32, row_bytes as i64, dp, a.y);
+        Ok(())
+    }
+
+    /// One Q6_K matrix times x on the tensor cores, its rows by bulk copies: one wave of
+    /// blocks walking the tiles of 16 rows (kernels/matvec.cu).
+    fn matvec_tma_q6_k(&self, a: &Matvec, row_bytes: usize) -> Result<(), CudaError> {
+        let kernel = "matvec_tma_q6_k";
+        let smem = tma6_smem_bytes(a.k);
+        let slots = self.multiprocessors * self.blocks_per_sm(kernel, 288, smem)?.max(1);
+        launch!(self, kernel, (a.rows.div_ceil(16).min(slots) as u32, 1, 1), 288, smem as u32;
+            a.w, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.y);
         Ok(())
     }
 
