@@ -887,6 +887,19 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
 // The 8 consumer warps only (the producer warp has left).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
+// Each stage's barriers by thread 0, for the block: `full` completed by the producer's one
+// arrival and the copies' bytes, `empty` by the 8 consumer warps' arrivals.
+__device__ __forceinline__ void init_stage_barriers(u64* full, u64* empty, int stages) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], TMA_BLOCKS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(288, 2)
     matvec_tma_q4_k(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,
                     const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,
@@ -915,14 +928,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         while (grp < groups && !item_of(grp, 0).held) grp += gridDim.x;
         return grp;
     };
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < TMA_STAGES; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], TMA_BLOCKS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_stage_barriers(full, empty, TMA_STAGES);
     if (warp == TMA_BLOCKS) {
         // Producer: stage n of the block's sequence into slot n % TMA_STAGES once the
         // consumers have released what it held before (its (n / TMA_STAGES - 1)-th phase).
@@ -1393,14 +1399,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     const int nst = (mine * nb + TMA_BLOCKS - 1) / TMA_BLOCKS;
     const u8* end = w + (i64)rows * row_bytes;
     const u8* end16 = (const u8*)((unsigned long long)end & ~15ull);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < TMA6_STAGES; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], TMA_BLOCKS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_stage_barriers(full, empty, TMA6_STAGES);
     // Row r of the block's tile i, from block b.
     auto row_at = [&](int i, int r, int b) {
         return w + (i64)(16 * ((int)blockIdx.x + i * (int)gridDim.x) + r) * row_bytes + 210 * b;
