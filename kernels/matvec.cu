@@ -1246,7 +1246,7 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // shape: a producer warp has the copy engine move each tile's 16 rows into shared memory 8
 // 256-blocks a stage, and 8 consumer warps multiply a 256-block each on the integer tensor
 // cores with x's digit planes (prepared by the block, as for Q4_K). H200 (twenty-first look):
-// lm head DS3 242 -> 211 us (84% of copy), GLM-5 252 -> 218-221 us (83-84%).
+// lm head DS3 242 -> 211-229 us (78-84% of copy), GLM-5 252 -> 218-234 us (78-84%).
 //
 // The block's tiles (b, b + gridDim.x, ...) are one sequence of 256-blocks, tile after tile,
 // and each stage takes the next 8 of it: rows of 28 blocks (DeepSeek-V3's lm head) then fill
