@@ -1076,19 +1076,20 @@ __device__ __forceinline__ int dp4a_u8s8(u32 a, u32 b, int c) {
 #define INT_Q6_STRETCH 840
 #define INT_Q6_CHUNKS 54
 
-// 4 words from 2-byte aligned shared memory, each shifted right by `extra` more bits (< 8)
+// N words from 2-byte aligned shared memory, each shifted right by `extra` more bits (< 8)
 // with the bits of the word above.
-__device__ __forceinline__ void lds_words4(const u8* p, u32* out, u32 extra = 0) {
+template <int N>
+__device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) {
     // By pointer arithmetic on p, not an integer mask: the compiler then still knows the
     // address is shared memory (LDS; a cast from an integer made generic loads).
     const u32 mis = (u32)((unsigned long long)p & 3);
     const u32* base = (const u32*)(p - mis);
     u32 sh = 8 * mis + extra;
-    u32 a[5];
+    u32 a[N + 1];
 #pragma unroll
-    for (int i = 0; i < 5; i++) a[i] = base[i];
+    for (int i = 0; i <= N; i++) a[i] = base[i];
 #pragma unroll
-    for (int i = 0; i < 4; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
+    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
 }
 
 // The 16 bytes at p (16-byte aligned); where the chunk straddles `end` (the matrix's last
@@ -1203,11 +1204,11 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
             int skew = (int)((unsigned long long)(row[r] + (i64)s * INT_Q6_STRETCH) & 15);
             const u8* b = sm + r * INT_Q6_CHUNKS * 16 + skew + 210 * (blk & 3);
             u32 ql[4], qh[4];
-            lds_words4(b + 64 * h + 32 * j + l0, ql);
+            lds_words<4>(b + 64 * h + 32 * j + l0, ql);
             // qh shifted down by 2j in its funnel shift: quarter j's high bits at bits 0-1 of
             // each byte, quarter j + 2's at 4-5, where qb wants them (SASS per ql word and row,
             // beside the two funnel shifts and 8 dp4a: 6 shift and logic instructions, not 9).
-            lds_words4(b + 128 + 32 * h + l0, qh, 2 * j);
+            lds_words<4>(b + 128 + 32 * h + l0, qh, 2 * j);
             int ia[4] = {da.x, da.y, da.z, da.w}, ib[4] = {db.x, db.y, db.z, db.w};
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -1253,8 +1254,8 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // every stage, where a stage per 8 blocks of a tile left the last of 4 half empty (its fixed
 // cost per stage made the kernel slower than matvec_int_q6_k there). A stage then holds two
 // segments of each row, the end of tile i's row and the start of tile i + 1's: the producer's
-// lanes 0-15 copy the 16 rows' first segments, lanes 16-31 their second (so k >= 2048: a stage spans
-// at most two tiles).
+// lanes 0-15 copy the 16 rows' first segments, lanes 16-31 their second (so k >= 2048: a stage
+// spans at most two tiles).
 //
 // Rows are 210 bytes a 256-block, so a segment starts anywhere modulo 16 (even): each is copied
 // from the 16-byte boundary below it (up to 14 bytes of the row before), the second after the
@@ -1306,35 +1307,27 @@ __device__ void q6_prepare_x(const float* x, int k, u8* sm, int nwarps) {
     }
 }
 
-// The 8 bytes at p (2-byte aligned shared memory) as two words.
-__device__ __forceinline__ uint2 lds_words2(const u8* p) {
-    const u32 mis = (u32)((unsigned long long)p & 3);  // as in lds_words4
-    const u32* base = (const u32*)(p - mis);
-    u32 sh = 8 * mis, a = base[0], b = base[1], c = base[2];
-    return make_uint2(__funnelshift_r(a, b, sh), __funnelshift_r(b, c, sh));
-}
-
 // A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
 // each 32 (ql[h][j & 1]), qh bytes 8t .. of each half (qh[h]), and from the scales at s = t >> 1
 // on (sc: byte 2i is sub-block 2i + s's), d.
 struct TcQ6k {
-    uint2 ql[2][2], qh[2];
+    u32 ql[2][2][2], qh[2][2];
     u32 sc[4], d;
 
     __device__ __forceinline__ void load(const u8* b, int t) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            ql[h][0] = lds_words2(b + 64 * h + 8 * t);
-            ql[h][1] = lds_words2(b + 64 * h + 32 + 8 * t);
-            qh[h] = lds_words2(b + 128 + 32 * h + 8 * t);
+            lds_words<2>(b + 64 * h + 8 * t, ql[h][0]);
+            lds_words<2>(b + 64 * h + 32 + 8 * t, ql[h][1]);
+            lds_words<2>(b + 128 + 32 * h + 8 * t, qh[h]);
         }
-        lds_words4(b + 192 + (t >> 1), sc);  // reads up to 2 bytes past the block (in the stage)
+        lds_words<4>(b + 192 + (t >> 1), sc);  // reads up to 2 bytes past the block (in the stage)
         d = *(const u16*)(b + 208);
     }
 
     // Quarter j of half h, word i (values 8t + 4i ..) as 4 bytes 0..63.
     __device__ __forceinline__ u32 quarter(int h, int j, int i) const {
-        u32 l = (&ql[h][j & 1].x)[i], q = (&qh[h].x)[i];
+        u32 l = ql[h][j & 1][i], q = qh[h][i];
         u32 lo = j < 2 ? l & 0x0F0F0F0Fu : (l >> 4) & 0x0F0F0F0Fu;
         u32 hi = j < 2 ? q << (4 - 2 * j) : q >> (2 * j - 4);
         return lo | (hi & 0x30303030u);
@@ -1400,9 +1393,10 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     const u8* end = w + (i64)rows * row_bytes;
     const u8* end16 = (const u8*)((unsigned long long)end & ~15ull);
     init_stage_barriers(full, empty, TMA6_STAGES);
-    // Row r of the block's tile i, from block b.
+    // The first row of the block's tile i, and row r of it from block b.
+    auto first_row = [&](int i) { return 16 * ((int)blockIdx.x + i * (int)gridDim.x); };
     auto row_at = [&](int i, int r, int b) {
-        return w + (i64)(16 * ((int)blockIdx.x + i * (int)gridDim.x) + r) * row_bytes + 210 * b;
+        return w + (i64)(first_row(i) + r) * row_bytes + 210 * b;
     };
     // Stage n starts at block a of the block's tile i0 (both advanced stage by stage) and takes
     // cnt0 = min(8, nb - a) blocks of it, then 8 - cnt0 of tile i0 + 1.
@@ -1415,8 +1409,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
             const int slot = n % TMA6_STAGES, cnt0 = min(TMA_BLOCKS, nb - a);
             const int i = i0 + seg, cnt = seg ? TMA_BLOCKS - cnt0 : cnt0;
             if (n >= TMA6_STAGES) mbar_wait(&empty[slot], (n / TMA6_STAGES - 1) & 1);
-            const bool copies =
-                cnt > 0 && i < mine && 16 * ((int)blockIdx.x + i * (int)gridDim.x) + r < rows;
+            const bool copies = cnt > 0 && i < mine && first_row(i) + r < rows;
             const u8* src = row_at(copies ? i : 0, r, seg ? 0 : a);
             const u8* from = (const u8*)((unsigned long long)src & ~15ull);
             u8* dst = stages + slot * TMA6_STAGE + r * TMA6_ROW +
@@ -1483,7 +1476,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         }
         if (a + TMA_BLOCKS >= nb) {
             // Tile i0 ends in this stage: its rows' sums over the warps to y.
-            const int par = i0 & 1, r0 = 16 * ((int)blockIdx.x + i0 * (int)gridDim.x);
+            const int par = i0 & 1, r0 = first_row(i0);
             acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
             acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
             acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);

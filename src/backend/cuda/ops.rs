@@ -295,11 +295,11 @@ fn uses_int_q6_k(a: &Matvec) -> bool {
 }
 
 /// matvec_tma_q6_k (the bulk-copy form of matvec_int_q6_k, sm_90 and later) takes its
-/// matrices from TMA6_K_MIN (a stage's 8 blocks then span two tiles at most) up to this row
-/// length: x's planes, scales and offset sums (5k bytes and a little)
-/// and two stages of 16 x 1744 bytes fit SM120's 99 KiB with the kernel's static shared memory.
-pub(super) const TMA6_K_MAX: usize = 8192;
+/// matrices from TMA6_K_MIN (a stage's 8 blocks then span two tiles at most) up to TMA6_K_MAX:
+/// x's planes, scales and offset sums (5k bytes and a little) and two stages of 16 x 1744
+/// bytes fit SM120's 99 KiB with the kernel's static shared memory.
 const TMA6_K_MIN: usize = 2048;
+pub(super) const TMA6_K_MAX: usize = 8192;
 
 /// Dynamic shared memory of matvec_tma_q6_k: x's planes, scales (rounded up to 4) and sums of
 /// k bytes to a 128-byte boundary, then two stages.
