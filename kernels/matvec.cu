@@ -851,6 +851,14 @@ DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 // before (so the rows need no combine between blocks, and the copies run on into the next part
 // while x is prepared). glu needs one part. Dynamic shared memory tma_smem_bytes(kpart)
 // (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
+//
+// With ids (a token's MoE choices, written by the router in the launch before) x was written
+// before the router, so it is complete when this kernel starts (the router waited for it
+// before it let this kernel launch): the consumers prepare its planes while the router still
+// runs, and the shared expert's groups (its choice is the token's last, whose matrices need no
+// id) come first and need no wait either; each thread waits for the router before its first
+// routed group. (H200, one call: decode DS3 1,143-1,144 -> 1,163-1,167 tokens/s, GLM-5
+// 1,228-1,230 -> 1,251; docs/performance.md, twenty-second look.)
 #define TMA_STAGES 3
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 #define TMA_ROW 1168     // a row's segment, 8 x 144 bytes padded to 16 mod 128 (see below)
@@ -912,6 +920,15 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     u8* stages =
         tma_sm + ((4 * pstride + 4 * tc_scales_len(kpart) + 4 * (kpart / 32) + 127) & ~127);
     const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
+    // With a shared expert, groups 0 .. tiles - 1 are its choice (the token's last), then
+    // choices 0, 1, ...: rot turns group order into choice order.
+    const int choices = items / mats;
+    const int rot = ids && sw && (glu || !w2) ? choices - 1 : 0;
+    auto choice_of = [&](int grp) {
+        int c = grp / tiles + rot;
+        return c >= choices ? c - choices : c;
+    };
+    auto is_shared = [&](int grp) { return rot && grp < tiles; };
     const int nb = k / 256, part_blocks = kpart / 256;
     const int parts = (nb + part_blocks - 1) / part_blocks;
     // Part p's 256-blocks and stages (it starts at 256-block p * part_blocks).
@@ -920,24 +937,37 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Unit m of group grp: its item (glu: the gate's, then the up's).
     auto item_of = [&](int grp, int m) {
-        return tc_item(grp / tiles + m * (items / 2), items, w, w2, sw, sw2, mat_stride, ids,
+        if (is_shared(grp)) return TcItem{m ? sw2 : sw, 0, true};
+        return tc_item(choice_of(grp) + m * (items / 2), items, w, w2, sw, sw2, mat_stride, ids,
                        items);
     };
+    // Whether this thread has waited for the router (a consumer then lets the next kernel
+    // launch, as pdl_enter does): before its first group of a routed choice.
+    bool routed = !ids;
+    auto route = [&](bool consumer) {
+        if (routed) return;
+        pdl_wait();
+        if (consumer) pdl_launch_next();
+        routed = true;
+    };
     // The block's next group from grp on whose item this rank holds.
-    auto next_group = [&](int grp) {
-        while (grp < groups && !item_of(grp, 0).held) grp += gridDim.x;
+    auto next_group = [&](int grp, bool consumer) {
+        while (grp < groups) {
+            if (!is_shared(grp)) route(consumer);
+            if (item_of(grp, 0).held) break;
+            grp += gridDim.x;
+        }
         return grp;
     };
     init_stage_barriers(full, empty, TMA_STAGES);
     if (warp == TMA_BLOCKS) {
         // Producer: stage n of the block's sequence into slot n % TMA_STAGES once the
         // consumers have released what it held before (its (n / TMA_STAGES - 1)-th phase).
-        if (ids) pdl_wait();  // the MoE choices come from the router kernel
         int n = 0;
         for (int p = 0; p < parts; p++) {
             const int pnb = part_nb(p), steps = part_steps(p);
-            for (int grp = next_group(blockIdx.x); grp < groups;
-                 grp = next_group(grp + gridDim.x)) {
+            for (int grp = next_group(blockIdx.x, false); grp < groups;
+                 grp = next_group(grp + gridDim.x, false)) {
                 int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
                 for (int m = 0; m < mats; m++) {
                     const u8* mat = item_of(grp, m).mat + (i64)r0 * row_bytes +
@@ -957,7 +987,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         }
         return;
     }
-    pdl_enter();  // x may come from the previous kernel
+    if (!ids) pdl_enter();  // x may come from the previous kernel (with ids: see above)
     // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
     // segments TMA_ROW = 16 mod 128 bytes apart put the 8 rows' headers on distinct banks and
     // their 32-byte qs pieces two to a bank (one and two wavefronts).
@@ -973,8 +1003,8 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         const u8* bcol = tma_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
         tc_prepare_x(x + 256 * p * part_blocks, 256 * pnb, tma_sm, TMA_BLOCKS);  // by consumers
         consumers_sync();
-        for (int grp = next_group(blockIdx.x); grp < groups;
-             grp = next_group(grp + gridDim.x), par ^= 1) {
+        for (int grp = next_group(blockIdx.x, true); grp < groups;
+             grp = next_group(grp + gridDim.x, true), par ^= 1) {
             const int tile = grp % tiles;
             for (int m = 0; m < mats; m++) {
                 float acc_lo = 0.0f, acc_hi = 0.0f;
@@ -1019,7 +1049,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                     for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
                     sum = silu(sum) * up;
                 }
-                float* row = y + (grp / tiles) * y_stride + tile * 16 + lane;
+                float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
                 *row = p == 0 ? sum : *row + sum;
             }
         }

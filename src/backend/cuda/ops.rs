@@ -46,7 +46,9 @@ pub struct Matvec {
     /// Quantized rows, `row_bytes(k)` apart; matrix m starts at w + m * mat_stride bytes.
     pub w: Ptr,
     pub mat_stride: usize,
-    /// [batch] i32 matrix index per item, or 0 for "item b uses matrix b".
+    /// [batch] i32 matrix index per item, or 0 for "item b uses matrix b". With ids, x must
+    /// have been written before the ids were (the MoE router's input is): the one-x products
+    /// on bulk copies read it before they wait for the kernel before them.
     pub ids: Ptr,
     pub rows: usize,
     pub k: usize,
