@@ -842,7 +842,7 @@ DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 // a group is one tile of 16 rows of one item (glu: of the gate's item, then of the up's), and
 // block b takes groups b, b + gridDim.x, ... of one wave of blocks. (The expert downs, an x
 // per item and their combine, were slower here in the model both times they were tried:
-// docs/performance.md, nineteenth and twentieth looks.)
+// docs/performance.md, nineteenth and twentieth looks; they take matvec_tma_items_q4_k.)
 //
 // Rows longer than shared memory holds x's planes for beside the stages (attn_output and the
 // dense down, k 12288-18432) are taken in parts of kpart elements (the last may be shorter):
@@ -1052,6 +1052,129 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                 float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
                 *row = p == 0 ? sum : *row + sum;
             }
+        }
+    }
+#else
+    __trap();  // ops.rs launches it on sm_90 and later only
+#endif
+}
+
+// ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
+//
+// The MoE down products (a token's choices, each with its own x of moe_ff values) and MLA's
+// per-head v_b: matvec_tc8_q4_k's lanes load their weights themselves (the lane-address bound
+// of matvec_tma_q4_k's notes), and matvec_tma_q4_k spreads a tile's 256-blocks over 8 warps
+// that meet in shared memory, once per 16-row tile when a row is one stage (the downs there
+// were slower: docs/performance.md). Here a stage holds a whole tile (16 rows of k <= 2048,
+// copied as one segment a row), and one consumer warp multiplies all of it: no barrier between
+// warps per tile. TMI_WARPS consumer warps, stage slot w for warp w, so tile n of the block's
+// run goes to slot and warp n % TMI_WARPS; one producer warp.
+//
+// Arguments as matvec_tc_q4_k's where every item has its own x (x_group 1) and no pair, no glu
+// and no combine (ops.rs sums a token's choices in moe_combine): block b takes the b-th of
+// gridDim.x equal runs of consecutive tiles, which mostly share their item and so their x; a
+// run's items' planes alternate between two buffers, prepared by the consumers together at
+// the first tile of each item. Per row the sums are matvec_tc8_q4_k's with a warp per tile
+// (the same 256-blocks in the same order), bit for bit. Dynamic shared memory
+// tmi_smem_bytes(k) (ops.rs): two of x's planes as tc_smem_bytes(k) rounded up to 128 bytes,
+// then TMI_WARPS stages. H200, one decode token (ncu), the downs and v_b: DS3 125.2 -> 111.8
+// us in 7 launches (+12.6 in 3 moe_combine), GLM-5 123.7 -> 101.2 (+11.6); decode GLM-5
+// 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
+// per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
+#define TMI_WARPS 4
+
+extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
+    matvec_tma_items_q4_k(const u8* w, const u8* sw, i64 mat_stride, const int* ids, int items,
+                          int rows, int k, i64 row_bytes, const float* x, i64 x_stride, float* y,
+                          i64 y_stride) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) u8 tmi_sm[];
+    __shared__ u64 full[TMI_WARPS], empty[TMI_WARPS];
+    const int nb = k / 256, tiles = (rows + 15) / 16, groups = items * tiles;
+    const int stride = tc_plane_stride(k);
+    const int plane_bytes = (4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32) + 127) & ~127;
+    u8* stages = tmi_sm + 2 * plane_bytes;
+    const int g0 = (int)((i64)blockIdx.x * groups / gridDim.x);
+    const int g1 = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < TMI_WARPS; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    pdl_wait();  // the ids come from the router, x from the kernel before
+    // Item i's id (MOE_SHARED: the matrix at sw; negative otherwise: held by another rank).
+    auto id_of = [&](int i) { return ids ? ids[i] : i; };
+    auto held = [&](int i) { return id_of(i) >= 0 || id_of(i) == MOE_SHARED; };
+    if (warp == TMI_WARPS) {
+        // Producer: the run's held tiles in order, tile n into slot n % TMI_WARPS once its
+        // warp has released the tile before.
+        int n = 0;
+        for (int grp = g0; grp < g1; grp++) {
+            const int i = grp / tiles, id = id_of(i);
+            if (!held(i)) continue;
+            const int slot = n % TMI_WARPS, r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
+            const u8* mat = id == MOE_SHARED ? sw : w + (i64)id * mat_stride;
+            if (n >= TMI_WARPS) mbar_wait(&empty[slot], (n / TMI_WARPS - 1) & 1);
+            if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * nb * 144));
+            __syncwarp();
+            if (lane < nr)
+                bulk_copy(stages + slot * TMA_STAGE + lane * TMA_ROW,
+                          mat + (i64)(r0 + lane) * row_bytes, nb * 144, &full[slot]);
+            n++;
+        }
+        return;
+    }
+    pdl_launch_next();
+    const int g = lane >> 2, t = lane & 3;
+    const float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
+    const float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
+    int n = 0, seg = 0;
+    for (int grp = g0; grp < g1;) {
+        // The run's tiles of item i: its planes into buffer seg % 2, which no warp reads any
+        // more (every warp passed the barrier of the item before, so it is done with the one
+        // before that).
+        const int i = grp / tiles, end = min(g1, (i + 1) * tiles);
+        if (!held(i)) {
+            grp = end;
+            continue;
+        }
+        u8* planes = tmi_sm + (seg++ & 1) * plane_bytes;
+        tc_prepare_x(x + (i64)i * x_stride, k, planes, TMI_WARPS);
+        asm volatile("bar.sync 1, %0;" ::"r"(32 * TMI_WARPS) : "memory");
+        const float* scales = (const float*)(planes + 4 * stride);
+        const float* sums = scales + tc_scales_len(k);
+        const u8* bcol = planes + (g & 3) * stride + TcQ4k::B_LANE * t;
+        for (; grp < end; grp++, n++) {
+            if (n % TMI_WARPS != warp) continue;
+            mbar_wait(&full[warp], (n / TMI_WARPS) & 1);
+            const u8* blo = stages + warp * TMA_STAGE + g * TMA_ROW;
+            const u8* bhi = blo + 8 * TMA_ROW;
+            float acc_lo = 0.0f, acc_hi = 0.0f;
+            for (int kb = 0; kb < nb; kb++) {
+                TcQ4k q;
+                q.h_lo = *(const uint4*)(blo + 144 * kb);
+                q.h_hi = *(const uint4*)(bhi + 144 * kb);
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    q.q_lo[c] = *(const uint2*)(blo + 144 * kb + 16 + 32 * c + 8 * t);
+                    q.q_hi[c] = *(const uint2*)(bhi + 144 * kb + 16 + 32 * c + 8 * t);
+                }
+                q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[warp]);  // the stage was read into registers
+            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
+            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
+            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+            const int r = (grp % tiles) * 16 + g;
+            float* yi = y + (i64)i * y_stride;
+            if (t == 0 && r < rows) yi[r] = acc_lo;
+            if (t == 0 && r + 8 < rows) yi[r + 8] = acc_hi;
         }
     }
 #else

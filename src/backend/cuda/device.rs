@@ -38,6 +38,10 @@ pub struct Gpu {
     /// Whether the Q4_K tensor-core products take their weights by bulk copies
     /// (matvec_tma_q4_k, ops.rs): sm_90 and later, unless MLA_BULK=0 (to measure without).
     pub bulk_copies: bool,
+    /// Whether the Q4_K tensor-core products of items with an input each (the MoE downs, MLA's
+    /// v_b) take a tile a stage by bulk copies (matvec_tma_items_q4_k, ops.rs): sm_90 and later
+    /// with bulk_copies, unless MLA_ITEMS=0 (to measure without).
+    pub item_copies: bool,
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
@@ -88,6 +92,7 @@ impl Gpu {
         Ok(Gpu {
             dependent_launch,
             bulk_copies,
+            item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
             multiprocessors,

@@ -173,6 +173,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         "matvec_tma_q4_k" => super::ops::tma_smem_bytes(super::ops::TMA_K_MAX),
         "matvec_tma_q6_k" => super::ops::tma6_smem_bytes(super::ops::TMA6_K_MAX),
+        "matvec_tma_items_q4_k" => super::ops::tmi_smem_bytes(super::ops::TMI_K_MAX),
         _ => 0,
     }
 }

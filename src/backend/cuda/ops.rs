@@ -338,6 +338,18 @@ pub(super) fn tma_smem_bytes(k: usize) -> usize {
     tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * 16 * 1168
 }
 
+/// matvec_tma_items_q4_k (a whole tile a stage, a warp per tile; sm_90 and later) takes the
+/// tensor-core products whose items each read their own x (the MoE downs, MLA's v_b) up to
+/// TMI_K_MAX, a tile's 16 rows of 8 256-blocks in one stage.
+pub(super) const TMI_K_MAX: usize = 2048;
+const TMI_WARPS: usize = 4;
+
+/// Dynamic shared memory of matvec_tma_items_q4_k: two buffers of x's planes as
+/// tc_smem_bytes(k), each to a 128-byte boundary, then TMI_WARPS stages.
+pub(super) fn tmi_smem_bytes(k: usize) -> usize {
+    2 * tc_smem_bytes(k).next_multiple_of(128) + TMI_WARPS * 16 * 1168
+}
+
 /// The elements of each part of x that matvec_tma_q4_k holds as planes at a time: k, or
 /// beyond TMA_K_MAX as few equal parts of whole 256-blocks as fit (the last may be shorter).
 fn tma_part_k(k: usize) -> usize {
@@ -390,9 +402,19 @@ impl Gpu {
             && a.combine.is_none()
     }
 
+    /// Whether the tensor-core product `a` goes to matvec_tma_items_q4_k.
+    fn uses_item_copies(&self, a: &Matvec) -> bool {
+        self.bulk_copies
+            && self.item_copies
+            && a.k <= TMI_K_MAX
+            && a.batch > 1
+            && a.x_group == 1
+            && a.pair == 0
+    }
+
     /// Whether `matvec` takes `a` with a `combine` (the tensor-core kernels, with ids, no pair).
     pub fn takes_combine(&self, a: &Matvec) -> bool {
-        a.ids != 0 && a.pair == 0 && on_tensor_cores(a)
+        a.ids != 0 && a.pair == 0 && on_tensor_cores(a) && !self.uses_item_copies(a)
     }
 
     /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
@@ -430,10 +452,10 @@ impl Gpu {
             // Several items (the MoE experts): blocks of 8 warps; where they all read one x,
             // one wave of blocks walking their groups of ONE_WAVE_TILES; where k is long, a
             // block per group of 8 tiles, or 4 where the grid is small; else (the expert down
-            // products) one wave walking runs of 8-tile groups (H200, ncu: DS3's 35 -> 33-34
-            // us, GLM-5's 33 -> 31-33; 4-tile groups 38-40). k beyond TC_K_MAX: 8 warps, 2
-            // tiles. The faster choices in the lab runs (H200: 8 warps took 10-12% off the
-            // expert products, and lost 9% on ffn_up).
+            // products without bulk copies) one wave walking runs of 8-tile groups (H200, ncu:
+            // DS3's 35 -> 33-34 us, GLM-5's 33 -> 31-33; 4-tile groups 38-40). k beyond
+            // TC_K_MAX: 8 warps, 2 tiles. The faster choices in the lab runs (H200: 8 warps took
+            // 10-12% off the expert products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
             if self.uses_bulk_copies(a) {
                 // A group per tile of an item (glu: of both matrices), one wave of blocks.
@@ -446,6 +468,17 @@ impl Gpu {
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                     a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
                     a.x, a.y, a.y_stride as i64, a.glu as i32);
+                return Ok(());
+            }
+            if self.uses_item_copies(a) {
+                let kernel = "matvec_tma_items_q4_k";
+                let (threads, smem) = (32 * (TMI_WARPS as u32 + 1), tmi_smem_bytes(a.k));
+                let slots =
+                    self.multiprocessors * self.blocks_per_sm(kernel, threads, smem)?.max(1);
+                launch!(self, kernel, ((tiles * a.batch).min(slots) as u32, 1, 1), threads,
+                    smem as u32;
+                    a.w, a.shared.0, a.mat_stride as i64, a.ids, a.batch as i32, a.rows as i32,
+                    a.k as i32, row_bytes as i64, a.x, a.x_stride as i64, a.y, a.y_stride as i64);
                 return Ok(());
             }
             let long_k = a.k >= 4096;
