@@ -573,6 +573,16 @@ struct TcQ4k {
             q_hi[c] = ld_cached8(bhi + 16 + 32 * c + 8 * t);
         }
     }
+    // The same from a stage in shared memory (the bulk-copy kernels).
+    __device__ __forceinline__ void load_stage(const u8* blo, const u8* bhi, int t) {
+        h_lo = *(const uint4*)blo;
+        h_hi = *(const uint4*)bhi;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            q_lo[c] = *(const uint2*)(blo + 16 + 32 * c + 8 * t);
+            q_hi[c] = *(const uint2*)(bhi + 16 + 32 * c + 8 * t);
+        }
+    }
 
     // bk: this lane's B bytes of the block (plane + 256 kb + B_LANE t); sums: the block's 8
     // sub-block sums of x; s: its scale.
@@ -615,6 +625,15 @@ struct TcQ4k {
                   (byte_f(wh, j, 0.0f) * sx.x + byte_f(wh, j + 1, 0.0f) * sx.y);
     }
 };
+
+// Rows g and g + 8 of a tile: the sums spread over the lanes of a quad (the plane columns and
+// the minimums' shares of matvec_tc_q4_k's layout), summed on every lane of it.
+__device__ __forceinline__ void quad_sums(float& lo, float& hi) {
+    lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+    lo += __shfl_xor_sync(0xffffffffu, lo, 2);
+    hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+    hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+}
 
 // One item of the tensor-core product: its matrix, its x (index into x's rows) and whether
 // this rank holds it. Items items / 2 .. of a pair (w2 non-null) take their matrices from w2
@@ -753,10 +772,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
         }
         // Row g's sum is spread over its quad (plane columns, minimum shares), then over the
         // warps of the tile.
-        acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
-        acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
-        acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-        acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+        quad_sums(acc_lo, acc_hi);
         if (t == 0) {
             partial[warp][g] = acc_lo;
             partial[warp][g + 8] = acc_hi;
@@ -896,12 +912,13 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 // Each stage's barriers by thread 0, for the block: `full` completed by the producer's one
-// arrival and the copies' bytes, `empty` by the 8 consumer warps' arrivals.
-__device__ __forceinline__ void init_stage_barriers(u64* full, u64* empty, int stages) {
+// arrival and the copies' bytes, `empty` by `readers` consumer warps' arrivals.
+__device__ __forceinline__ void init_stage_barriers(u64* full, u64* empty, int stages,
+                                                    int readers) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], TMA_BLOCKS);
+            mbar_init(&empty[s], readers);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -959,7 +976,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         }
         return grp;
     };
-    init_stage_barriers(full, empty, TMA_STAGES);
+    init_stage_barriers(full, empty, TMA_STAGES, TMA_BLOCKS);
     if (warp == TMA_BLOCKS) {
         // Producer: stage n of the block's sequence into slot n % TMA_STAGES once the
         // consumers have released what it held before (its (n / TMA_STAGES - 1)-th phase).
@@ -1014,14 +1031,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                     TcQ4k q;
                     if (kb < pnb) {
                         const u8* blo = stages + slot * TMA_STAGE + g * TMA_ROW + 144 * c;
-                        const u8* bhi = blo + 8 * TMA_ROW;
-                        q.h_lo = *(const uint4*)blo;
-                        q.h_hi = *(const uint4*)bhi;
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            q.q_lo[i] = *(const uint2*)(blo + 16 + 32 * i + 8 * t);
-                            q.q_hi[i] = *(const uint2*)(bhi + 16 + 32 * i + 8 * t);
-                        }
+                        q.load_stage(blo, blo + 8 * TMA_ROW, t);
                     }
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
@@ -1029,10 +1039,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                         q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo,
                               acc_hi);
                 }
-                acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
-                acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
-                acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-                acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+                quad_sums(acc_lo, acc_hi);
                 if (t == 0) {
                     partial[par][m][warp][g] = acc_lo;
                     partial[par][m][warp][g + 8] = acc_hi;
@@ -1097,14 +1104,7 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
     const int g0 = (int)((i64)blockIdx.x * groups / gridDim.x);
     const int g1 = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < TMI_WARPS; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 1);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_stage_barriers(full, empty, TMI_WARPS, 1);
     pdl_wait();  // the ids come from the router, x from the kernel before
     // Item i's id (MOE_SHARED: the matrix at sw; negative otherwise: held by another rank).
     auto id_of = [&](int i) { return ids ? ids[i] : i; };
@@ -1156,21 +1156,12 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
             float acc_lo = 0.0f, acc_hi = 0.0f;
             for (int kb = 0; kb < nb; kb++) {
                 TcQ4k q;
-                q.h_lo = *(const uint4*)(blo + 144 * kb);
-                q.h_hi = *(const uint4*)(bhi + 144 * kb);
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    q.q_lo[c] = *(const uint2*)(blo + 144 * kb + 16 + 32 * c + 8 * t);
-                    q.q_hi[c] = *(const uint2*)(bhi + 144 * kb + 16 + 32 * c + 8 * t);
-                }
+                q.load_stage(blo + 144 * kb, bhi + 144 * kb, t);
                 q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[warp]);  // the stage was read into registers
-            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
-            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
-            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+            quad_sums(acc_lo, acc_hi);
             const int r = (grp % tiles) * 16 + g;
             float* yi = y + (i64)i * y_stride;
             if (t == 0 && r < rows) yi[r] = acc_lo;
@@ -1545,7 +1536,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     const int nst = (mine * nb + TMA_BLOCKS - 1) / TMA_BLOCKS;
     const u8* end = w + (i64)rows * row_bytes;
     const u8* end16 = (const u8*)((unsigned long long)end & ~15ull);
-    init_stage_barriers(full, empty, TMA6_STAGES);
+    init_stage_barriers(full, empty, TMA6_STAGES, TMA_BLOCKS);
     // The first row of the block's tile i, and row r of it from block b.
     auto first_row = [&](int i) { return 16 * ((int)blockIdx.x + i * (int)gridDim.x); };
     auto row_at = [&](int i, int r, int b) {
@@ -1630,10 +1621,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         if (a + TMA_BLOCKS >= nb) {
             // Tile i0 ends in this stage: its rows' sums over the warps to y.
             const int par = i0 & 1, r0 = first_row(i0);
-            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);
-            acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 2);
-            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-            acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 2);
+            quad_sums(acc_lo, acc_hi);
             if (t == 0) {
                 partial[par][warp][g] = acc_lo;
                 partial[par][warp][g + 8] = acc_hi;

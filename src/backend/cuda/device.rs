@@ -148,6 +148,11 @@ impl Gpu {
         Ok(n)
     }
 
+    /// How many blocks of `kernel` the whole GPU holds at once (at least one per SM): one wave.
+    pub fn wave_blocks(&self, kernel: &str, threads: u32, smem: usize) -> Result<usize, CudaError> {
+        Ok(self.multiprocessors * self.blocks_per_sm(kernel, threads, smem)?.max(1))
+    }
+
     /// The kernel named `kernel`, compiling (or loading from the cache) its family on first use.
     pub fn function(&self, kernel: &str) -> Result<CudaFunction, CudaError> {
         if let Some(f) = self.functions.lock().unwrap().get(kernel) {

@@ -463,7 +463,7 @@ impl Gpu {
                 let smem = tma_smem_bytes(kpart);
                 let kernel = "matvec_tma_q4_k";
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
-                let slots = self.multiprocessors * self.blocks_per_sm(kernel, 288, smem)?.max(1);
+                let slots = self.wave_blocks(kernel, 288, smem)?;
                 launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                     a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
@@ -473,8 +473,7 @@ impl Gpu {
             if self.uses_item_copies(a) {
                 let kernel = "matvec_tma_items_q4_k";
                 let (threads, smem) = (32 * (TMI_WARPS as u32 + 1), tmi_smem_bytes(a.k));
-                let slots =
-                    self.multiprocessors * self.blocks_per_sm(kernel, threads, smem)?.max(1);
+                let slots = self.wave_blocks(kernel, threads, smem)?;
                 launch!(self, kernel, ((tiles * a.batch).min(slots) as u32, 1, 1), threads,
                     smem as u32;
                     a.w, a.shared.0, a.mat_stride as i64, a.ids, a.batch as i32, a.rows as i32,
@@ -484,9 +483,7 @@ impl Gpu {
             let long_k = a.k >= 4096;
             let smem = tc_smem_bytes(a.k);
             let one_x = one_x_of(a);
-            let tc8_slots = || -> Result<usize, CudaError> {
-                Ok(self.multiprocessors * self.blocks_per_sm("matvec_tc8_q4_k", 256, smem)?.max(1))
-            };
+            let tc8_slots = || self.wave_blocks("matvec_tc8_q4_k", 256, smem);
             let (kernel, warps, per_block, one_wave) = match (a.batch > 1, tiles * a.batch) {
                 _ if a.k > TC_K_MAX => ("matvec_tc8_q4_k", 8, 2, None),
                 (false, t) if t >= 2048 || !long_k => ("matvec_tc_q4_k", 4, 4, None),
@@ -610,7 +607,7 @@ impl Gpu {
     fn matvec_tma_q6_k(&self, a: &Matvec, row_bytes: usize) -> Result<(), CudaError> {
         let kernel = "matvec_tma_q6_k";
         let smem = tma6_smem_bytes(a.k);
-        let slots = self.multiprocessors * self.blocks_per_sm(kernel, 288, smem)?.max(1);
+        let slots = self.wave_blocks(kernel, 288, smem)?;
         launch!(self, kernel, (a.rows.div_ceil(16).min(slots) as u32, 1, 1), 288, smem as u32;
             a.w, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.y);
         Ok(())
@@ -1456,7 +1453,7 @@ impl Gpu {
         // Tiles of 32 keys per block: as many as spread all tiles over one wave of blocks, so
         // that a long row loads its query once per block rather than once per tile.
         let smem = dsa_scores_smem_bytes(heads, dim);
-        let slots = self.multiprocessors * self.blocks_per_sm("dsa_scores", 128, smem)?.max(1);
+        let slots = self.wave_blocks("dsa_scores", 128, smem)?;
         let tiles = (keys.div_ceil(32) * tokens).div_ceil(slots).max(1);
         launch!(self, "dsa_scores", (grid1(keys, 32 * tiles), tokens as u32, 1), 128,
             smem as u32;
