@@ -479,6 +479,11 @@ __device__ __forceinline__ uint4 ld_cached16(const u8* p) {
 __device__ __forceinline__ int tc_plane_stride(int k) { return k + 32; }
 // The sums of x follow the k / 256 scales, from an 8-byte boundary (lanes read them in pairs).
 __device__ __forceinline__ int tc_scales_len(int k) { return (k / 256 + 1) & ~1; }
+// Bytes of x's planes, scales and sums (tc_prepare_x) to a 128-byte boundary: where the bulk-copy
+// kernels' stages begin (ops.rs: tc_smem_bytes(k) rounded up to 128).
+__device__ __forceinline__ int tc_x_bytes(int k) {
+    return (4 * tc_plane_stride(k) + 4 * tc_scales_len(k) + 4 * (k / 32) + 127) & ~127;
+}
 
 // One warp's share of x's 256-element block blk as digit planes (lane l owns elements
 // 8l .. 8l + 7): the block's scale s (0 for a zero block), the sum of the lane's 4-lane group
@@ -908,8 +913,11 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
         ::"r"(shared_addr(dst)), "l"(src), "r"(bytes), "r"(shared_addr(b))
         : "memory");
 }
-// The 8 consumer warps only (the producer warp has left).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+// The WARPS consumer warps only (the producer warp has left).
+template <int WARPS = 8>
+__device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
+}
 
 // Each stage's barriers by thread 0, for the block: `full` completed by the producer's one
 // arrival and the copies' bytes, `empty` by `readers` consumer warps' arrivals.
@@ -933,9 +941,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     extern __shared__ __align__(128) u8 tma_sm[];
     __shared__ u64 full[TMA_STAGES], empty[TMA_STAGES];
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
-    const int pstride = tc_plane_stride(kpart);
-    u8* stages =
-        tma_sm + ((4 * pstride + 4 * tc_scales_len(kpart) + 4 * (kpart / 32) + 127) & ~127);
+    u8* stages = tma_sm + tc_x_bytes(kpart);
     const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
     // With a shared expert, groups 0 .. tiles - 1 are its choice (the token's last), then
     // choices 0, 1, ...: rot turns group order into choice order.
@@ -1099,7 +1105,7 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
     __shared__ u64 full[TMI_WARPS], empty[TMI_WARPS];
     const int nb = k / 256, tiles = (rows + 15) / 16, groups = items * tiles;
     const int stride = tc_plane_stride(k);
-    const int plane_bytes = (4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32) + 127) & ~127;
+    const int plane_bytes = tc_x_bytes(k);
     u8* stages = tmi_sm + 2 * plane_bytes;
     const int g0 = (int)((i64)blockIdx.x * groups / gridDim.x);
     const int g1 = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
@@ -1144,7 +1150,7 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
         }
         u8* planes = tmi_sm + (seg++ & 1) * plane_bytes;
         tc_prepare_x(x + (i64)i * x_stride, k, planes, TMI_WARPS);
-        asm volatile("bar.sync 1, %0;" ::"r"(32 * TMI_WARPS) : "memory");
+        consumers_sync<TMI_WARPS>();
         const float* scales = (const float*)(planes + 4 * stride);
         const float* sums = scales + tc_scales_len(k);
         const u8* bcol = planes + (g & 3) * stride + TcQ4k::B_LANE * t;
