@@ -422,17 +422,17 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 // a float, the bias subtraction, the FMA): measured with ncu on an H200, a Q4_K matvec issues
 // ~5.8 instructions per weight-row and runs out of issue slots near half the memory bandwidth.
 // Here the weights stay small integers: 16 rows x 32 weights of one sub-block are one
-// mma.sync m16n8k32 with s8 operands, their nibbles masked out four at a time.
+// mma.sync m16n8k32 with 8-bit operands, their nibbles masked out four at a time.
 //
 // x becomes integers exactly enough: per 256-element block, N = rint(x / s) with
 // s = max|x| / (127 * 2^21) is split into base-128 digits (N = d0 2^21 + d1 2^14 + d2 2^7 + d3,
 // |d0| <= 127, |d1..3| <= 64), i.e. x to 28 bits of the block's largest value, finer than its
-// f32 rounding. The four digit planes are the mma's B columns (columns 4-7 repeat them and are
-// weighted 0), so one mma gives the sums q . d_p of all planes at once, exactly, in int32; the
-// row's 6-bit sub-block scales multiply them as integers, and once per 256-element block they
-// become floats (times d, s and 2^(21 - 7p)). The minimums use the f32 sums of x per sub-block.
-// Result: the f32 product of the dequantized row and x up to f32 rounding (nmse ~1e-14 against
-// f64, like the CUDA-core kernel).
+// f32 rounding. The four digit planes of a sub-block are four of the mma's B columns (TcQ4k:
+// columns 0-3 for one sub-block, 4-7 for the next), so one mma gives the sums q . d_p of all
+// planes at once, exactly, in int32; the row's 6-bit sub-block scales multiply them as
+// integers, and once per 256-element block they become floats (times d, s and 2^(21 - 7p)).
+// The minimums use the f32 sums of x per sub-block. Result: the f32 product of the
+// dequantized row and x up to f32 rounding (nmse ~1e-14 against f64, like the CUDA-core kernel).
 //
 // Each thread block turns its x into planes in shared memory first (tc_prepare_x) while the
 // first weight loads are in flight; that costs a pass over x, which is why Gpu::matvec uses
@@ -455,6 +455,15 @@ __device__ __forceinline__ void mma_s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32
                                              u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+// The same with A unsigned (0..255).
+__device__ __forceinline__ void mma_u8s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                               u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
@@ -563,9 +572,13 @@ __device__ __forceinline__ void q4k_packed(u32 w0, u32 w1, u32 w2, u32* sc, u32*
 // A lane's registers for one Q4_K block (144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 qs
 // bytes) of its two rows (g and g + 8 of the tile): the 16-byte headers and its 8 qs bytes
 // (8t ..) of each 32-byte chunk. Chunk c holds sub-block 2c in its low nibbles and 2c + 1 in
-// its high ones: two m16n8k32 products. B_LANE: where in a plane the lane's B bytes start.
+// its high ones. Both m16n8k32 products of a chunk take one B: columns 0-3 are x's planes 0-3
+// of sub-block 2c, columns 4-7 of sub-block 2c + 1. The low nibbles' product is right in
+// columns 0-3, the high nibbles' (as bytes & 0xF0: 16 times the nibble, unsigned) in columns
+// 4-7, so C lanes t < 2 take the first and t >= 2 the second, and every lane's columns are
+// useful (two nibble masks a word, no shift; one B load a chunk).
 struct TcQ4k {
-    static const int BYTES = 144, B_LANE = 8;
+    static const int BYTES = 144;
     uint4 h_lo, h_hi;
     uint2 q_lo[4], q_hi[4];
 
@@ -589,37 +602,51 @@ struct TcQ4k {
         }
     }
 
-    // bk: this lane's B bytes of the block (plane + 256 kb + B_LANE t); sums: the block's 8
-    // sub-block sums of x; s: its scale.
+    // Where lane (g, t)'s B bytes of x's planes start (+ 256 kb for block kb): plane g % 4, the
+    // first or second 32 bytes of each 64 (sub-block 2c or 2c + 1 of chunk c), bytes 8t ..
+    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride, int g,
+                                                      int t) {
+        return planes + (g & 3) * stride + 32 * (g >> 2) + 8 * t;
+    }
+    // The weights of lane t's output columns 2t, 2t + 1: planes 0, 1 (2^21, 2^14) or 2, 3
+    // (2^7, 1).
+    __device__ static __forceinline__ float2 plane_factors(int t) {
+        return t & 1 ? make_float2(128.0f, 1.0f) : make_float2(2097152.0f, 16384.0f);
+    }
+
+    // bk: this lane's B bytes of the block (b_col + 256 kb); sums: the block's 8 sub-block
+    // sums of x; s: its scale; pf: plane_factors(t).
     __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
-                                       float pf0, float pf1, float& acc_lo,
-                                       float& acc_hi) const {
+                                       float2 pf, float& acc_lo, float& acc_hi) const {
         u32 sc_lo[2], m_lo[2], sc_hi[2], m_hi[2];
         q4k_packed(h_lo.y, h_lo.z, h_lo.w, sc_lo, m_lo);
         q4k_packed(h_hi.y, h_hi.z, h_hi.w, sc_hi, m_hi);
+        const int odd = t >> 1;  // this lane's columns: sub-blocks 2c + odd, high nibbles if 1
         int ci[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {  // low nibbles: sub-block 2c, high: 2c + 1
-                int sb = 2 * c + h;
-                uint2 bb = *(const uint2*)(bk + 32 * sb);
-                int cc[4];
-                mma_s8_16832(cc, (q_lo[c].x >> (4 * h)) & 0x0F0F0F0Fu,
-                             (q_hi[c].x >> (4 * h)) & 0x0F0F0F0Fu,
-                             (q_lo[c].y >> (4 * h)) & 0x0F0F0F0Fu,
-                             (q_hi[c].y >> (4 * h)) & 0x0F0F0F0Fu, bb.x, bb.y);
-                int sl = (int)__byte_perm(sc_lo[sb >> 2], 0u, 0x4440 + (sb & 3));
-                int sh = (int)__byte_perm(sc_hi[sb >> 2], 0u, 0x4440 + (sb & 3));
-                ci[0] += sl * cc[0];
-                ci[1] += sl * cc[1];
-                ci[2] += sh * cc[2];
-                ci[3] += sh * cc[3];
-            }
+            uint2 bb = *(const uint2*)(bk + 64 * c);
+            int cl[4], ch[4];
+            mma_s8_16832(cl, q_lo[c].x & 0x0F0F0F0Fu, q_hi[c].x & 0x0F0F0F0Fu,
+                         q_lo[c].y & 0x0F0F0F0Fu, q_hi[c].y & 0x0F0F0F0Fu, bb.x, bb.y);
+            mma_u8s8_16832(ch, q_lo[c].x & 0xF0F0F0F0u, q_hi[c].x & 0xF0F0F0F0u,
+                           q_lo[c].y & 0xF0F0F0F0u, q_hi[c].y & 0xF0F0F0F0u, bb.x, bb.y);
+            // Sub-block 2c + odd's scales: byte 2 (c % 2) + odd of word c / 2.
+            const u32 sel = 0x4440 + 2 * (c & 1) + odd;
+            int sl = (int)__byte_perm(sc_lo[c >> 1], 0u, sel);
+            int sh = (int)__byte_perm(sc_hi[c >> 1], 0u, sel);
+            ci[0] += sl * (odd ? ch[0] : cl[0]);
+            ci[1] += sl * (odd ? ch[1] : cl[1]);
+            ci[2] += sh * (odd ? ch[2] : cl[2]);
+            ci[3] += sh * (odd ? ch[3] : cl[3]);
         }
+        // The high nibbles' sums are 16 times theirs: exact multiples of 16 (|sum| < 2^28), and
+        // after the shift below 2^24, so exact as floats.
+#pragma unroll
+        for (int r = 0; r < 4; r++) ci[r] >>= 4 * odd;
         float dlo = f16_to_f32((u16)h_lo.x) * s, dhi = f16_to_f32((u16)h_hi.x) * s;
-        acc_lo += dlo * (pf0 * (float)ci[0] + pf1 * (float)ci[1]);
-        acc_hi += dhi * (pf0 * (float)ci[2] + pf1 * (float)ci[3]);
+        acc_lo += dlo * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
+        acc_hi += dhi * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
         // Lane t subtracts the minimums of sub-blocks 2t and 2t + 1.
         float2 sx = *(const float2*)(sums + 2 * t);
         u32 wl = t >= 2 ? m_lo[1] : m_lo[0], wh = t >= 2 ? m_hi[1] : m_hi[0];
@@ -752,11 +779,8 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     load_next(nxt);
     pdl_enter();  // the weight loads above may overlap the previous kernel, x may not
 
-    // B fragment: this lane's column g holds plane g % 4.
-    const u8* bcol = tc_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
-    // C columns 2t, 2t + 1 are planes 2t, 2t + 1 (weights 2^21, 2^14, 2^7, 1); t >= 2: repeats.
-    float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
-    float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
+    const u8* bcol = TcQ4k::b_col(tc_sm, stride, g, t);
+    const float2 pf = TcQ4k::plane_factors(t);
     int prepared = -1;  // the x in shared memory
     for (; grp < g_end; grp = next_group(grp + g_step)) {
         int xi = item_of(grp).xi, tile = tile_of(grp);
@@ -771,7 +795,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
             load_next(nn);
             int kb = part + s * ks;
             if (tile * 16 < rows)
-                cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
+                cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
             cur = nxt;
             nxt = nn;
         }
@@ -1015,15 +1039,14 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     // segments TMA_ROW = 16 mod 128 bytes apart put the 8 rows' headers on distinct banks and
     // their 32-byte qs pieces two to a bank (one and two wavefronts).
     const int g = lane >> 2, t = lane & 3, c = warp;
-    float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
-    float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
+    const float2 pf = TcQ4k::plane_factors(t);
     int n = 0, par = 0;
     for (int p = 0; p < parts; p++) {
         // The last group's dots of part p - 1 are behind its consumers_sync: its planes are free.
         const int pnb = part_nb(p), steps = part_steps(p), stride = tc_plane_stride(256 * pnb);
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
-        const u8* bcol = tma_sm + (g & 3) * stride + TcQ4k::B_LANE * t;
+        const u8* bcol = TcQ4k::b_col(tma_sm, stride, g, t);
         tc_prepare_x(x + 256 * p * part_blocks, 256 * pnb, tma_sm, TMA_BLOCKS);  // by consumers
         consumers_sync();
         for (int grp = next_group(blockIdx.x, true); grp < groups;
@@ -1042,7 +1065,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
                     if (kb < pnb)
-                        q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo,
+                        q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo,
                               acc_hi);
                 }
                 quad_sums(acc_lo, acc_hi);
@@ -1136,8 +1159,7 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
     }
     pdl_launch_next();
     const int g = lane >> 2, t = lane & 3;
-    const float pf0 = t == 0 ? 2097152.0f : t == 1 ? 128.0f : 0.0f;
-    const float pf1 = t == 0 ? 16384.0f : t == 1 ? 1.0f : 0.0f;
+    const float2 pf = TcQ4k::plane_factors(t);
     int n = 0, seg = 0;
     for (int grp = g0; grp < g1;) {
         // The run's tiles of item i: its planes into buffer seg % 2, which no warp reads any
@@ -1153,7 +1175,7 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
         consumers_sync<TMI_WARPS>();
         const float* scales = (const float*)(planes + 4 * stride);
         const float* sums = scales + tc_scales_len(k);
-        const u8* bcol = planes + (g & 3) * stride + TcQ4k::B_LANE * t;
+        const u8* bcol = TcQ4k::b_col(planes, stride, g, t);
         for (; grp < end; grp++, n++) {
             if (n % TMI_WARPS != warp) continue;
             mbar_wait(&full[warp], (n / TMI_WARPS) & 1);
@@ -1163,7 +1185,7 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
             for (int kb = 0; kb < nb; kb++) {
                 TcQ4k q;
                 q.load_stage(blo + 144 * kb, bhi + 144 * kb, t);
-                q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf0, pf1, acc_lo, acc_hi);
+                q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[warp]);  // the stage was read into registers
