@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
         std::fread(x.data(), 4, k, f) != (size_t)k)
         return 2;
     const int stride = tc_plane_stride(k);
-    std::vector<u8> sm(4 * stride + 4 * q6_scales_len(k) + k);
+    std::vector<u8> sm(4 * stride + 4 * q6_scales_len(k) + k + 256);  // + zeros
     float out[16];
     std::barrier<> warp(32);
     WARP = &warp;
@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
             warp.arrive_and_wait();
             const float* scales = (const float*)(sm.data() + 4 * stride);
             const int* sums = (const int*)(scales + q6_scales_len(k));
+            const u8* zeros = (const u8*)sums + k;
             const int g = lane >> 2, t = lane & 3;
             const float pf0 = t & 1 ? 128.0f : 2097152.0f, pf1 = t & 1 ? 1.0f : 16384.0f;
             const bool live = (g >> 2) == (t >> 1);
@@ -39,8 +40,8 @@ int main(int argc, char** argv) {
                 TcQ6k lo, hi;
                 lo.load(&w[(g * nb + blk) * 210], t);
                 hi.load(&w[((g + 8) * nb + blk) * 210], t);
-                q6_dot(lo, hi, bcol + 256 * blk, live, lane_sums + 16 * blk, scales[blk], pf0,
-                       pf1, acc_lo, acc_hi);
+                q6_dot(lo, hi, live ? bcol + 256 * blk : zeros + 8 * t, lane_sums + 16 * blk,
+                       scales[blk], pf0, pf1, acc_lo, acc_hi);
             }
             quad_sums(acc_lo, acc_hi);
             if (t == 0) out[g] = acc_lo, out[g + 8] = acc_hi;

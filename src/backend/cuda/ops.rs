@@ -303,10 +303,11 @@ fn uses_int_q6_k(a: &Matvec) -> bool {
 const TMA6_K_MIN: usize = 2048;
 pub(super) const TMA6_K_MAX: usize = 8192;
 
-/// Dynamic shared memory of matvec_tma_q6_k: x's planes, scales (rounded up to 4) and sums of
-/// k bytes to a 128-byte boundary, then two stages.
+/// Dynamic shared memory of matvec_tma_q6_k: x's planes, scales (rounded up to 4), sums of
+/// k bytes and 256 bytes of zeros to a 128-byte boundary, then two stages.
 pub(super) fn tma6_smem_bytes(k: usize) -> usize {
-    (4 * (k + 32) + 4 * (k / 256).next_multiple_of(4) + k).next_multiple_of(128) + 2 * 16 * 1744
+    (4 * (k + 32) + 4 * (k / 256).next_multiple_of(4) + k + 256).next_multiple_of(128)
+        + 2 * 16 * 1744
 }
 
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
