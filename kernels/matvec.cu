@@ -459,17 +459,7 @@ __device__ __forceinline__ void mma_s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
 }
-// D = A B + C, C in D's layout (c0, c1: row g, c2, c3: row g + 8).
-__device__ __forceinline__ void mma_s8_16832_add(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                                 u32 b1, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c0), "r"(c1), "r"(c2),
-          "r"(c3));
-}
-// D = A B with A unsigned (0..255).
+// The same with A unsigned (0..255).
 __device__ __forceinline__ void mma_u8s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                                u32 b1) {
     asm volatile(
@@ -1450,8 +1440,8 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // 2j of qh[32h + l]), which spans two 16-value sub-blocks of their own scale. Lanes t = 0, 1
 // hold values of the first, t = 2, 3 of the second (8 each), so B's columns 0-3 are x's
 // planes on the first sub-block (zero on the second) and columns 4-7 on the second: each
-// lane's two outputs then belong to one sub-block and take its scale. The values' -32 offset
-// is -32 times the digit sum of each plane and sub-block, prepared with the planes. Single
+// lane's two outputs then belong to one sub-block and take its scale. A value q enters as the
+// signed byte 4 (q - 32) (TcQ6k::quarter), so the -32 offset needs no sums of x. Single
 // matrices with 2048 <= k <= TMA6_K_MAX (ops.rs): two stages of 16 x 1744 bytes beside x fit
 // SM120's 99 KiB.
 #define TMA6_STAGES 2
@@ -1460,38 +1450,9 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 #define TMA6_ROW 1744
 #define TMA6_STAGE (16 * TMA6_ROW)
 
-// x's scales (rounded up to 4: the sums after them are read as int4) and the index of the
-// -32 x digit sum of plane p, sub-block sb (= 8h + 2j + s) of block blk: ordered [blk][s]
-// [p >> 1][h][j][p & 1], so that a lane reads its 16 sums of a block as 4 int4.
-__device__ __forceinline__ int q6_scales_len(int k) { return (k / 256 + 3) & ~3; }
-__device__ __forceinline__ int q6_sum_index(int blk, int sb, int p) {
-    int h = sb >> 3, j = (sb >> 1) & 3, s = sb & 1;
-    return ((((blk * 2 + s) * 2 + (p >> 1)) * 2 + h) * 4 + j) * 2 + (p & 1);
-}
-
-// Planes (as tc_prepare_x), scales and offset sums of x[0, k) into shared memory by the
-// block's first nwarps warps, one warp per 256-element block at a time.
-__device__ void q6_prepare_x(const float* x, int k, u8* sm, int nwarps) {
-    int stride = tc_plane_stride(k);
-    float* scales = (float*)(sm + 4 * stride);
-    int* sums = (int*)(scales + q6_scales_len(k));
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int blk = warp; blk < k / 256; blk += nwarps) {
-        XDigits xd = x_block_digits(x, blk, lane);
-        if (lane == 0) scales[blk] = xd.s;
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            *(uint2*)(sm + p * stride + 256 * blk + 8 * lane) = xd.words[p];
-            // Lanes 2i and 2i + 1 hold sub-block i.
-            int s = xd.dsum[p] + __shfl_xor_sync(0xffffffffu, xd.dsum[p], 1);
-            if ((lane & 1) == 0) sums[q6_sum_index(blk, lane >> 1, p)] = -32 * s;
-        }
-    }
-}
-
 // A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
-// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half (qh[h]), and from the scales at s = t >> 1
-// on (sc: byte 2i is sub-block 2i + s's), d.
+// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half (qh[h], the top bit of each 2-bit field
+// flipped), and from the scales at s = t >> 1 on (sc: byte 2i is sub-block 2i + s's), d.
 struct TcQ6k {
     u32 ql[2][2][2], qh[2][2];
     u32 sc[4], d;
@@ -1502,17 +1463,20 @@ struct TcQ6k {
             lds_words<2>(b + 64 * h + 8 * t, ql[h][0]);
             lds_words<2>(b + 64 * h + 32 + 8 * t, ql[h][1]);
             lds_words<2>(b + 128 + 32 * h + 8 * t, qh[h]);
+            qh[h][0] ^= 0xAAAAAAAAu;
+            qh[h][1] ^= 0xAAAAAAAAu;
         }
         lds_words<4>(b + 192 + (t >> 1), sc);  // reads up to 2 bytes past the block (in the stage)
         d = *(const u16*)(b + 208);
     }
 
-    // Quarter j of half h, word i (values 8t + 4i ..) as 4 bytes 0..63.
+    // Quarter j of half h, word i (values 8t + 4i ..) as 4 signed bytes 4 (q - 32): q's low
+    // 4 bits at bits 2-5, its high 2 bits at bits 6-7 with the top one flipped (q - 32 in
+    // 6-bit two's complement, times 4 as a byte).
     __device__ __forceinline__ u32 quarter(int h, int j, int i) const {
         u32 l = ql[h][j & 1][i], q = qh[h][i];
-        u32 lo = j < 2 ? l & 0x0F0F0F0Fu : (l >> 4) & 0x0F0F0F0Fu;
-        u32 hi = j < 2 ? q << (4 - 2 * j) : q >> (2 * j - 4);
-        return lo | (hi & 0x30303030u);
+        u32 lo = j < 2 ? l << 2 : l >> 2;
+        return (lo & 0x3C3C3C3Cu) | ((q << (6 - 2 * j)) & 0xC0C0C0C0u);
     }
     // The scale of the lane's sub-block in quarter j of half h.
     __device__ __forceinline__ int scale(int h, int j) const {
@@ -1522,23 +1486,18 @@ struct TcQ6k {
 
 // acc_lo / acc_hi += rows g and g + 8's block (lo, hi) . x's block: bk the lane's plane bytes
 // of it (plane g & 3, + 8t) where its B columns' sub-block is its own, else 256 bytes of zeros
-// (from + 8t), off its 16 offset sums, s x's block scale, pf0 / pf1 the weights of its output
-// planes. The offsets enter as the products' accumulator: the same integer sums, one add
-// fewer per output (sm_90 SASS, NVRTC 13: 290 -> 267 instructions a block with the zeros).
-__device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u8* bk,
-                                       const int4* off, float s, float pf0, float pf1,
-                                       float& acc_lo, float& acc_hi) {
+// (from + 8t), s x's block scale, pf0 / pf1 the weights of its output planes.
+__device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u8* bk, float s,
+                                       float pf0, float pf1, float& acc_lo, float& acc_hi) {
     int ci[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int h = 0; h < 2; h++) {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             uint2 bb = *(const uint2*)(bk + 128 * h + 32 * j);
-            int4 o4 = off[2 * h + (j >> 1)];
-            int o0 = j & 1 ? o4.z : o4.x, o1 = j & 1 ? o4.w : o4.y;
             int cc[4];
-            mma_s8_16832_add(cc, lo.quarter(h, j, 0), hi.quarter(h, j, 0), lo.quarter(h, j, 1),
-                             hi.quarter(h, j, 1), bb.x, bb.y, o0, o1, o0, o1);
+            mma_s8_16832(cc, lo.quarter(h, j, 0), hi.quarter(h, j, 0), lo.quarter(h, j, 1),
+                         hi.quarter(h, j, 1), bb.x, bb.y);
             int sl = lo.scale(h, j), sh = hi.scale(h, j);
             ci[0] += sl * cc[0];
             ci[1] += sl * cc[1];
@@ -1546,6 +1505,9 @@ __device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u
             ci[3] += sh * cc[3];
         }
     }
+    // Four times the sums of q - 32 (multiples of 4, |.| < 2^29): the sums.
+#pragma unroll
+    for (int r = 0; r < 4; r++) ci[r] >>= 2;
     acc_lo += f16_to_f32((u16)lo.d) * s * (pf0 * (float)ci[0] + pf1 * (float)ci[1]);
     acc_hi += f16_to_f32((u16)hi.d) * s * (pf0 * (float)ci[2] + pf1 * (float)ci[3]);
 }
@@ -1558,9 +1520,9 @@ __device__ __forceinline__ u32 q6_segment_bytes(u32 src, int cnt) {
 
 // y = w x for one Q6_K matrix of `rows` rows of k (a multiple of 256, at least 2048) values,
 // row_bytes apart; w and x 16-byte aligned. Block 288 threads (8 consumer warps, 1 producer),
-// dynamic shared memory tma6_smem_bytes(k) (ops.rs): x's planes, scales and sums, 256 bytes of
-// zeros (q6_dot's B where a lane's columns are not its sub-block's) to a 128-byte boundary,
-// then the stages. One grid wave of blocks.
+// dynamic shared memory tma6_smem_bytes(k) (ops.rs): x's planes, scales and sums as
+// tc_prepare_x writes them (tc_x_bytes, the sums unused), 256 bytes of zeros (q6_dot's B where
+// a lane's columns are not its sub-block's), then the stages. One grid wave of blocks.
 extern "C" __global__ void __launch_bounds__(288, 2)
     matvec_tma_q6_k(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y) {
 #if __CUDA_ARCH__ >= 900
@@ -1569,9 +1531,8 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     __shared__ float partial[2][TMA_BLOCKS][16];  // [tile parity][warp][row]
     const int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tma_sm + 4 * stride);
-    const int* sums = (const int*)(scales + q6_scales_len(k));
-    u8* zeros = tma_sm + 4 * stride + 4 * q6_scales_len(k) + k;
-    u8* stages = tma_sm + ((4 * stride + 4 * q6_scales_len(k) + k + 256 + 127) & ~127);
+    u8* zeros = tma_sm + tc_x_bytes(k);
+    u8* stages = zeros + 256;
     const int tiles = (rows + 15) / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // The block's tiles, and the stages of their sequence of blocks.
     const int mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
@@ -1620,7 +1581,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         return;
     }
     pdl_enter();  // x may come from the previous kernel
-    q6_prepare_x(x, k, tma_sm, TMA_BLOCKS);
+    tc_prepare_x(x, k, tma_sm, TMA_BLOCKS);
     if (threadIdx.x < 64) ((u32*)zeros)[threadIdx.x] = 0u;
     consumers_sync();
     // Consumer warp c takes block c of each stage, rows g and g + 8 of its tile; acc_* sum
@@ -1631,7 +1592,6 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     // t >= 2 the second) are its columns' sub-block (g < 4: the first), else zeros.
     const bool live = (g >> 2) == (t >> 1);
     const u8* bcol = tma_sm + (g & 3) * stride + 8 * t;
-    const int4* lane_sums = (const int4*)(sums + ((t >> 1) * 2 + (t & 1)) * 16);
     // Where rows g and g + 8 lie modulo 16 (32-bit addresses suffice), from tile i0's row g
     // on: the stage rows' offsets follow from it as the producer's copies did.
     const u32 row8 = (u32)(8 * row_bytes), tile_step = (u32)(16 * gridDim.x * row_bytes);
@@ -1658,8 +1618,8 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
         if (i < mine) {
             float d_lo = 0.0f, d_hi = 0.0f;
-            q6_dot(lo, hi, live ? bcol + 256 * blk : zeros + 8 * t, lane_sums + 16 * blk,
-                   scales[blk], pf0, pf1, d_lo, d_hi);
+            q6_dot(lo, hi, live ? bcol + 256 * blk : zeros + 8 * t, scales[blk], pf0, pf1, d_lo,
+                   d_hi);
             if (second) next_lo += d_lo, next_hi += d_hi;
             else acc_lo += d_lo, acc_hi += d_hi;
         }

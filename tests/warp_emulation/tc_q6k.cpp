@@ -1,6 +1,6 @@
 // One 16-row Q6_K tile times x through kernels/matvec.cu's TcQ6k and q6_dot, as a consumer
-// warp of matvec_tma_q6_k computes it: x into planes and offset sums (q6_prepare_x), each
-// 256-block's dot, the quad sums. Input and output as tc_q4k.cpp's (blocks of 210 bytes).
+// warp of matvec_tma_q6_k computes it: x into planes (tc_prepare_x), each 256-block's dot, the
+// quad sums. Input and output as tc_q4k.cpp's (blocks of 210 bytes).
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
         std::fread(x.data(), 4, k, f) != (size_t)k)
         return 2;
     const int stride = tc_plane_stride(k);
-    std::vector<u8> sm(4 * stride + 4 * q6_scales_len(k) + k + 256);  // + zeros
+    std::vector<u8> sm(4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32)), zeros(256);
     float out[16];
     std::barrier<> warp(32);
     WARP = &warp;
@@ -25,23 +25,20 @@ int main(int argc, char** argv) {
         lanes.emplace_back([&, lane] {
             LANE = lane;
             threadIdx = {(unsigned)lane, 0, 0};
-            q6_prepare_x(x.data(), k, sm.data(), 1);
+            tc_prepare_x(x.data(), k, sm.data(), 1);
             warp.arrive_and_wait();
             const float* scales = (const float*)(sm.data() + 4 * stride);
-            const int* sums = (const int*)(scales + q6_scales_len(k));
-            const u8* zeros = (const u8*)sums + k;
             const int g = lane >> 2, t = lane & 3;
             const float pf0 = t & 1 ? 128.0f : 2097152.0f, pf1 = t & 1 ? 1.0f : 16384.0f;
             const bool live = (g >> 2) == (t >> 1);
             const u8* bcol = sm.data() + (g & 3) * stride + 8 * t;
-            const int4* lane_sums = (const int4*)(sums + ((t >> 1) * 2 + (t & 1)) * 16);
             float acc_lo = 0.0f, acc_hi = 0.0f;
             for (int blk = 0; blk < nb; blk++) {
                 TcQ6k lo, hi;
                 lo.load(&w[(g * nb + blk) * 210], t);
                 hi.load(&w[((g + 8) * nb + blk) * 210], t);
-                q6_dot(lo, hi, live ? bcol + 256 * blk : zeros + 8 * t, lane_sums + 16 * blk,
-                       scales[blk], pf0, pf1, acc_lo, acc_hi);
+                q6_dot(lo, hi, live ? bcol + 256 * blk : zeros.data() + 8 * t, scales[blk], pf0,
+                       pf1, acc_lo, acc_hi);
             }
             quad_sums(acc_lo, acc_hi);
             if (t == 0) out[g] = acc_lo, out[g + 8] = acc_hi;

@@ -19,7 +19,6 @@ struct uint2 { u32 x, y; };
 struct uint4 { u32 x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
-struct int4 { int x, y, z, w; };
 inline uint2 make_uint2(u32 x, u32 y) { return {x, y}; }
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
@@ -74,17 +73,16 @@ inline float warp_max(float v) {
     return v;
 }
 
-// D = A B + C, A 16 x 32 (rows), B 32 x 8 (columns). Lane (g = lane / 4, t = lane % 4)
+// D = A B, A 16 x 32 (rows), B 32 x 8 (columns). Lane (g = lane / 4, t = lane % 4)
 // holds A rows g (a0, a2) and g + 8 (a1, a3), k = 4t .. 4t + 3 (a0, a1) and 16 + 4t .. (a2,
-// a3); B column g, k = 4t .. (b0) and 16 + 4t .. (b1); C and D rows g (0, 1) and g + 8 (2, 3),
+// a3); B column g, k = 4t .. (b0) and 16 + 4t .. (b1); D rows g (d0, d1) and g + 8 (d2, d3),
 // columns 2t and 2t + 1.
 u32 A_REGS[32][4], B_REGS[32][2];
 inline int byte_value(u32 w, int i, bool is_signed) {
     int v = (w >> (8 * i)) & 255;
     return is_signed && v > 127 ? v - 256 : v;
 }
-inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool a_signed,
-                      const int* c) {
+inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool a_signed) {
     u32* a = A_REGS[LANE];
     a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
     B_REGS[LANE][0] = b0, B_REGS[LANE][1] = b1;
@@ -98,21 +96,15 @@ inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bo
     };
     int g = LANE >> 2, t = LANE & 3;
     for (int i = 0; i < 4; i++) {
-        int row = g + 8 * (i >> 1), col = 2 * t + (i & 1), s = c[i];
+        int row = g + 8 * (i >> 1), col = 2 * t + (i & 1), s = 0;
         for (int k = 0; k < 32; k++) s += A(row, k) * B(k, col);
         d[i] = s;
     }
     WARP->arrive_and_wait();
 }
-const int NO_C[4] = {0, 0, 0, 0};
 inline void mma_s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    mma_16832(d, a0, a1, a2, a3, b0, b1, true, NO_C);
-}
-inline void mma_s8_16832_add(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, int c0,
-                             int c1, int c2, int c3) {
-    const int c[4] = {c0, c1, c2, c3};
-    mma_16832(d, a0, a1, a2, a3, b0, b1, true, c);
+    mma_16832(d, a0, a1, a2, a3, b0, b1, true);
 }
 inline void mma_u8s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    mma_16832(d, a0, a1, a2, a3, b0, b1, false, NO_C);
+    mma_16832(d, a0, a1, a2, a3, b0, b1, false);
 }

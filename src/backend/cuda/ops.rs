@@ -298,16 +298,15 @@ fn uses_int_q6_k(a: &Matvec) -> bool {
 
 /// matvec_tma_q6_k (the bulk-copy form of matvec_int_q6_k, sm_90 and later) takes its
 /// matrices from TMA6_K_MIN (a stage's 8 blocks then span two tiles at most) up to TMA6_K_MAX:
-/// x's planes, scales and offset sums (5k bytes and a little) and two stages of 16 x 1744
-/// bytes fit SM120's 99 KiB with the kernel's static shared memory.
+/// x's planes, scales and sums (4.1k bytes and a little) and two stages of 16 x 1744 bytes
+/// fit SM120's 99 KiB with the kernel's static shared memory.
 const TMA6_K_MIN: usize = 2048;
 pub(super) const TMA6_K_MAX: usize = 8192;
 
-/// Dynamic shared memory of matvec_tma_q6_k: x's planes, scales (rounded up to 4), sums of
-/// k bytes and 256 bytes of zeros to a 128-byte boundary, then two stages.
+/// Dynamic shared memory of matvec_tma_q6_k: x as matvec_tc_q4_k has it, to a 128-byte
+/// boundary, 256 bytes of zeros, then two stages.
 pub(super) fn tma6_smem_bytes(k: usize) -> usize {
-    (4 * (k + 32) + 4 * (k / 256).next_multiple_of(4) + k + 256).next_multiple_of(128)
-        + 2 * 16 * 1744
+    tc_smem_bytes(k).next_multiple_of(128) + 256 + 2 * 16 * 1744
 }
 
 /// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
