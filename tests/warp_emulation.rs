@@ -14,6 +14,7 @@ use std::process::Command;
 
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
+use mla_engine::sampling::Rng;
 
 /// A harness (tests/warp_emulation/NAME.cpp) and the device functions it runs, in the order
 /// the source defines them.
@@ -120,23 +121,6 @@ fn build(h: &Harness, dir: &Path) -> Option<PathBuf> {
     Some(bin)
 }
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn signed(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u32 << 23) as f32 - 1.0
-    }
-}
-
 /// 16 rows of nb blocks of one type, and x.
 struct Tile {
     nb: usize,
@@ -156,18 +140,19 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
 /// Random blocks (finite scales of mixed sizes), x of mixed magnitudes with one block of zeros
 /// (its scale 0).
 fn random_tile(ty: GgmlType, nb: usize, seed: u64) -> Tile {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
+    let mut signed = move || (2.0 * rng.next_f64() - 1.0) as f32;
     let mut w: Vec<u8> = (0..16 * nb * ty.type_size())
-        .map(|_| rng.next() as u8)
+        .map(|_| (128.0 * signed() + 128.0) as u8)
         .collect();
     for block in w.chunks_exact_mut(ty.type_size()) {
         for &at in f16_fields(ty) {
-            let v = rng.signed() * 2f32.powi(-((rng.next() % 8) as i32) - 4);
+            let v = signed() * 2f32.powi((4.0 * signed()) as i32 - 8);
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
         }
     }
     let mut x: Vec<f32> = (0..256 * nb)
-        .map(|i| rng.signed() * if i % 7 == 0 { 30.0 } else { 1.0 })
+        .map(|i| signed() * if i % 7 == 0 { 30.0 } else { 1.0 })
         .collect();
     if nb > 1 {
         x[256..512].fill(0.0);

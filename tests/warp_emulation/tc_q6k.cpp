@@ -2,8 +2,6 @@
 // warp of matvec_tma_q6_k computes it: x into planes (tc_prepare_x), each 256-block's dot, the
 // quad sums. Input and output as tc_q4k.cpp's (blocks of 210 bytes).
 #include <cstdio>
-#include <thread>
-#include <vector>
 
 int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "rb");
@@ -18,31 +16,24 @@ int main(int argc, char** argv) {
     const int stride = tc_plane_stride(k);
     std::vector<u8> sm(4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32)), zeros(256);
     float out[16];
-    std::barrier<> warp(32);
-    WARP = &warp;
-    std::vector<std::thread> lanes;
-    for (int lane = 0; lane < 32; lane++)
-        lanes.emplace_back([&, lane] {
-            LANE = lane;
-            threadIdx = {(unsigned)lane, 0, 0};
-            tc_prepare_x(x.data(), k, sm.data(), 1);
-            warp.arrive_and_wait();
-            const float* scales = (const float*)(sm.data() + 4 * stride);
-            const int g = lane >> 2, t = lane & 3;
-            const float pf0 = t & 1 ? 128.0f : 2097152.0f, pf1 = t & 1 ? 1.0f : 16384.0f;
-            const bool live = (g >> 2) == (t >> 1);
-            const u8* bcol = sm.data() + (g & 3) * stride + 8 * t;
-            float acc_lo = 0.0f, acc_hi = 0.0f;
-            for (int blk = 0; blk < nb; blk++) {
-                TcQ6k lo, hi;
-                lo.load(&w[(g * nb + blk) * 210], t);
-                hi.load(&w[((g + 8) * nb + blk) * 210], t);
-                q6_dot(lo, hi, live ? bcol + 256 * blk : zeros.data() + 8 * t, scales[blk], pf0,
-                       pf1, acc_lo, acc_hi);
-            }
-            quad_sums(acc_lo, acc_hi);
-            if (t == 0) out[g] = acc_lo, out[g + 8] = acc_hi;
-        });
-    for (auto& l : lanes) l.join();
+    run_warp([&](int lane) {
+        tc_prepare_x(x.data(), k, sm.data(), 1);
+        WARP->arrive_and_wait();
+        const float* scales = (const float*)(sm.data() + 4 * stride);
+        const int g = lane >> 2, t = lane & 3;
+        const float pf0 = t & 1 ? 128.0f : 2097152.0f, pf1 = t & 1 ? 1.0f : 16384.0f;
+        const bool live = (g >> 2) == (t >> 1);
+        const u8* bcol = sm.data() + (g & 3) * stride + 8 * t;
+        float acc_lo = 0.0f, acc_hi = 0.0f;
+        for (int blk = 0; blk < nb; blk++) {
+            TcQ6k lo, hi;
+            lo.load(&w[(g * nb + blk) * 210], t);
+            hi.load(&w[((g + 8) * nb + blk) * 210], t);
+            q6_dot(lo, hi, live ? bcol + 256 * blk : zeros.data() + 8 * t, scales[blk], pf0,
+                   pf1, acc_lo, acc_hi);
+        }
+        quad_sums(acc_lo, acc_hi);
+        if (t == 0) out[g] = acc_lo, out[g + 8] = acc_hi;
+    });
     for (float v : out) std::printf("%08x\n", __float_as_uint(v));
 }

@@ -6,6 +6,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #define __device__
 #define __forceinline__ inline
@@ -107,4 +109,19 @@ inline void mma_s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
 }
 inline void mma_u8s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     mma_16832(d, a0, a1, a2, a3, b0, b1, false);
+}
+
+// Runs lane(l) for l = 0 .. 31 as one warp (threadIdx.x = l).
+template <class Lane>
+void run_warp(Lane lane) {
+    std::barrier<> warp(32);
+    WARP = &warp;
+    std::vector<std::thread> threads;
+    for (int l = 0; l < 32; l++)
+        threads.emplace_back([&, l] {
+            LANE = l;
+            threadIdx = {(unsigned)l, 0, 0};
+            lane(l);
+        });
+    for (auto& t : threads) t.join();
 }
