@@ -1135,24 +1135,24 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     init_stage_barriers(full, empty, TMI_WARPS, 1);
     pdl_wait();  // the ids come from the router, x from the kernel before
-    // Item i's id (MOE_SHARED: the matrix at sw; negative otherwise: held by another rank).
-    auto id_of = [&](int i) { return ids ? ids[i] : i; };
-    auto held = [&](int i) { return id_of(i) >= 0 || id_of(i) == MOE_SHARED; };
+    // Item i's matrix, and whether this rank holds it.
+    auto item = [&](int i) {
+        return tc_item(i, items, w, nullptr, sw, nullptr, mat_stride, ids, 1);
+    };
     if (warp == TMI_WARPS) {
         // Producer: the run's held tiles in order, tile n into slot n % TMI_WARPS once its
         // warp has released the tile before.
         int n = 0;
         for (int grp = g0; grp < g1; grp++) {
-            const int i = grp / tiles, id = id_of(i);
-            if (!held(i)) continue;
+            const TcItem it = item(grp / tiles);
+            if (!it.held) continue;
             const int slot = n % TMI_WARPS, r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
-            const u8* mat = id == MOE_SHARED ? sw : w + (i64)id * mat_stride;
             if (n >= TMI_WARPS) mbar_wait(&empty[slot], (n / TMI_WARPS - 1) & 1);
             if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * nb * 144));
             __syncwarp();
             if (lane < nr)
                 bulk_copy(stages + slot * TMA_STAGE + lane * TMA_ROW,
-                          mat + (i64)(r0 + lane) * row_bytes, nb * 144, &full[slot]);
+                          it.mat + (i64)(r0 + lane) * row_bytes, nb * 144, &full[slot]);
             n++;
         }
         return;
@@ -1166,7 +1166,7 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
         // more (every warp passed the barrier of the item before, so it is done with the one
         // before that).
         const int i = grp / tiles, end = min(g1, (i + 1) * tiles);
-        if (!held(i)) {
+        if (!item(i).held) {
             grp = end;
             continue;
         }
