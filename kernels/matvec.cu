@@ -1470,6 +1470,14 @@ struct TcQ6k {
         d = *(const u16*)(b + 208);
     }
 
+    // Lane (g, t)'s B bytes of x's block blk: plane g % 4 from byte 8t where its k values
+    // (t < 2: a quarter's first sub-block, t >= 2 its second) are its columns' sub-block (g < 4:
+    // the first), else 256 bytes of zeros.
+    __device__ static __forceinline__ const u8* b_block(const u8* planes, int stride,
+                                                        const u8* zeros, int g, int t, int blk) {
+        return (g >> 2) == (t >> 1) ? planes + (g & 3) * stride + 256 * blk + 8 * t : zeros + 8 * t;
+    }
+
     // Quarter j of half h, word i (values 8t + 4i ..) as 4 signed bytes 4 (q - 32): q's low
     // 4 bits at bits 2-5, its high 2 bits at bits 6-7 with the top one flipped (q - 32 in
     // 6-bit two's complement, times 4 as a byte).
@@ -1484,11 +1492,11 @@ struct TcQ6k {
     }
 };
 
-// acc_lo / acc_hi += rows g and g + 8's block (lo, hi) . x's block: bk the lane's plane bytes
-// of it (plane g & 3, + 8t) where its B columns' sub-block is its own, else 256 bytes of zeros
-// (from + 8t), s x's block scale, pf0 / pf1 the weights of its output planes.
+// acc_lo / acc_hi += rows g and g + 8's block (lo, hi) . x's block: bk the lane's B bytes of it
+// (TcQ6k::b_block), s x's block scale, pf the weights of its output planes
+// (TcQ4k::plane_factors: the same columns).
 __device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u8* bk, float s,
-                                       float pf0, float pf1, float& acc_lo, float& acc_hi) {
+                                       float2 pf, float& acc_lo, float& acc_hi) {
     int ci[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -1508,8 +1516,8 @@ __device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u
     // Four times the sums of q - 32 (multiples of 4, |.| < 2^29): the sums.
 #pragma unroll
     for (int r = 0; r < 4; r++) ci[r] >>= 2;
-    acc_lo += f16_to_f32((u16)lo.d) * s * (pf0 * (float)ci[0] + pf1 * (float)ci[1]);
-    acc_hi += f16_to_f32((u16)hi.d) * s * (pf0 * (float)ci[2] + pf1 * (float)ci[3]);
+    acc_lo += f16_to_f32((u16)lo.d) * s * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
+    acc_hi += f16_to_f32((u16)hi.d) * s * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
 }
 
 // The bytes of a row's segment of cnt blocks from address src (its low 32 bits enough) as
@@ -1587,11 +1595,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     // Consumer warp c takes block c of each stage, rows g and g + 8 of its tile; acc_* sum
     // tile i0's rows, next_* tile i0 + 1's until i0 ends.
     const int g = lane >> 2, t = lane & 3, c = warp;
-    const float pf0 = t & 1 ? 128.0f : 2097152.0f, pf1 = t & 1 ? 1.0f : 16384.0f;
-    // B: x's plane g % 4 where the lane's k values (t < 2: the first sub-block of a quarter,
-    // t >= 2 the second) are its columns' sub-block (g < 4: the first), else zeros.
-    const bool live = (g >> 2) == (t >> 1);
-    const u8* bcol = tma_sm + (g & 3) * stride + 8 * t;
+    const float2 pf = TcQ4k::plane_factors(t);
     // Where rows g and g + 8 lie modulo 16 (32-bit addresses suffice), from tile i0's row g
     // on: the stage rows' offsets follow from it as the producer's copies did.
     const u32 row8 = (u32)(8 * row_bytes), tile_step = (u32)(16 * gridDim.x * row_bytes);
@@ -1618,7 +1622,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
         if (i < mine) {
             float d_lo = 0.0f, d_hi = 0.0f;
-            q6_dot(lo, hi, live ? bcol + 256 * blk : zeros + 8 * t, scales[blk], pf0, pf1, d_lo,
+            q6_dot(lo, hi, TcQ6k::b_block(tma_sm, stride, zeros, g, t, blk), scales[blk], pf, d_lo,
                    d_hi);
             if (second) next_lo += d_lo, next_hi += d_hi;
             else acc_lo += d_lo, acc_hi += d_hi;

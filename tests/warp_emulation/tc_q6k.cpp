@@ -21,16 +21,14 @@ int main(int argc, char** argv) {
         WARP->arrive_and_wait();
         const float* scales = (const float*)(sm.data() + 4 * stride);
         const int g = lane >> 2, t = lane & 3;
-        const float pf0 = t & 1 ? 128.0f : 2097152.0f, pf1 = t & 1 ? 1.0f : 16384.0f;
-        const bool live = (g >> 2) == (t >> 1);
-        const u8* bcol = sm.data() + (g & 3) * stride + 8 * t;
+        const float2 pf = TcQ4k::plane_factors(t);
         float acc_lo = 0.0f, acc_hi = 0.0f;
         for (int blk = 0; blk < nb; blk++) {
             TcQ6k lo, hi;
             lo.load(&w[(g * nb + blk) * 210], t);
             hi.load(&w[((g + 8) * nb + blk) * 210], t);
-            q6_dot(lo, hi, live ? bcol + 256 * blk : zeros.data() + 8 * t, scales[blk], pf0,
-                   pf1, acc_lo, acc_hi);
+            q6_dot(lo, hi, TcQ6k::b_block(sm.data(), stride, zeros.data(), g, t, blk), scales[blk],
+                   pf, acc_lo, acc_hi);
         }
         quad_sums(acc_lo, acc_hi);
         if (t == 0) out[g] = acc_lo, out[g + 8] = acc_hi;
