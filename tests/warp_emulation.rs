@@ -16,47 +16,37 @@ use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
 use mla_engine::sampling::Rng;
 
-/// A harness (tests/warp_emulation/NAME.cpp) and the device functions it runs, in the order
-/// the source defines them.
+/// The device functions each harness runs, in the order the source defines them (TcQ6k's
+/// products weigh their planes by TcQ4k::plane_factors, so every harness takes them all).
+const PIECES: &[&str] = &[
+    "__device__ __forceinline__ float byte_f(",
+    "__device__ __forceinline__ int tc_plane_stride(",
+    "__device__ __forceinline__ int tc_scales_len(",
+    "struct XDigits {",
+    "__device__ __forceinline__ XDigits x_block_digits(",
+    "__device__ void tc_prepare_x(",
+    "__device__ __forceinline__ void q4k_packed(",
+    "struct TcQ4k {",
+    "__device__ __forceinline__ void quad_sums(",
+    "template <int N>\n__device__ __forceinline__ void lds_words(",
+    "struct TcQ6k {",
+    "__device__ __forceinline__ void q6_dot(",
+];
+
+/// A harness (tests/warp_emulation/NAME.cpp) and the block type its tiles hold.
 struct Harness {
     name: &'static str,
     ty: GgmlType,
-    pieces: &'static [&'static str],
 }
 
 const TC_Q4_K: Harness = Harness {
     name: "tc_q4k",
     ty: GgmlType::Q4_K,
-    pieces: &[
-        "__device__ __forceinline__ float byte_f(",
-        "__device__ __forceinline__ int tc_plane_stride(",
-        "__device__ __forceinline__ int tc_scales_len(",
-        "struct XDigits {",
-        "__device__ __forceinline__ XDigits x_block_digits(",
-        "__device__ void tc_prepare_x(",
-        "__device__ __forceinline__ void q4k_packed(",
-        "struct TcQ4k {",
-        "__device__ __forceinline__ void quad_sums(",
-    ],
 };
 
 const TC_Q6_K: Harness = Harness {
     name: "tc_q6k",
     ty: GgmlType::Q6_K,
-    pieces: &[
-        "__device__ __forceinline__ float byte_f(",
-        "__device__ __forceinline__ int tc_plane_stride(",
-        "__device__ __forceinline__ int tc_scales_len(",
-        "struct XDigits {",
-        "__device__ __forceinline__ XDigits x_block_digits(",
-        "__device__ void tc_prepare_x(",
-        "__device__ __forceinline__ void q4k_packed(",
-        "struct TcQ4k {",
-        "__device__ __forceinline__ void quad_sums(",
-        "template <int N>\n__device__ __forceinline__ void lds_words(",
-        "struct TcQ6k {",
-        "__device__ __forceinline__ void q6_dot(",
-    ],
 };
 
 const F32_OP: f64 = 1e-10;
@@ -100,7 +90,7 @@ fn build(h: &Harness, dir: &Path) -> Option<PathBuf> {
     let kernel = std::fs::read_to_string(root.join("kernels/matvec.cu")).unwrap();
     let here = root.join("tests/warp_emulation");
     let mut src = String::from("#include \"warp.h\"\n");
-    for head in h.pieces {
+    for head in PIECES {
         src += definition(&kernel, head);
         src += "\n";
     }
