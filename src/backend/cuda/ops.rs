@@ -331,11 +331,13 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 const TMA_K_MIN: usize = 2048;
 pub(super) const TMA_K_MAX: usize = 9216;
 const TMA_STAGES: usize = 3;
+/// A Q4_K bulk-copy stage: 16 rows of TMA_ROW = 1168 bytes (kernels/matvec.cu, TMA_STAGE).
+const TMA_STAGE_BYTES: usize = 16 * 1168;
 
 /// Dynamic shared memory of matvec_tma_q4_k: x as tc_smem_bytes(k) to a 128-byte boundary,
 /// then the stages.
 pub(super) fn tma_smem_bytes(k: usize) -> usize {
-    tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * 16 * 1168
+    tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * TMA_STAGE_BYTES
 }
 
 /// matvec_tma_items_q4_k (a whole tile a stage, a warp per tile; sm_90 and later) takes the
@@ -347,7 +349,7 @@ const TMI_WARPS: usize = 4;
 /// Dynamic shared memory of matvec_tma_items_q4_k: two buffers of x's planes as
 /// tc_smem_bytes(k), each to a 128-byte boundary, then TMI_WARPS stages.
 pub(super) fn tmi_smem_bytes(k: usize) -> usize {
-    2 * tc_smem_bytes(k).next_multiple_of(128) + TMI_WARPS * 16 * 1168
+    2 * tc_smem_bytes(k).next_multiple_of(128) + TMI_WARPS * TMA_STAGE_BYTES
 }
 
 /// The elements of each part of x that matvec_tma_q4_k holds as planes at a time: k, or
