@@ -1,53 +1,84 @@
-//! The integer tensor-core products' fragment math (kernels/matvec.cu: `TcQ4k`, and `TcQ6k`
-//! with `q6_dot`), checked on the CPU: the kernel's own device functions, cut out of the
-//! source, run on one emulated warp (tests/warp_emulation/warp.h: 32 lanes as threads,
-//! mma.sync by the PTX ISA's fragment layouts) over random 16-row tiles, against the engine's
-//! dequantization (bit for bit gguf-py's, tests/quant.rs) and an f64 dot product. A wrong
-//! lane, column, offset or scale gives an nmse near 1; the kernels' exact integer sums ~1e-14.
-//! The bound is the GPU tests' for these kernels (cuda_kernels, F32_OP), so that a change of
-//! their layout can be checked before a GPU runs it.
+//! kernels/matvec.cu's integer tensor-core products checked on the CPU: the kernels' own
+//! source, cut out and compiled for the host, run on emulated warps and thread blocks
+//! (tests/warp_emulation/block.h: every thread a host thread, mma.sync by the PTX ISA's
+//! fragment layouts, mbarriers and bulk copies as the ISA defines them, the copies landing
+//! some random time after they are issued), against the engine's dequantization (bit for bit
+//! gguf-py's, tests/quant.rs) and an f64 dot product.
 //!
-//! Needs a C++20 compiler (`$CXX`, else g++); without one the tests print SKIPPED.
+//! - The fragment math (`TcQ4k`, and `TcQ6k` with `q6_dot`) on one warp over random 16-row
+//!   tiles: a wrong lane, column, offset or scale gives an nmse near 1, the kernels' exact
+//!   integer sums ~1e-14.
+//! - The bulk-copy kernels whole (`matvec_tma_q4_k`, `matvec_tma_items_q4_k`,
+//!   `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their producer and
+//!   consumer warps, stage barriers, parts of k, shared expert first, items another rank holds,
+//!   partial tiles and stages across tiles. A stage read before its copy landed or refilled
+//!   while read gives wrong sums; a wait that never ends fails the run instead of hanging it;
+//!   a shared-memory copy out of bounds or misaligned is refused, and the harness runs under
+//!   AddressSanitizer where the compiler has it (reads past a buffer).
+//!
+//! The bound is the GPU tests' for these kernels (cuda_kernels, F32_OP), so that a change of
+//! a kernel can be checked before a GPU runs it. Needs a C++20 compiler (`$CXX`, else g++);
+//! without one the tests print SKIPPED.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
+use mla_engine::backend::cuda::ops::{
+    tma6_smem_bytes, tma_part_k, tma_smem_bytes, tmi_smem_bytes, MOE_SHARED,
+};
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
 use mla_engine::sampling::Rng;
 
-/// The device functions each harness runs, in the order the source defines them (TcQ6k's
-/// products weigh their planes by TcQ4k::plane_factors, so every harness takes them all).
-const PIECES: &[&str] = &[
-    "__device__ __forceinline__ float byte_f(",
-    "__device__ __forceinline__ int tc_plane_stride(",
-    "__device__ __forceinline__ int tc_scales_len(",
-    "struct XDigits {",
-    "__device__ __forceinline__ XDigits x_block_digits(",
-    "__device__ void tc_prepare_x(",
-    "__device__ __forceinline__ void q4k_packed(",
-    "struct TcQ4k {",
-    "__device__ __forceinline__ void quad_sums(",
-    "template <int N>\n__device__ __forceinline__ void lds_words(",
-    "struct TcQ6k {",
-    "__device__ __forceinline__ void q6_dot(",
+/// What each harness runs, in the order the sources define it: (file, the start of a
+/// definition, a `#define` line or a kernel's name). TcQ6k's products weigh their planes by
+/// TcQ4k::plane_factors, so every harness takes them all.
+const PIECES: &[(&str, &str)] = &[
+    ("common.cuh", "#define MOE_SHARED"),
+    ("common.cuh", "__device__ __forceinline__ float silu("),
+    ("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),
+    ("matvec.cu", "__device__ __forceinline__ float byte_f("),
+    (
+        "matvec.cu",
+        "__device__ __forceinline__ int tc_plane_stride(",
+    ),
+    ("matvec.cu", "__device__ __forceinline__ int tc_scales_len("),
+    ("matvec.cu", "__device__ __forceinline__ int tc_x_bytes("),
+    ("matvec.cu", "struct XDigits {"),
+    (
+        "matvec.cu",
+        "__device__ __forceinline__ XDigits x_block_digits(",
+    ),
+    ("matvec.cu", "__device__ void tc_prepare_x("),
+    ("matvec.cu", "__device__ __forceinline__ void q4k_packed("),
+    ("matvec.cu", "struct TcQ4k {"),
+    ("matvec.cu", "__device__ __forceinline__ void quad_sums("),
+    ("matvec.cu", "struct TcItem {"),
+    ("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
+    ("matvec.cu", "#define TMA_STAGES "),
+    ("matvec.cu", "#define TMA_BLOCKS "),
+    ("matvec.cu", "#define TMA_ROW "),
+    ("matvec.cu", "#define TMA_STAGE "),
+    ("matvec.cu", "matvec_tma_q4_k"),
+    ("matvec.cu", "#define TMI_WARPS "),
+    ("matvec.cu", "matvec_tma_items_q4_k"),
+    (
+        "matvec.cu",
+        "template <int N>\n__device__ __forceinline__ void lds_words(",
+    ),
+    ("matvec.cu", "#define TMA6_STAGES "),
+    ("matvec.cu", "#define TMA6_ROW "),
+    ("matvec.cu", "#define TMA6_STAGE "),
+    ("matvec.cu", "struct TcQ6k {"),
+    ("matvec.cu", "__device__ __forceinline__ void q6_dot("),
+    (
+        "matvec.cu",
+        "__device__ __forceinline__ u32 q6_segment_bytes(",
+    ),
+    ("matvec.cu", "matvec_tma_q6_k"),
 ];
-
-/// A harness (tests/warp_emulation/NAME.cpp) and the block type its tiles hold.
-struct Harness {
-    name: &'static str,
-    ty: GgmlType,
-}
-
-const TC_Q4_K: Harness = Harness {
-    name: "tc_q4k",
-    ty: GgmlType::Q4_K,
-};
-
-const TC_Q6_K: Harness = Harness {
-    name: "tc_q6k",
-    ty: GgmlType::Q6_K,
-};
 
 const F32_OP: f64 = 1e-10;
 
@@ -55,7 +86,11 @@ const F32_OP: f64 = 1e-10;
 fn definition<'a>(src: &'a str, head: &str) -> &'a str {
     let start = src
         .find(head)
-        .unwrap_or_else(|| panic!("kernels/matvec.cu has no `{head}`"));
+        .unwrap_or_else(|| panic!("no `{head}` in the kernels"));
+    braced_from(src, start)
+}
+
+fn braced_from(src: &str, start: usize) -> &str {
     let open = start + src[start..].find('{').unwrap();
     let mut depth = 0;
     for (i, c) in src[open..].char_indices() {
@@ -76,36 +111,73 @@ fn definition<'a>(src: &'a str, head: &str) -> &'a str {
             _ => {}
         }
     }
-    panic!("`{head}` has no closing brace");
+    panic!("no closing brace after byte {start}");
 }
 
-/// Builds the harness; None when there is no C++ compiler.
-fn build(h: &Harness, dir: &Path) -> Option<PathBuf> {
+/// A kernel's definition, from its `extern "C"`, its dynamic shared memory taken from the
+/// emulated block (block.h: dynamic_shared).
+fn kernel_definition(src: &str, name: &str) -> String {
+    let at = src
+        .find(&format!(" {name}("))
+        .unwrap_or_else(|| panic!("no kernel `{name}`"));
+    let start = src[..at].rfind("extern \"C\"").unwrap();
+    let mut def = braced_from(src, start).to_string();
+    let dynamic = "extern __shared__ __align__(128) u8 ";
+    while let Some(i) = def.find(dynamic) {
+        let end = i + def[i..].find("[];").unwrap();
+        let var = def[i + dynamic.len()..end].to_string();
+        def.replace_range(i..end + 3, &format!("u8* {var} = dynamic_shared();"));
+    }
+    def
+}
+
+fn piece(src: &str, head: &str) -> String {
+    if head.starts_with('#') {
+        let start = src
+            .find(head)
+            .unwrap_or_else(|| panic!("no `{head}` in the kernels"));
+        let end = start + src[start..].find('\n').unwrap();
+        src[start..end].to_string()
+    } else if head.contains(' ') {
+        definition(src, head).to_string()
+    } else {
+        kernel_definition(src, head)
+    }
+}
+
+/// Builds tests/warp_emulation/NAME.cpp after block.h and the pieces; None when there is no
+/// C++ compiler.
+fn build(name: &str, dir: &Path) -> Option<PathBuf> {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     if Command::new(&cxx).arg("--version").output().is_err() {
         println!("SKIPPED: no C++ compiler ({cxx}) for the warp emulation");
         return None;
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let kernel = std::fs::read_to_string(root.join("kernels/matvec.cu")).unwrap();
     let here = root.join("tests/warp_emulation");
-    let mut src = String::from("#include \"warp.h\"\n");
-    for head in PIECES {
-        src += definition(&kernel, head);
+    let mut src = String::from("#include \"block.h\"\n");
+    for (file, head) in PIECES {
+        let text = std::fs::read_to_string(root.join("kernels").join(file)).unwrap();
+        src += &piece(&text, head);
         src += "\n";
     }
-    src += &std::fs::read_to_string(here.join(format!("{}.cpp", h.name))).unwrap();
-    let cpp = dir.join(format!("{}.cpp", h.name));
+    src += &std::fs::read_to_string(here.join(format!("{name}.cpp"))).unwrap();
+    let cpp = dir.join(format!("{name}.cpp"));
     std::fs::write(&cpp, src).unwrap();
-    let bin = dir.join(h.name);
-    let out = Command::new(&cxx)
-        .args(["-std=c++20", "-O1", "-pthread", "-I"])
-        .arg(&here)
-        .arg(&cpp)
-        .arg("-o")
-        .arg(&bin)
-        .output()
-        .unwrap();
+    let bin = dir.join(name);
+    let compile = |sanitize: bool| {
+        let mut c = Command::new(&cxx);
+        c.args(["-std=c++20", "-O1", "-pthread", "-I"]).arg(&here);
+        if sanitize {
+            c.args(["-fsanitize=address", "-fno-omit-frame-pointer"]);
+        }
+        c.arg(&cpp).arg("-o").arg(&bin).output().unwrap()
+    };
+    let mut out = compile(true);
+    if !out.status.success() {
+        println!("{name}: no AddressSanitizer with {cxx}; built without it");
+        out = compile(false);
+    }
     assert!(
         out.status.success(),
         "{cxx} failed:\n{}",
@@ -114,11 +186,91 @@ fn build(h: &Harness, dir: &Path) -> Option<PathBuf> {
     Some(bin)
 }
 
-/// 16 rows of nb blocks of one type, and x.
-struct Tile {
-    nb: usize,
-    w: Vec<u8>,
-    x: Vec<f32>,
+/// A harness's input: its arguments in the order it reads them (block.h: Input).
+#[derive(Default)]
+struct Args(Vec<u8>);
+
+impl Args {
+    fn i32(mut self, v: i32) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn i64(mut self, v: i64) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn bytes(mut self, b: &[u8]) -> Self {
+        self.0.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        self.0.extend_from_slice(b);
+        self
+    }
+    fn ints(self, v: &[i32]) -> Self {
+        let b: Vec<u8> = v.iter().flat_map(|i| i.to_le_bytes()).collect();
+        self.bytes(&b)
+    }
+    fn floats(self, v: &[f32]) -> Self {
+        let b: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+        self.bytes(&b)
+    }
+}
+
+/// Runs a harness on its input, killed after a few minutes (a hang); its printed f32 values.
+fn run_harness(bin: &Path, dir: &Path, input: &[u8]) -> Vec<f32> {
+    let path = dir.join("input.bin");
+    std::fs::write(&path, input).unwrap();
+    let mut child = Command::new(bin)
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(300) {
+            child.kill().ok();
+            panic!("{} hangs (killed after 300 s)", bin.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child.stdout.unwrap().read_to_string(&mut out).unwrap();
+    child.stderr.unwrap().read_to_string(&mut err).unwrap();
+    assert!(
+        status.success(),
+        "{} failed ({status}):\n{err}",
+        bin.display()
+    );
+    out.lines()
+        .map(|l| f32::from_bits(u32::from_str_radix(l, 16).unwrap()))
+        .collect()
+}
+
+/// The harnesses of one test, built in a directory of their own (removed at the end).
+struct Emulation {
+    dir: PathBuf,
+    bin: PathBuf,
+}
+
+impl Emulation {
+    /// None (after printing SKIPPED) without a C++ compiler.
+    fn build(name: &str) -> Option<Emulation> {
+        let dir = std::env::temp_dir().join(format!("mla-emulation-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = build(name, &dir)?;
+        Some(Emulation { dir, bin })
+    }
+    fn run(&self, args: Args) -> Vec<f32> {
+        run_harness(&self.bin, &self.dir, &args.0)
+    }
+}
+
+impl Drop for Emulation {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.dir).ok();
+    }
 }
 
 /// Where a block's f16 scales lie: Q4_K's d and dmin first, Q6_K's d last.
@@ -130,33 +282,39 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     }
 }
 
-/// Random blocks (finite scales of mixed sizes), x of mixed magnitudes with one block of zeros
-/// (its scale 0).
-fn random_tile(ty: GgmlType, nb: usize, seed: u64) -> Tile {
-    let mut rng = Rng::new(seed);
-    let mut signed = move || (2.0 * rng.next_f64() - 1.0) as f32;
-    let mut w: Vec<u8> = (0..16 * nb * ty.type_size())
-        .map(|_| (128.0 * signed() + 128.0) as u8)
+fn signed(rng: &mut Rng) -> f32 {
+    (2.0 * rng.next_f64() - 1.0) as f32
+}
+
+/// `rows` rows of nb random blocks (finite scales of mixed sizes).
+fn random_rows(ty: GgmlType, rows: usize, nb: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut w: Vec<u8> = (0..rows * nb * ty.type_size())
+        .map(|_| (128.0 * signed(rng) + 128.0) as u8)
         .collect();
     for block in w.chunks_exact_mut(ty.type_size()) {
         for &at in f16_fields(ty) {
-            let v = signed() * 2f32.powi((4.0 * signed()) as i32 - 8);
+            let v = signed(rng) * 2f32.powi((4.0 * signed(rng)) as i32 - 8);
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
         }
     }
+    w
+}
+
+/// x of mixed magnitudes, its second 256-block zeros (its scale 0).
+fn random_x(nb: usize, rng: &mut Rng) -> Vec<f32> {
     let mut x: Vec<f32> = (0..256 * nb)
-        .map(|i| signed() * if i % 7 == 0 { 30.0 } else { 1.0 })
+        .map(|i| signed(rng) * if i % 7 == 0 { 30.0 } else { 1.0 })
         .collect();
     if nb > 1 {
         x[256..512].fill(0.0);
     }
-    Tile { nb, w, x }
+    x
 }
 
-/// Every code at its largest (all bits set; Q6_K's scales -128), x at one value: the largest
-/// sums the integer path holds (each plane 0 digit 127).
-fn largest_tile(ty: GgmlType, nb: usize) -> Tile {
-    let mut w = vec![0xFFu8; 16 * nb * ty.type_size()];
+/// Every code at its largest (all bits set; Q6_K's scales -128): with x at one value, the
+/// largest sums the integer path holds (each plane 0 digit 127).
+fn largest_rows(ty: GgmlType, rows: usize, nb: usize) -> Vec<u8> {
+    let mut w = vec![0xFFu8; rows * nb * ty.type_size()];
     for block in w.chunks_exact_mut(ty.type_size()) {
         if ty == GgmlType::Q6_K {
             block[192..208].fill(0x80);
@@ -165,39 +323,17 @@ fn largest_tile(ty: GgmlType, nb: usize) -> Tile {
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(0.002).to_le_bytes());
         }
     }
-    Tile {
-        nb,
-        w,
-        x: vec![3.0; 256 * nb],
-    }
+    w
 }
 
-fn run(bin: &Path, dir: &Path, tile: &Tile) -> Vec<f32> {
-    let mut input = (tile.nb as i32).to_le_bytes().to_vec();
-    input.extend_from_slice(&tile.w);
-    input.extend(tile.x.iter().flat_map(|v| v.to_le_bytes()));
-    let path = dir.join("input.bin");
-    std::fs::write(&path, input).unwrap();
-    let out = Command::new(bin).arg(&path).output().unwrap();
-    assert!(out.status.success(), "harness failed: {:?}", out.status);
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| f32::from_bits(u32::from_str_radix(l, 16).unwrap()))
-        .collect()
-}
-
-fn reference(ty: GgmlType, tile: &Tile) -> Vec<f64> {
-    let k = 256 * tile.nb;
-    tile.w
-        .chunks_exact(tile.nb * ty.type_size())
+/// Each row of `w` (rows of x.len() values) times x, in f64 on the engine's dequantization.
+fn products(ty: GgmlType, w: &[u8], x: &[f32]) -> Vec<f64> {
+    let row_bytes = ty.row_bytes(x.len()).unwrap();
+    w.chunks_exact(row_bytes)
         .map(|row| {
-            let mut vals = vec![0f32; k];
+            let mut vals = vec![0f32; x.len()];
             quant::dequantize(ty, row, &mut vals).unwrap();
-            vals.iter()
-                .zip(&tile.x)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum()
+            vals.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum()
         })
         .collect()
 }
@@ -216,40 +352,330 @@ fn nmse(got: &[f32], want: &[f64]) -> f64 {
     }
 }
 
+/// What a kernel's y held before it ran: outputs it must not write keep it.
+const UNWRITTEN: f32 = -7.25e30;
+
+/// Checks a kernel's y against the expected values (None: to be left as UNWRITTEN).
+fn check_outputs(what: &str, got: &[f32], want: &[Option<f64>]) {
+    assert_eq!(got.len(), want.len(), "{what}: y's length");
+    let (mut g, mut w) = (Vec::new(), Vec::new());
+    for (i, (&got, want)) in got.iter().zip(want).enumerate() {
+        match want {
+            Some(v) => {
+                g.push(got);
+                w.push(*v);
+            }
+            None => assert!(
+                got.to_bits() == UNWRITTEN.to_bits(),
+                "{what}: y[{i}] = {got} was written (nothing is due there)"
+            ),
+        }
+    }
+    let e = nmse(&g, &w);
+    println!(
+        "{what}: {} values, nmse {e:.3e} (threshold {F32_OP:.0e})",
+        g.len()
+    );
+    assert!(e <= F32_OP, "{what}: nmse {e:.3e} over {F32_OP:.0e}");
+}
+
+/// One warp's 16-row tile (the harness tc_q4k or tc_q6k) against f64.
+fn check_tile(h: &Emulation, ty: GgmlType, what: &str, nb: usize, w: &[u8], x: &[f32]) {
+    let mut padded = w.to_vec();
+    if ty == GgmlType::Q6_K {
+        padded.extend([0; 16]); // TcQ6k::load reads 2 bytes past a block (in a stage, later ones)
+    }
+    let got = run_harness(
+        &h.bin,
+        &h.dir,
+        &Args::default().i32(nb as i32).bytes(&padded).floats(x).0,
+    );
+    let want: Vec<Option<f64>> = products(ty, w, x).into_iter().map(Some).collect();
+    check_outputs(what, &got, &want);
+}
+
 /// Random tiles of k = 256, 2048 (twice) and 7168, and the largest sums at k = 2048.
-fn check(h: &Harness) {
-    let dir = std::env::temp_dir().join(format!("mla-warp-{}-{}", h.name, std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let Some(bin) = build(h, &dir) else { return };
-    let mut cases: Vec<(String, Tile)> = [(1, 1), (8, 2), (8, 3), (28, 4)]
-        .into_iter()
-        .map(|(nb, seed)| {
-            (
-                format!("random k = {}", 256 * nb),
-                random_tile(h.ty, nb, seed),
-            )
-        })
-        .collect();
-    cases.push(("largest sums, k = 2048".into(), largest_tile(h.ty, 8)));
-    for (what, tile) in &cases {
-        let got = run(&bin, &dir, tile);
-        let e = nmse(&got, &reference(h.ty, tile));
-        println!("{} {what}: nmse {e:.3e} (threshold {F32_OP:.0e})", h.name);
-        assert!(
-            e <= F32_OP,
-            "{} {what}: nmse {e:.3e} over {F32_OP:.0e}",
-            h.name
+fn check_tiles(name: &str, ty: GgmlType) {
+    let Some(h) = Emulation::build(name) else {
+        return;
+    };
+    for (nb, seed) in [(1, 1), (8, 2), (8, 3), (28, 4)] {
+        let mut rng = Rng::new(seed);
+        let w = random_rows(ty, 16, nb, &mut rng);
+        let x = random_x(nb, &mut rng);
+        check_tile(
+            &h,
+            ty,
+            &format!("{name} random k = {}", 256 * nb),
+            nb,
+            &w,
+            &x,
         );
     }
-    std::fs::remove_dir_all(&dir).ok();
+    let x = vec![3.0; 2048];
+    check_tile(
+        &h,
+        ty,
+        &format!("{name} largest sums, k = 2048"),
+        8,
+        &largest_rows(ty, 16, 8),
+        &x,
+    );
 }
 
 #[test]
 fn tensor_core_q4_k_tile_matches_f64() {
-    check(&TC_Q4_K);
+    check_tiles("tc_q4k", GgmlType::Q4_K);
 }
 
 #[test]
 fn tensor_core_q6_k_tile_matches_f64() {
-    check(&TC_Q6_K);
+    check_tiles("tc_q6k", GgmlType::Q6_K);
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// A launch of matvec_tma_q4_k: `rows` x 256 nb matrices, `experts` of them in w (and in w2
+/// for a pair), chosen by ids (or item b takes matrix b), a shared expert's pair in sw / sw2.
+struct TmaQ4k {
+    what: &'static str,
+    rows: usize,
+    nb: usize,
+    /// 256-blocks of each part of x (None: ops.rs's tma_part_k).
+    part_nb: Option<usize>,
+    experts: usize,
+    ids: Option<Vec<i32>>,
+    pair: bool,
+    glu: bool,
+    shared: bool,
+    grid: u32,
+}
+
+fn check_tma_q4k(h: &Emulation, c: &TmaQ4k, seed: u64) {
+    let ty = GgmlType::Q4_K;
+    let (k, row_bytes) = (256 * c.nb, 144 * c.nb);
+    let mat_bytes = c.rows * row_bytes;
+    let mut rng = Rng::new(seed);
+    let mut mats = |n: usize| random_rows(ty, n * c.rows, c.nb, &mut rng);
+    let w = mats(c.experts);
+    let w2 = if c.pair { mats(c.experts) } else { vec![] };
+    let (sw, sw2) = match (c.shared, c.pair) {
+        (false, _) => (vec![], vec![]),
+        (true, false) => (mats(1), vec![]),
+        (true, true) => (mats(1), mats(1)),
+    };
+    let x = random_x(c.nb, &mut rng);
+    let ids = c
+        .ids
+        .clone()
+        .unwrap_or_else(|| (0..c.experts as i32).collect());
+    let items = if c.pair { 2 * ids.len() } else { ids.len() };
+    let kpart = c.part_nb.map_or_else(|| tma_part_k(k), |n| 256 * n);
+    // Item b's products: its matrix by its id (b counted from items / 2 in w2 for a pair).
+    let item = |b: usize| -> Option<Vec<f64>> {
+        let (id, w, sw) = match c.pair && b >= ids.len() {
+            false => (ids[b], &w, &sw),
+            true => (ids[b - ids.len()], &w2, &sw2),
+        };
+        match id {
+            MOE_SHARED => Some(products(ty, sw, &x)),
+            id if id < 0 => None,
+            id => {
+                let at = id as usize * mat_bytes;
+                Some(products(ty, &w[at..at + mat_bytes], &x))
+            }
+        }
+    };
+    let outputs = if c.glu { ids.len() } else { items };
+    let y_stride = c.rows + 5; // the rows between must stay unwritten
+    let mut want = vec![None; outputs * y_stride];
+    for b in 0..outputs {
+        let rows = match c.glu {
+            true => item(b).zip(item(b + ids.len())).map(|(g, u)| {
+                g.iter()
+                    .zip(&u)
+                    .map(|(&g, &u)| silu(g) * u)
+                    .collect::<Vec<_>>()
+            }),
+            false => item(b),
+        };
+        for (r, v) in rows.into_iter().flatten().enumerate() {
+            want[b * y_stride + r] = Some(v);
+        }
+    }
+    let args = Args::default()
+        .bytes(&w)
+        .bytes(&w2)
+        .bytes(&sw)
+        .bytes(&sw2)
+        .i64(mat_bytes as i64)
+        .ints(if c.ids.is_some() { &ids } else { &[] })
+        .i32(items as i32)
+        .i32(c.rows as i32)
+        .i32(k as i32)
+        .i32(kpart as i32)
+        .i64(row_bytes as i64)
+        .floats(&x)
+        .floats(&vec![UNWRITTEN; want.len()])
+        .i64(y_stride as i64)
+        .i32(c.glu as i32)
+        .i32(c.grid as i32)
+        .i32(tma_smem_bytes(kpart) as i32);
+    check_outputs(&format!("matvec_tma_q4_k {}", c.what), &h.run(args), &want);
+}
+
+#[test]
+fn bulk_copy_q4_k_kernel_matches_f64() {
+    let Some(h) = Emulation::build("tma_q4k") else {
+        return;
+    };
+    let one = |what, rows, nb, part_nb, grid| TmaQ4k {
+        what,
+        rows,
+        nb,
+        part_nb,
+        experts: 1,
+        ids: None,
+        pair: false,
+        glu: false,
+        shared: false,
+        grid,
+    };
+    let cases = [
+        one("40 x 2048, 2 blocks", 40, 8, None, 2),
+        one("24 x 4864 in parts of 10 and 9 256-blocks, 3 blocks", 24, 19, Some(10), 3),
+        one("20 x 18432 in two parts (ops.rs), 1 block", 20, 72, None, 1),
+        TmaQ4k {
+            what: "MoE gate-up glu of 4 choices (one another rank's, the shared expert's last), 3 blocks",
+            rows: 24,
+            nb: 8,
+            part_nb: None,
+            experts: 4,
+            ids: Some(vec![3, -1, 0, MOE_SHARED]),
+            pair: true,
+            glu: true,
+            shared: true,
+            grid: 3,
+        },
+        TmaQ4k {
+            what: "a pair without glu, the shared expert first, 2 blocks",
+            rows: 20,
+            nb: 9,
+            part_nb: None,
+            experts: 3,
+            ids: Some(vec![MOE_SHARED, 2, -1]),
+            pair: true,
+            glu: false,
+            shared: true,
+            grid: 2,
+        },
+        TmaQ4k {
+            what: "3 choices with the shared expert's single matrix, 5 blocks",
+            rows: 36,
+            nb: 8,
+            part_nb: None,
+            experts: 2,
+            ids: Some(vec![1, -1, MOE_SHARED]),
+            pair: false,
+            glu: false,
+            shared: true,
+            grid: 5,
+        },
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        check_tma_q4k(&h, c, 10 + i as u64);
+    }
+}
+
+/// A launch of matvec_tma_items_q4_k: item i = the matrix ids[i] (MOE_SHARED: sw) times its
+/// own x.
+fn check_tma_items_q4k(h: &Emulation, rows: usize, nb: usize, ids: &[i32], grid: u32, seed: u64) {
+    let ty = GgmlType::Q4_K;
+    let (k, row_bytes) = (256 * nb, 144 * nb);
+    let mat_bytes = rows * row_bytes;
+    let mut rng = Rng::new(seed);
+    let w = random_rows(ty, 3 * rows, nb, &mut rng);
+    let sw = random_rows(ty, rows, nb, &mut rng);
+    let x_stride = k + 4;
+    let mut x = vec![0f32; ids.len() * x_stride];
+    for xi in x.chunks_exact_mut(x_stride) {
+        xi[..k].copy_from_slice(&random_x(nb, &mut rng));
+    }
+    let y_stride = rows + 3;
+    let mut want = vec![None; ids.len() * y_stride];
+    for (i, &id) in ids.iter().enumerate() {
+        let mat = match id {
+            MOE_SHARED => &sw[..],
+            id if id < 0 => continue,
+            id => &w[id as usize * mat_bytes..][..mat_bytes],
+        };
+        for (r, v) in products(ty, mat, &x[i * x_stride..][..k])
+            .into_iter()
+            .enumerate()
+        {
+            want[i * y_stride + r] = Some(v);
+        }
+    }
+    let args = Args::default()
+        .bytes(&w)
+        .bytes(&sw)
+        .i64(mat_bytes as i64)
+        .ints(ids)
+        .i32(ids.len() as i32)
+        .i32(rows as i32)
+        .i32(k as i32)
+        .i64(row_bytes as i64)
+        .floats(&x)
+        .i64(x_stride as i64)
+        .floats(&vec![UNWRITTEN; want.len()])
+        .i64(y_stride as i64)
+        .i32(grid as i32)
+        .i32(tmi_smem_bytes(k) as i32);
+    let what = format!("matvec_tma_items_q4_k {rows} x {k}, ids {ids:?}, {grid} blocks");
+    check_outputs(&what, &h.run(args), &want);
+}
+
+#[test]
+fn bulk_copy_items_q4_k_kernel_matches_f64() {
+    let Some(h) = Emulation::build("tma_items_q4k") else {
+        return;
+    };
+    let ids = [2, -1, MOE_SHARED, 0, 2];
+    check_tma_items_q4k(&h, 40, 8, &ids, 4, 20);
+    check_tma_items_q4k(&h, 40, 6, &ids, 1, 21);
+    check_tma_items_q4k(&h, 24, 8, &ids[..3], 6, 22);
+}
+
+/// A launch of matvec_tma_q6_k over `rows` x 256 nb.
+fn check_tma_q6k(h: &Emulation, rows: usize, nb: usize, grid: u32, seed: u64) {
+    let ty = GgmlType::Q6_K;
+    let k = 256 * nb;
+    let mut rng = Rng::new(seed);
+    let w = random_rows(ty, rows, nb, &mut rng);
+    let x = random_x(nb, &mut rng);
+    let args = Args::default()
+        .bytes(&w)
+        .i32(rows as i32)
+        .i32(k as i32)
+        .i64(210 * nb as i64)
+        .floats(&x)
+        .floats(&vec![UNWRITTEN; rows])
+        .i32(grid as i32)
+        .i32(tma6_smem_bytes(k) as i32);
+    let want: Vec<Option<f64>> = products(ty, &w, &x).into_iter().map(Some).collect();
+    let what = format!("matvec_tma_q6_k {rows} x {k}, {grid} blocks");
+    check_outputs(&what, &h.run(args), &want);
+}
+
+#[test]
+fn bulk_copy_q6_k_kernel_matches_f64() {
+    let Some(h) = Emulation::build("tma_q6k") else {
+        return;
+    };
+    check_tma_q6k(&h, 37, 9, 3, 30); // rows of 1890 bytes: the matrix ends off 16 bytes
+    check_tma_q6k(&h, 40, 8, 2, 31);
+    check_tma_q6k(&h, 20, 12, 1, 32);
+    check_tma_q6k(&h, 33, 32, 2, 33);
 }

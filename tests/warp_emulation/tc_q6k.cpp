@@ -1,24 +1,16 @@
 // One 16-row Q6_K tile times x through kernels/matvec.cu's TcQ6k and q6_dot, as a consumer
 // warp of matvec_tma_q6_k computes it: x into planes (tc_prepare_x), each 256-block's dot, the
-// quad sums. Input and output as tc_q4k.cpp's (blocks of 210 bytes).
-#include <cstdio>
-
+// quad sums. Input and output as tc_q4k.cpp's (blocks of 210 bytes, 16 more after the last).
 int main(int argc, char** argv) {
-    FILE* f = std::fopen(argv[1], "rb");
-    int nb = 0;
-    if (!f || std::fread(&nb, 4, 1, f) != 1) return 2;
-    const int k = 256 * nb;
-    std::vector<u8> w(16 * 210 * nb + 16);  // TcQ6k::load reads a few bytes past a block
-    std::vector<float> x(k);
-    if (std::fread(w.data(), 1, 16 * 210 * nb, f) != 16 * 210 * (size_t)nb ||
-        std::fread(x.data(), 4, k, f) != (size_t)k)
-        return 2;
+    Input in(argv[1]);
+    const int nb = in.i32(), k = 256 * nb;
+    auto w = in.buffer(), xb = in.buffer();
+    const float* x = ptr<float>(xb);
     const int stride = tc_plane_stride(k);
-    std::vector<u8> sm(4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32)), zeros(256);
-    float out[16];
+    std::vector<u8> sm(4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32)), zeros(256), out(64);
     run_warp([&](int lane) {
-        tc_prepare_x(x.data(), k, sm.data(), 1);
-        WARP->arrive_and_wait();
+        tc_prepare_x(x, k, sm.data(), 1);
+        __syncwarp();
         const float* scales = (const float*)(sm.data() + 4 * stride);
         const int g = lane >> 2, t = lane & 3;
         const float2 pf = TcQ4k::plane_factors(t);
@@ -31,7 +23,8 @@ int main(int argc, char** argv) {
                    pf, acc_lo, acc_hi);
         }
         quad_sums(acc_lo, acc_hi);
-        if (t == 0) out[g] = acc_lo, out[g + 8] = acc_hi;
+        float* o = ptr<float>(out);
+        if (t == 0) o[g] = acc_lo, o[g + 8] = acc_hi;
     });
-    for (float v : out) std::printf("%08x\n", __float_as_uint(v));
+    print_f32(out);
 }

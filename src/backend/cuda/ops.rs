@@ -305,7 +305,7 @@ pub(super) const TMA6_K_MAX: usize = 8192;
 
 /// Dynamic shared memory of matvec_tma_q6_k: x as matvec_tc_q4_k has it, to a 128-byte
 /// boundary, 256 bytes of zeros, then two stages.
-pub(super) fn tma6_smem_bytes(k: usize) -> usize {
+pub fn tma6_smem_bytes(k: usize) -> usize {
     tc_smem_bytes(k).next_multiple_of(128) + 256 + 2 * 16 * 1744
 }
 
@@ -336,7 +336,7 @@ const TMA_STAGE_BYTES: usize = 16 * 1168;
 
 /// Dynamic shared memory of matvec_tma_q4_k: x as tc_smem_bytes(k) to a 128-byte boundary,
 /// then the stages.
-pub(super) fn tma_smem_bytes(k: usize) -> usize {
+pub fn tma_smem_bytes(k: usize) -> usize {
     tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * TMA_STAGE_BYTES
 }
 
@@ -348,13 +348,13 @@ const TMI_WARPS: usize = 4;
 
 /// Dynamic shared memory of matvec_tma_items_q4_k: two buffers of x's planes as
 /// tc_smem_bytes(k), each to a 128-byte boundary, then TMI_WARPS stages.
-pub(super) fn tmi_smem_bytes(k: usize) -> usize {
+pub fn tmi_smem_bytes(k: usize) -> usize {
     2 * tc_smem_bytes(k).next_multiple_of(128) + TMI_WARPS * TMA_STAGE_BYTES
 }
 
 /// The elements of each part of x that matvec_tma_q4_k holds as planes at a time: k, or
 /// beyond TMA_K_MAX as few equal parts of whole 256-blocks as fit (the last may be shorter).
-fn tma_part_k(k: usize) -> usize {
+pub fn tma_part_k(k: usize) -> usize {
     let blocks = k / 256;
     let parts = blocks.div_ceil(TMA_K_MAX / 256);
     blocks.div_ceil(parts) * 256

@@ -1,0 +1,399 @@
+// One CUDA thread block on the host, for checking kernels/matvec.cu's tensor-core kernels
+// without a GPU (tests/warp_emulation.rs): device functions and whole kernels, cut out of the
+// source, run unchanged. Every thread is a host thread; the lanes of a warp meet at every warp
+// collective (a shuffle, a vote, an mma.sync, __syncwarp), whose fragment layouts (mma.sync
+// m16n8k32, 8-bit operands) are the PTX ISA's. The bulk-copy kernels' machinery is here as
+// the ISA defines it: mbarriers (arrival counts, transaction bytes, phases), bulk copies that
+// land at once or as late as they may (bulk_copy), named barriers. An mbarrier wait
+// that never ends stops the run with a message (the test kills a run that hangs elsewhere).
+// Only what the kernels use is here.
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __launch_bounds__(...)
+#define __shared__ static  // one block runs at a time
+#define __CUDA_ARCH__ 900
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct uint2 { u32 x, y; };
+struct uint4 { u32 x, y, z, w; };
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+inline uint2 make_uint2(u32 x, u32 y) { return {x, y}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+
+struct Dim3 { unsigned x, y, z; };
+thread_local Dim3 threadIdx;
+Dim3 blockIdx, gridDim;
+thread_local int LANE;
+
+[[noreturn]] inline void fail(const char* what) {
+    std::fprintf(stderr, "emulation: %s\n", what);
+    std::fflush(stderr);
+    std::_Exit(3);
+}
+inline void expect(bool ok, const char* what) {
+    if (!ok) fail(what);
+}
+
+inline float __uint_as_float(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
+inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // ties to even
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+inline float fabsf(float a) { return std::fabs(a); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int __ffs(u32 x) { return x ? __builtin_ctz(x) + 1 : 0; }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+
+// Byte s_i (0-7) of the pair (x: 0-3, y: 4-7) for each result byte i.
+inline u32 __byte_perm(u32 x, u32 y, u32 s) {
+    u8 b[8];
+    std::memcpy(b, &x, 4);
+    std::memcpy(b + 4, &y, 4);
+    u32 r = 0;
+    for (int i = 0; i < 4; i++) r |= (u32)b[(s >> (4 * i)) & 7] << (8 * i);
+    return r;
+}
+
+inline float f16_to_f32(u16 h) {  // finite values
+    int e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
+    return h >> 15 ? -v : v;
+}
+
+inline u32 __funnelshift_r(u32 lo, u32 hi, u32 sh) {
+    return (u32)((((unsigned long long)hi << 32) | lo) >> (sh & 31));
+}
+
+inline uint4 ld_cached16(const u8* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
+inline uint2 ld_cached8(const u8* p) { uint2 v; std::memcpy(&v, p, 8); return v; }
+
+// Programmatic dependent launch: one kernel at a time here.
+inline void pdl_wait() {}
+inline void pdl_launch_next() {}
+inline void pdl_enter() {}
+
+// ---- a warp ----
+
+struct Warp {
+    std::barrier<> meet{32};
+    u64 sent[32];
+    u32 a[32][4], b[32][2];
+};
+thread_local Warp* WARP;
+
+inline void __syncwarp() { WARP->meet.arrive_and_wait(); }
+// What lane `from` sent, for every lane.
+inline u64 exchange(u64 v, int from) {
+    WARP->sent[LANE] = v;
+    __syncwarp();
+    u64 r = WARP->sent[from];
+    __syncwarp();
+    return r;
+}
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    return __uint_as_float((u32)exchange(__float_as_uint(v), LANE ^ o));
+}
+inline int __shfl_xor_sync(unsigned, int v, int o) { return (int)exchange((u32)v, LANE ^ o); }
+inline u64 __shfl_sync(unsigned, u64 v, int from) { return exchange(v, from); }
+inline u32 __ballot_sync(unsigned, bool p) {
+    u32 r = 0;
+    for (int l = 0; l < 32; l++) r |= (u32)(exchange(p, l) != 0) << l;
+    return r;
+}
+inline u32 __reduce_add_sync(unsigned, u32 v) {
+    u32 r = 0;
+    for (int l = 0; l < 32; l++) r += (u32)exchange(v, l);
+    return r;
+}
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// D = A B, A 16 x 32 (rows), B 32 x 8 (columns). Lane (g = lane / 4, t = lane % 4)
+// holds A rows g (a0, a2) and g + 8 (a1, a3), k = 4t .. 4t + 3 (a0, a1) and 16 + 4t .. (a2,
+// a3); B column g, k = 4t .. (b0) and 16 + 4t .. (b1); D rows g (d0, d1) and g + 8 (d2, d3),
+// columns 2t and 2t + 1.
+inline int byte_value(u32 w, int i, bool is_signed) {
+    int v = (w >> (8 * i)) & 255;
+    return is_signed && v > 127 ? v - 256 : v;
+}
+inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool a_signed) {
+    u32* a = WARP->a[LANE];
+    a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
+    WARP->b[LANE][0] = b0, WARP->b[LANE][1] = b1;
+    __syncwarp();
+    auto A = [&](int row, int k) {
+        return byte_value(WARP->a[(row & 7) * 4 + (k & 15) / 4][(row >= 8) + 2 * (k >= 16)],
+                          k & 3, a_signed);
+    };
+    auto B = [&](int k, int col) {
+        return byte_value(WARP->b[col * 4 + (k & 15) / 4][k >= 16], k & 3, true);
+    };
+    int g = LANE >> 2, t = LANE & 3;
+    for (int i = 0; i < 4; i++) {
+        int row = g + 8 * (i >> 1), col = 2 * t + (i & 1), s = 0;
+        for (int k = 0; k < 32; k++) s += A(row, k) * B(k, col);
+        d[i] = s;
+    }
+    __syncwarp();
+}
+inline void mma_s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    mma_16832(d, a0, a1, a2, a3, b0, b1, true);
+}
+inline void mma_u8s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    mma_16832(d, a0, a1, a2, a3, b0, b1, false);
+}
+
+// ---- the block: barriers, dynamic shared memory ----
+
+std::barrier<>* BLOCK;                          // __syncthreads
+std::map<int, std::unique_ptr<std::barrier<>>> NAMED;  // bar.sync id, count (made by run_block)
+u8* DYNAMIC_SHARED;
+size_t DYNAMIC_SHARED_BYTES;
+
+// After the block starts and after each block-wide or named barrier, a third of the warps
+// (by a hash of block, warp, barrier count and run) sleep a little: a warp that reads what
+// another wrote without a barrier between then reads it too early.
+thread_local unsigned BARRIERS_PASSED;
+bool LATE_COPIES;
+inline void stagger() {
+    unsigned h = (blockIdx.x * 131u + (threadIdx.x >> 5)) * 2654435761u ^
+                 (BARRIERS_PASSED++ * 40503u + LATE_COPIES);
+    h = (h ^ (h >> 15)) * 2246822519u;
+    if ((h >> 13) % 3 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+inline void __syncthreads() {
+    BLOCK->arrive_and_wait();
+    stagger();
+}
+// The kernels' `extern __shared__` array (the test puts this in its place).
+inline u8* dynamic_shared() { return DYNAMIC_SHARED; }
+template <int WARPS = 8>
+inline void consumers_sync() {
+    auto it = NAMED.find(32 * WARPS);
+    expect(it != NAMED.end(), "consumers_sync: no named barrier of that many threads");
+    it->second->arrive_and_wait();
+    stagger();
+}
+
+// ---- mbarriers and bulk copies ----
+
+struct Mbarrier {
+    int count, pending;
+    long long tx;  // bytes expected and not yet arrived
+    unsigned phase;
+};
+std::mutex MBAR_LOCK;
+std::condition_variable MBAR_CHANGED;
+std::map<const void*, Mbarrier> MBARS;
+const auto HANG = std::chrono::seconds(60);
+
+inline Mbarrier& mbar(const u64* b) {
+    auto it = MBARS.find(b);
+    expect(it != MBARS.end(), "an mbarrier used before mbar_init");
+    return it->second;
+}
+// The phase completes once every arrival and every expected byte is in.
+inline void mbar_settle(Mbarrier& m) {
+    expect(m.pending >= 0, "more arrivals on an mbarrier than its count");
+    if (m.pending == 0 && m.tx == 0) {
+        m.phase++;
+        m.pending = m.count;
+        MBAR_CHANGED.notify_all();
+    }
+}
+inline void mbar_init(u64* b, int count) {
+    std::lock_guard<std::mutex> g(MBAR_LOCK);
+    MBARS[b] = {count, count, 0, 0};
+}
+inline void mbar_expect_bytes(u64* b, u32 bytes) {
+    std::lock_guard<std::mutex> g(MBAR_LOCK);
+    Mbarrier& m = mbar(b);
+    m.tx += bytes;
+    m.pending--;
+    mbar_settle(m);
+}
+inline void mbar_arrive(u64* b) {
+    std::lock_guard<std::mutex> g(MBAR_LOCK);
+    Mbarrier& m = mbar(b);
+    m.pending--;
+    mbar_settle(m);
+}
+inline void land_pending(const u64* b);
+// Until the phase of the given parity has completed (the current phase's parity differs).
+inline void mbar_wait(u64* b, u32 parity) {
+    std::unique_lock<std::mutex> g(MBAR_LOCK);
+    Mbarrier& m = mbar(b);
+    const auto deadline = std::chrono::steady_clock::now() + HANG;
+    for (;;) {
+        land_pending(b);
+        if ((m.phase & 1) != parity) return;
+        if (MBAR_CHANGED.wait_until(g, deadline) == std::cv_status::timeout) break;
+    }
+    std::fprintf(stderr,
+                 "emulation: thread %u waits on an mbarrier for parity %u: phase %u, %d "
+                 "arrivals and %lld bytes missing\n",
+                 threadIdx.x, parity, m.phase, m.pending, m.tx);
+    fail("hang");
+}
+inline void init_stage_barriers(u64* full, u64* empty, int stages, int readers) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], readers);
+        }
+    }
+    __syncthreads();
+}
+
+// Bulk copies land either at once (where a producer that refills a stage before its readers
+// released it spoils what they read) or as late as they may, when a thread waits on their
+// mbarrier (where a reader that did not wait reads what was there before): launch runs each
+// grid both ways.
+struct Copy {
+    void* dst;
+    const void* src;
+    u32 bytes;
+    u64* bar;
+};
+std::vector<Copy> PENDING;  // under MBAR_LOCK
+
+inline void land(const Copy& c) {
+    std::memcpy(c.dst, c.src, c.bytes);
+    Mbarrier& m = mbar(c.bar);
+    m.tx -= c.bytes;
+    mbar_settle(m);
+}
+// The late copies counted on b (MBAR_LOCK held).
+inline void land_pending(const u64* b) {
+    for (size_t i = 0; i < PENDING.size();) {
+        if (PENDING[i].bar == b) {
+            land(PENDING[i]);
+            PENDING.erase(PENDING.begin() + i);
+        } else {
+            i++;
+        }
+    }
+}
+// cp.async.bulk global -> shared: 16-byte aligned, a multiple of 16 bytes, into the dynamic
+// shared memory.
+inline void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
+    expect((uintptr_t)dst % 16 == 0 && (uintptr_t)src % 16 == 0 && bytes % 16 == 0 && bytes > 0,
+           "bulk_copy: not 16-byte aligned, or not a multiple of 16 bytes");
+    expect((u8*)dst >= DYNAMIC_SHARED && (u8*)dst + bytes <= DYNAMIC_SHARED + DYNAMIC_SHARED_BYTES,
+           "bulk_copy: past the dynamic shared memory");
+    std::lock_guard<std::mutex> g(MBAR_LOCK);
+    if (LATE_COPIES) {
+        PENDING.push_back({dst, src, bytes, b});
+        MBAR_CHANGED.notify_all();  // a thread may be waiting for it
+    } else {
+        land({dst, src, bytes, b});
+    }
+}
+
+// Runs thread(...) as block blockIdx.x of gridDim.x, `threads` threads, with `shared` bytes of
+// dynamic shared memory (allocated exactly, filled with garbage), and named barrier 1 for the
+// threads but the last warp (the bulk-copy kernels' consumers).
+inline void run_block(unsigned block, unsigned grid, int threads, size_t shared,
+                      const std::function<void()>& thread) {
+    blockIdx = {block, 0, 0};
+    gridDim = {grid, 1, 1};
+    std::vector<u8> smem(shared);
+    for (size_t i = 0; i < shared; i++) smem[i] = (u8)(0x5A + 77 * i);
+    DYNAMIC_SHARED = smem.data(), DYNAMIC_SHARED_BYTES = shared;
+    std::barrier<> block_barrier(threads);
+    BLOCK = &block_barrier;
+    NAMED.clear();
+    if (threads > 32) NAMED[threads - 32] = std::make_unique<std::barrier<>>(threads - 32);
+    std::vector<std::unique_ptr<Warp>> warps;
+    for (int w = 0; w < threads / 32; w++) warps.push_back(std::make_unique<Warp>());
+    std::vector<std::thread> pool;
+    for (int i = 0; i < threads; i++)
+        pool.emplace_back([&, i] {
+            threadIdx = {(unsigned)i, 0, 0};
+            LANE = i & 31;
+            WARP = warps[i / 32].get();
+            BARRIERS_PASSED = 0;
+            stagger();
+            thread();
+        });
+    for (auto& t : pool) t.join();
+    // On a GPU they would land in the next block's shared memory.
+    expect(PENDING.empty(), "bulk copies no thread waited for");
+    MBARS.clear();
+}
+// A grid of `grid` blocks, one after another, twice: copies landing at once, then late. Both
+// runs must leave the same bits in `out`, which the second starts from as the first did.
+inline void launch(unsigned grid, int threads, size_t shared, std::vector<u8>& out,
+                   const std::function<void()>& thread) {
+    const std::vector<u8> before = out;
+    std::vector<u8> first;
+    for (bool late : {false, true}) {
+        LATE_COPIES = late;
+        out = before;
+        for (unsigned b = 0; b < grid; b++) run_block(b, grid, threads, shared, thread);
+        if (!late) first = out;
+    }
+    expect(out == first, "copies landing at once and late give different results");
+}
+// Runs lane(l) for l = 0 .. 31 as one warp (threadIdx.x = l).
+template <class Lane>
+void run_warp(Lane lane) {
+    run_block(0, 1, 32, 0, [&] { lane(LANE); });
+}
+
+// ---- the harnesses' input and output ----
+
+// The test's arguments in order: i32 / i64 scalars, and buffers (u64 length, then bytes); an
+// empty buffer is a null pointer.
+struct Input {
+    FILE* f;
+    explicit Input(const char* path) : f(std::fopen(path, "rb")) { expect(f, "no input file"); }
+    template <class T>
+    T scalar() {
+        T v;
+        expect(std::fread(&v, sizeof v, 1, f) == 1, "input too short");
+        return v;
+    }
+    int i32() { return scalar<int>(); }
+    i64 i64_() { return scalar<i64>(); }
+    // Exactly the bytes given (a read past them is the sanitizer's).
+    std::vector<u8> buffer() {
+        std::vector<u8> b(scalar<u64>());
+        expect(std::fread(b.data(), 1, b.size(), f) == b.size(), "input too short");
+        return b;
+    }
+};
+template <class T = u8>
+inline T* ptr(std::vector<u8>& b) { return b.empty() ? nullptr : (T*)b.data(); }
+// f32 values as their bits in hex, a line each.
+inline void print_f32(const std::vector<u8>& b) {
+    for (size_t i = 0; i + 4 <= b.size(); i += 4) {
+        u32 u;
+        std::memcpy(&u, &b[i], 4);
+        std::printf("%08x\n", u);
+    }
+}

@@ -1,0 +1,22 @@
+// kernels/matvec.cu's matvec_tma_items_q4_k, whole, on emulated blocks (block.h). Input
+// (Input, in order): w, sw (buffers), mat_stride (i64), ids (buffer of i32), items, rows, k
+// (i32), row_bytes (i64), x (buffer), x_stride (i64), y (buffer), y_stride (i64), grid and
+// dynamic shared bytes (i32); prints y.
+int main(int argc, char** argv) {
+    Input in(argv[1]);
+    auto w = in.buffer(), sw = in.buffer();
+    const i64 mat_stride = in.i64_();
+    auto ids = in.buffer();
+    const int items = in.i32(), rows = in.i32(), k = in.i32();
+    const i64 row_bytes = in.i64_();
+    auto x = in.buffer();
+    const i64 x_stride = in.i64_();
+    auto y = in.buffer();
+    const i64 y_stride = in.i64_();
+    const int grid = in.i32(), shared = in.i32();
+    launch(grid, 32 * (TMI_WARPS + 1), shared, y, [&] {
+        matvec_tma_items_q4_k(ptr(w), ptr(sw), mat_stride, ptr<int>(ids), items, rows, k,
+                              row_bytes, ptr<float>(x), x_stride, ptr<float>(y), y_stride);
+    });
+    print_f32(y);
+}

@@ -1,0 +1,15 @@
+// kernels/matvec.cu's matvec_tma_q6_k, whole, on emulated blocks (block.h). Input (Input, in
+// order): w (buffer), rows, k (i32), row_bytes (i64), x, y (buffers), grid and dynamic shared
+// bytes (i32); prints y.
+int main(int argc, char** argv) {
+    Input in(argv[1]);
+    auto w = in.buffer();
+    const int rows = in.i32(), k = in.i32();
+    const i64 row_bytes = in.i64_();
+    auto x = in.buffer(), y = in.buffer();
+    const int grid = in.i32(), shared = in.i32();
+    launch(grid, 288, shared, y, [&] {
+        matvec_tma_q6_k(ptr(w), rows, k, row_bytes, ptr<float>(x), ptr<float>(y));
+    });
+    print_f32(y);
+}
