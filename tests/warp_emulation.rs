@@ -25,62 +25,121 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use mla_engine::backend::cuda::kernels::{mla_decode_smem_bytes, MLA_HB, MLA_THREADS};
 use mla_engine::backend::cuda::ops::{
-    tma6_smem_bytes, tma_part_k, tma_smem_bytes, tmi_smem_bytes, MOE_SHARED,
+    latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tmi_smem_bytes,
+    MlaDecode, MOE_SHARED,
 };
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
 use mla_engine::sampling::Rng;
 
-/// What each harness runs, in the order the sources define it: (file, the start of a
-/// definition, a `#define` line or a kernel's name). TcQ6k's products weigh their planes by
-/// TcQ4k::plane_factors, so every harness takes them all.
-const PIECES: &[(&str, &str)] = &[
-    ("common.cuh", "#define MOE_SHARED"),
-    ("common.cuh", "__device__ __forceinline__ float silu("),
-    ("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),
-    ("matvec.cu", "__device__ __forceinline__ float byte_f("),
-    (
+/// A piece of kernels/*: a definition from its first line to its closing brace, a line (a
+/// `#define`, with its continuation lines), or a kernel (`extern "C"` ... by its name).
+enum Piece {
+    Def(&'static str, &'static str),
+    Line(&'static str, &'static str),
+    Kernel(&'static str, &'static str),
+}
+use Piece::{Def, Kernel, Line};
+
+/// What every harness is built from, in the order the sources define it. The functions that
+/// are PTX (mma.sync, ldmatrix, cp.async, mbarriers, named barriers) are block.h's own.
+const PIECES: &[Piece] = &[
+    Line("common.cuh", "#define NEG_INF"),
+    Line("common.cuh", "#define MOE_SHARED"),
+    Def("common.cuh", "__device__ __forceinline__ float silu("),
+    Def(
+        "common.cuh",
+        "__device__ __forceinline__ float bf16_to_f32(",
+    ),
+    Line("common.cuh", "#define LATENT_DIMS"),
+    Line("common.cuh", "#define LATENT_ROPE_AT"),
+    Line("common.cuh", "#define LATENT_ROW_BYTES"),
+    Def("common.cuh", "__device__ __forceinline__ float warp_sum("),
+    Def("common.cuh", "__device__ float block_sum("),
+    Def(
+        "common.cuh",
+        "__device__ __forceinline__ float2 rope_cos_sin(",
+    ),
+    Def("common.cuh", "__device__ __forceinline__ void rope_turn("),
+    Def("common.cuh", "__device__ float block_max("),
+    Def("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),
+    Def("matvec.cu", "__device__ __forceinline__ float byte_f("),
+    Def(
         "matvec.cu",
         "__device__ __forceinline__ int tc_plane_stride(",
     ),
-    ("matvec.cu", "__device__ __forceinline__ int tc_scales_len("),
-    ("matvec.cu", "__device__ __forceinline__ int tc_x_bytes("),
-    ("matvec.cu", "struct XDigits {"),
-    (
+    Def("matvec.cu", "__device__ __forceinline__ int tc_scales_len("),
+    Def("matvec.cu", "__device__ __forceinline__ int tc_x_bytes("),
+    Def("matvec.cu", "struct XDigits {"),
+    Def(
         "matvec.cu",
         "__device__ __forceinline__ XDigits x_block_digits(",
     ),
-    ("matvec.cu", "__device__ void tc_prepare_x("),
-    ("matvec.cu", "__device__ __forceinline__ void q4k_packed("),
-    ("matvec.cu", "struct TcQ4k {"),
-    ("matvec.cu", "__device__ __forceinline__ void quad_sums("),
-    ("matvec.cu", "struct TcItem {"),
-    ("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
-    ("matvec.cu", "#define TMA_STAGES "),
-    ("matvec.cu", "#define TMA_BLOCKS "),
-    ("matvec.cu", "#define TMA_ROW "),
-    ("matvec.cu", "#define TMA_STAGE "),
-    ("matvec.cu", "matvec_tma_q4_k"),
-    ("matvec.cu", "#define TMI_WARPS "),
-    ("matvec.cu", "matvec_tma_items_q4_k"),
-    (
+    Def("matvec.cu", "__device__ void tc_prepare_x("),
+    Def("matvec.cu", "__device__ __forceinline__ void q4k_packed("),
+    Def("matvec.cu", "struct TcQ4k {"),
+    Def("matvec.cu", "__device__ __forceinline__ void quad_sums("),
+    Def("matvec.cu", "struct TcItem {"),
+    Def("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
+    Line("matvec.cu", "#define TMA_STAGES "),
+    Line("matvec.cu", "#define TMA_BLOCKS "),
+    Line("matvec.cu", "#define TMA_ROW "),
+    Line("matvec.cu", "#define TMA_STAGE "),
+    Kernel("matvec.cu", "matvec_tma_q4_k"),
+    Line("matvec.cu", "#define TMI_WARPS "),
+    Kernel("matvec.cu", "matvec_tma_items_q4_k"),
+    Def(
         "matvec.cu",
         "template <int N>\n__device__ __forceinline__ void lds_words(",
     ),
-    ("matvec.cu", "#define TMA6_STAGES "),
-    ("matvec.cu", "#define TMA6_ROW "),
-    ("matvec.cu", "#define TMA6_STAGE "),
-    ("matvec.cu", "struct TcQ6k {"),
-    ("matvec.cu", "__device__ __forceinline__ void q6_dot("),
-    (
+    Line("matvec.cu", "#define TMA6_STAGES "),
+    Line("matvec.cu", "#define TMA6_ROW "),
+    Line("matvec.cu", "#define TMA6_STAGE "),
+    Def("matvec.cu", "struct TcQ6k {"),
+    Def("matvec.cu", "__device__ __forceinline__ void q6_dot("),
+    Def(
         "matvec.cu",
         "__device__ __forceinline__ u32 q6_segment_bytes(",
     ),
-    ("matvec.cu", "matvec_tma_q6_k"),
+    Kernel("matvec.cu", "matvec_tma_q6_k"),
+    Line("mla_decode.cu", "#define MLA_HB "),
+    Line("mla_decode.cu", "#define MLA_BK "),
+    Line("mla_decode.cu", "#define MLA_THREADS "),
+    Line("mla_decode.cu", "#define MLA_DL_MAX "),
+    Line("mla_decode.cu", "#define MLA_DR_MAX "),
+    Line("mla_decode.cu", "#define MLA_ROWB "),
+    Line("mla_decode.cu", "#define MLA_TILEB "),
+    Line("mla_decode.cu", "#define MLA_STAGEB "),
+    Line("mla_decode.cu", "#define MLA_XS_FLOATS "),
+    Line("mla_decode.cu", "#define MLA_MAX_SPLITS "),
+    Line("mla_decode.cu", "#define MLA_COMBINE_THREADS "),
+    Line("mla_decode.cu", "#define MLA_LOG2E "),
+    Line("mla_decode.cu", "#define MLA_LN2 "),
+    Def(
+        "mla_decode.cu",
+        "__device__ __forceinline__ void mla_split2(",
+    ),
+    Def("mla_decode.cu", "__device__ __forceinline__ int mla_key("),
+    Def(
+        "mla_decode.cu",
+        "__device__ __forceinline__ void mla_copy_key(",
+    ),
+    Def("mla_decode.cu", "__device__ __forceinline__ float2 mla_q2("),
+    Def(
+        "mla_decode.cu",
+        "template <int W>\n__device__ __forceinline__ void mla_split_body(",
+    ),
+    Line("mla_decode.cu", "#define MLA_SPLIT("),
+    Line("mla_decode.cu", "MLA_SPLIT(mla_decode_split,"),
+    Line("mla_decode.cu", "MLA_SPLIT(mla_decode_split16,"),
+    Kernel("mla_decode.cu", "mla_decode_combine"),
 ];
 
+/// The GPU tests' bounds (cuda_kernels): the integer products' F32_OP, MLA decode's.
 const F32_OP: f64 = 1e-10;
+const MLA_OP: f64 = 1e-9;
 
 /// The definition that starts with `head`: up to its matching closing brace (and a `;`).
 fn definition<'a>(src: &'a str, head: &str) -> &'a str {
@@ -114,35 +173,41 @@ fn braced_from(src: &str, start: usize) -> &str {
     panic!("no closing brace after byte {start}");
 }
 
-/// A kernel's definition, from its `extern "C"`, its dynamic shared memory taken from the
-/// emulated block (block.h: dynamic_shared).
-fn kernel_definition(src: &str, name: &str) -> String {
+/// A kernel's definition, from its `extern "C"`.
+fn kernel_definition<'a>(src: &'a str, name: &str) -> &'a str {
     let at = src
         .find(&format!(" {name}("))
         .unwrap_or_else(|| panic!("no kernel `{name}`"));
-    let start = src[..at].rfind("extern \"C\"").unwrap();
-    let mut def = braced_from(src, start).to_string();
-    let dynamic = "extern __shared__ __align__(128) u8 ";
-    while let Some(i) = def.find(dynamic) {
-        let end = i + def[i..].find("[];").unwrap();
-        let var = def[i + dynamic.len()..end].to_string();
-        def.replace_range(i..end + 3, &format!("u8* {var} = dynamic_shared();"));
-    }
-    def
+    braced_from(src, src[..at].rfind("extern \"C\"").unwrap())
 }
 
-fn piece(src: &str, head: &str) -> String {
-    if head.starts_with('#') {
-        let start = src
-            .find(head)
-            .unwrap_or_else(|| panic!("no `{head}` in the kernels"));
-        let end = start + src[start..].find('\n').unwrap();
-        src[start..end].to_string()
-    } else if head.contains(' ') {
-        definition(src, head).to_string()
-    } else {
-        kernel_definition(src, head)
+/// A line from its start `head` on, with the lines a trailing backslash continues.
+fn line_definition<'a>(src: &'a str, head: &str) -> &'a str {
+    let start = src
+        .find(head)
+        .unwrap_or_else(|| panic!("no `{head}` in the kernels"));
+    let mut end = start;
+    loop {
+        let eol = end + src[end..].find('\n').unwrap();
+        if !src[..eol].ends_with('\\') {
+            return &src[start..eol];
+        }
+        end = eol + 1;
     }
+}
+
+/// `extern __shared__ __align__(N) T name[];` (the dynamic shared memory) as the emulated
+/// block's: `T* name = (T*)dynamic_shared();`.
+fn emulated_shared(mut src: String) -> String {
+    let head = "extern __shared__ __align__(";
+    while let Some(i) = src.find(head) {
+        let end = i + src[i..].find("[];").unwrap();
+        let decl = &src[i + src[i..].find(") ").unwrap() + 2..end];
+        let (ty, var) = decl.rsplit_once(' ').unwrap();
+        let with = format!("{ty}* {var} = ({ty}*)dynamic_shared();");
+        src.replace_range(i..end + 3, &with);
+    }
+    src
 }
 
 /// Builds tests/warp_emulation/NAME.cpp after block.h and the pieces; None when there is no
@@ -156,11 +221,17 @@ fn build(name: &str, dir: &Path) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let here = root.join("tests/warp_emulation");
     let mut src = String::from("#include \"block.h\"\n");
-    for (file, head) in PIECES {
+    for piece in PIECES {
+        let (Def(file, head) | Line(file, head) | Kernel(file, head)) = piece;
         let text = std::fs::read_to_string(root.join("kernels").join(file)).unwrap();
-        src += &piece(&text, head);
+        src += match piece {
+            Def(..) => definition(&text, head),
+            Line(..) => line_definition(&text, head),
+            Kernel(..) => kernel_definition(&text, head),
+        };
         src += "\n";
     }
+    let mut src = emulated_shared(src);
     src += &std::fs::read_to_string(here.join(format!("{name}.cpp"))).unwrap();
     let cpp = dir.join(format!("{name}.cpp"));
     std::fs::write(&cpp, src).unwrap();
@@ -199,6 +270,10 @@ impl Args {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
+    fn f32(mut self, v: f32) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
     fn bytes(mut self, b: &[u8]) -> Self {
         self.0.extend_from_slice(&(b.len() as u64).to_le_bytes());
         self.0.extend_from_slice(b);
@@ -224,6 +299,16 @@ fn run_harness(bin: &Path, dir: &Path, input: &[u8]) -> Vec<f32> {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Read as it comes: a full pipe would stop the harness.
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            pipe.read_to_string(&mut text).unwrap();
+            text
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
     let start = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -235,9 +320,7 @@ fn run_harness(bin: &Path, dir: &Path, input: &[u8]) -> Vec<f32> {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let (mut out, mut err) = (String::new(), String::new());
-    child.stdout.unwrap().read_to_string(&mut out).unwrap();
-    child.stderr.unwrap().read_to_string(&mut err).unwrap();
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
     assert!(
         status.success(),
         "{} failed ({status}):\n{err}",
@@ -355,8 +438,12 @@ fn nmse(got: &[f32], want: &[f64]) -> f64 {
 /// What a kernel's y held before it ran: outputs it must not write keep it.
 const UNWRITTEN: f32 = -7.25e30;
 
-/// Checks a kernel's y against the expected values (None: to be left as UNWRITTEN).
+/// Checks a kernel's y against the expected values (None: to be left as UNWRITTEN) by nmse.
 fn check_outputs(what: &str, got: &[f32], want: &[Option<f64>]) {
+    check_outputs_within(what, got, want, F32_OP)
+}
+
+fn check_outputs_within(what: &str, got: &[f32], want: &[Option<f64>], bound: f64) {
     assert_eq!(got.len(), want.len(), "{what}: y's length");
     let (mut g, mut w) = (Vec::new(), Vec::new());
     for (i, (&got, want)) in got.iter().zip(want).enumerate() {
@@ -678,4 +765,204 @@ fn bulk_copy_q6_k_kernel_matches_f64() {
     check_tma_q6k(&h, 40, 8, 2, 31);
     check_tma_q6k(&h, 20, 12, 1, 32);
     check_tma_q6k(&h, 33, 32, 2, 33);
+}
+
+fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let (u, v) = (rng.next_f64().max(1e-300), rng.next_f64());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        })
+        .collect()
+}
+
+/// An MLA decode call of `heads` heads (DeepSeek-V3's dl 512, dr 64) for 2 query tokens after
+/// pos0 positions: over every causal key or a random DSA selection, its q_pe roped already or
+/// by the kernel (read in place from whole [q_nope | q_pe] heads), `per` keys a split.
+struct MlaCase {
+    heads: usize,
+    pos0: usize,
+    dsa: bool,
+    rope: bool,
+    per: usize,
+}
+
+/// `kernel` (its form code in mla_decode.cpp, heads per block, threads, dynamic shared memory)
+/// and mla_decode_combine as Gpu::mla_decode_with launches them, against f64 attention over
+/// the f32 values the cache rows split.
+fn check_mla_decode(h: &Emulation, kernel: (&str, i32, usize, u32, usize), c: &MlaCase, seed: u64) {
+    let (dl, dr, dn, tokens, scale) = (512, 64, 16, 2, 0.07f32);
+    let mut rng = Rng::new(seed);
+    let s_len = c.pos0 + tokens;
+    let q_lat = normals(&mut rng, tokens * c.heads * dl);
+    let cache = normals(&mut rng, s_len * (dl + dr));
+    let q_whole = normals(&mut rng, tokens * c.heads * (dn + dr));
+    let inv_freq: Vec<f32> = (0..dr / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / dr as f32))
+        .collect();
+    let mscale = 1.1f32;
+    // q_pe as the kernel sees it: roped here in f64 from the same f32 angles, or not yet.
+    let q_pe: Vec<f32> = (0..tokens * c.heads * dr)
+        .map(|j| {
+            let (th, d) = (j / dr, j % dr);
+            let p = &q_whole[th * (dn + dr) + dn..][..dr];
+            if !c.rope {
+                return p[d];
+            }
+            let angle = ((c.pos0 + th / c.heads) as f32 * inv_freq[d / 2]) as f64;
+            let (s, co) = angle.sin_cos();
+            let (x0, x1) = (p[d & !1] as f64, p[d | 1] as f64);
+            let y = if d % 2 == 0 {
+                x0 * co - x1 * s
+            } else {
+                x0 * s + x1 * co
+            };
+            (y * mscale as f64) as f32
+        })
+        .collect();
+    let n_ids = 40;
+    let mut keep = Vec::new();
+    for t in 0..tokens {
+        let mut chosen: Vec<i32> = (0..=(c.pos0 + t) as i32)
+            .filter(|_| rng.next_f64() < 0.3)
+            .collect();
+        chosen.truncate(n_ids);
+        chosen.resize(n_ids, -1);
+        keep.extend(chosen);
+    }
+    let mut want = Vec::new();
+    for t in 0..tokens {
+        let visible: Vec<usize> = match c.dsa {
+            true => keep[t * n_ids..][..n_ids]
+                .iter()
+                .filter(|&&s| s >= 0)
+                .map(|&s| s as usize)
+                .collect(),
+            false => (0..=c.pos0 + t).collect(),
+        };
+        for hd in 0..c.heads {
+            let ql = &q_lat[(t * c.heads + hd) * dl..][..dl];
+            let qp = &q_pe[(t * c.heads + hd) * dr..][..dr];
+            let dot = |a: &[f32], b: &[f32]| -> f64 {
+                a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+            };
+            let scores: Vec<f64> = visible
+                .iter()
+                .map(|&s| {
+                    let row = &cache[s * (dl + dr)..][..dl + dr];
+                    (dot(ql, &row[..dl]) + dot(qp, &row[dl..])) * scale as f64
+                })
+                .collect();
+            let mx = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = scores.iter().map(|&x| (x - mx).exp()).collect();
+            let sum: f64 = p.iter().sum();
+            for d in 0..dl {
+                let o: f64 = visible
+                    .iter()
+                    .zip(&p)
+                    .map(|(&s, &p)| p * cache[s * (dl + dr) + d] as f64)
+                    .sum();
+                want.push(Some(o / sum));
+            }
+        }
+    }
+    let rows: Vec<u8> = latent_split(&cache, dl, dr)
+        .unwrap()
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let n_keys = if c.dsa { n_ids } else { s_len };
+    let splits = n_keys.div_ceil(c.per);
+    let shape = MlaDecode {
+        q_lat: 0,
+        ql_tok: 0,
+        q_pe: 0,
+        qp_tok: 0,
+        qp_head: 0,
+        qp_rope: (0, 0.0),
+        cache: 0,
+        dl,
+        dr,
+        heads: c.heads,
+        tokens,
+        pos0: c.pos0,
+        key_ids: 0,
+        n_ids,
+        scale,
+        out: 0,
+        out_tok: 0,
+    };
+    let (chunks, threads) = mla_combine_shape(132, &shape, splits);
+    let (name, form, per_block, split_threads, shared) = kernel;
+    let mut args = Args::default()
+        .i32(form)
+        .floats(&q_lat)
+        .i64((c.heads * dl) as i64);
+    args = match c.rope {
+        true => args
+            .floats(&q_whole[dn..])
+            .i64((c.heads * (dn + dr)) as i64)
+            .i32((dn + dr) as i32)
+            .floats(&inv_freq),
+        false => args
+            .floats(&q_pe)
+            .i64((c.heads * dr) as i64)
+            .i32(dr as i32)
+            .floats(&[]),
+    };
+    let args = args
+        .f32(mscale)
+        .bytes(&rows)
+        .i32(dl as i32)
+        .i32(dr as i32)
+        .i32(c.heads as i32)
+        .ints(if c.dsa { &keep } else { &[] })
+        .i32(n_ids as i32)
+        .i32(c.pos0 as i32)
+        .i32(c.per as i32)
+        .f32(scale)
+        .floats(&vec![UNWRITTEN; want.len()])
+        .i64((c.heads * dl) as i64)
+        .i32(tokens as i32)
+        .i32(splits as i32)
+        .i32(per_block as i32)
+        .i32(split_threads as i32)
+        .i32(shared as i32)
+        .i32(chunks as i32)
+        .i32(threads as i32);
+    let what = format!(
+        "{name} {} heads after {} positions{}{}, {splits} splits of {}",
+        c.heads,
+        c.pos0,
+        if c.dsa { ", DSA" } else { "" },
+        if c.rope {
+            ", q_pe roped in the kernel"
+        } else {
+            ""
+        },
+        c.per
+    );
+    check_outputs_within(&what, &h.run(args), &want, MLA_OP);
+}
+
+#[test]
+fn mla_decode_kernels_match_f64() {
+    let Some(h) = Emulation::build("mla_decode") else {
+        return;
+    };
+    let smem = mla_decode_smem_bytes();
+    let split = ("mla_decode_split", 0, MLA_HB, MLA_THREADS, smem);
+    let split16 = ("mla_decode_split16", 1, 16, MLA_THREADS, smem);
+    let case = |heads, pos0, dsa, rope, per| MlaCase {
+        heads,
+        pos0,
+        dsa,
+        rope,
+        per,
+    };
+    // 40 heads: the second block's first head tile has 8, its second none (inactive warps).
+    check_mla_decode(&h, split, &case(40, 45, false, false, 32), 40);
+    check_mla_decode(&h, split, &case(32, 21, false, true, 64), 41);
+    check_mla_decode(&h, split16, &case(16, 45, true, false, 16), 42);
+    check_mla_decode(&h, split16, &case(20, 30, false, true, 7), 43);
 }

@@ -40,11 +40,12 @@ struct uint4 { u32 x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 inline uint2 make_uint2(u32 x, u32 y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
 struct Dim3 { unsigned x, y, z; };
 thread_local Dim3 threadIdx;
-Dim3 blockIdx, gridDim;
+Dim3 blockIdx, gridDim, blockDim;
 thread_local int LANE;
 
 [[noreturn]] inline void fail(const char* what) {
@@ -61,7 +62,9 @@ inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // ties to even
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 inline float fabsf(float a) { return std::fabs(a); }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 inline int __ffs(u32 x) { return x ? __builtin_ctz(x) + 1 : 0; }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
@@ -169,18 +172,23 @@ inline void mma_u8s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b
 
 // ---- the block: barriers, dynamic shared memory ----
 
-std::barrier<>* BLOCK;                          // __syncthreads
-std::map<int, std::unique_ptr<std::barrier<>>> NAMED;  // bar.sync id, count (made by run_block)
+std::barrier<>* BLOCK;  // __syncthreads
+std::mutex NAMED_LOCK;
+std::map<int, std::pair<int, std::unique_ptr<std::barrier<>>>> NAMED;  // bar.sync id: count
 u8* DYNAMIC_SHARED;
 size_t DYNAMIC_SHARED_BYTES;
 
 // After the block starts and after each block-wide or named barrier, a third of the warps
 // (by a hash of block, warp, barrier count and run) sleep a little: a warp that reads what
-// another wrote without a barrier between then reads it too early.
+// another wrote without a barrier between then reads it too early. In the first two blocks
+// of a grid and its last (the sleeps add up over many).
 thread_local unsigned BARRIERS_PASSED;
 bool LATE_COPIES;
 inline void stagger() {
-    unsigned h = (blockIdx.x * 131u + (threadIdx.x >> 5)) * 2654435761u ^
+    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (b >= 2 && b + 1 != gridDim.x * gridDim.y * gridDim.z) return;
+    unsigned h = ((blockIdx.x + 7 * blockIdx.y + 61 * blockIdx.z) * 131u + (threadIdx.x >> 5)) *
+                     2654435761u ^
                  (BARRIERS_PASSED++ * 40503u + LATE_COPIES);
     h = (h ^ (h >> 15)) * 2246822519u;
     if ((h >> 13) % 3 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -191,13 +199,105 @@ inline void __syncthreads() {
 }
 // The kernels' `extern __shared__` array (the test puts this in its place).
 inline u8* dynamic_shared() { return DYNAMIC_SHARED; }
-template <int WARPS = 8>
-inline void consumers_sync() {
-    auto it = NAMED.find(32 * WARPS);
-    expect(it != NAMED.end(), "consumers_sync: no named barrier of that many threads");
-    it->second->arrive_and_wait();
+// Named barrier `id` of `count` threads (bar.sync / bar.arrive): made by its first user.
+inline std::barrier<>& named(int id, int count) {
+    std::lock_guard<std::mutex> g(NAMED_LOCK);
+    auto& b = NAMED[id];
+    if (!b.second) b = {count, std::make_unique<std::barrier<>>(count)};
+    expect(b.first == count, "a named barrier used with two thread counts");
+    return *b.second;
+}
+inline void named_sync(int id, int count) {
+    named(id, count).arrive_and_wait();
     stagger();
 }
+inline void named_arrive(int id, int count) { (void)named(id, count).arrive(); }
+template <int WARPS = 8>
+inline void consumers_sync() { named_sync(1, 32 * WARPS); }
+int OR_FLAG;
+inline int __syncthreads_or(int p) {
+    if (p) OR_FLAG = 1;  // a plain store of the same value by any thread: benign
+    BLOCK->arrive_and_wait();
+    const int r = OR_FLAG;
+    BLOCK->arrive_and_wait();
+    if (threadIdx.x == 0) OR_FLAG = 0;
+    __syncthreads();
+    return r;
+}
+
+// Shared-space addresses (cvta.to.shared) of the dynamic shared memory, and back.
+const u32 SHARED_AT = 0x400;
+inline u64 __cvta_generic_to_shared(const void* p) {
+    expect((const u8*)p >= DYNAMIC_SHARED && (const u8*)p <= DYNAMIC_SHARED + DYNAMIC_SHARED_BYTES,
+           "a shared address outside the dynamic shared memory");
+    return SHARED_AT + (u32)((const u8*)p - DYNAMIC_SHARED);
+}
+inline u8* shared_ptr(u32 a, u32 bytes) {
+    expect(a >= SHARED_AT && a - SHARED_AT + bytes <= DYNAMIC_SHARED_BYTES,
+           "an access past the dynamic shared memory");
+    return DYNAMIC_SHARED + (a - SHARED_AT);
+}
+
+// cp.async of 16 bytes (or zeros): done when issued.
+inline void cp16(u32 dst, const void* src, bool pred) {
+    u8* d = shared_ptr(dst, 16);
+    if (pred) std::memcpy(d, src, 16);
+    else std::memset(d, 0, 16);
+}
+inline void cp_commit() {}
+template <int N>
+inline void cp_wait() {}
+
+// ---- bf16 tensor cores (kernels/mla_decode.cu) ----
+
+inline u16 bf16_rne(float f) {  // finite values
+    u32 u = __float_as_uint(f);
+    return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline u32 pack_bf16x2(float lo, float hi) { return bf16_rne(lo) | ((u32)bf16_rne(hi) << 16); }
+inline float bf16_value(u32 w, int half) { return __uint_as_float((half ? w >> 16 : w & 0xFFFFu) << 16); }
+inline float mla_ex2(float x) { return std::exp2(x); }
+
+// D += A B, A 16 x 16 (rows), B 16 x 8 (columns), bf16, f32 sums. Lane (g, t) holds A rows g
+// (a0, a2) and g + 8 (a1, a3), k = 2t, 2t + 1 (a0, a1) and 8 + 2t .. (a2, a3); B column g,
+// k = 2t .. (b0) and 8 + 2t .. (b1); C rows g (c0, c1) and g + 8 (c2, c3), columns 2t, 2t + 1;
+// the lower k in each register's low half.
+inline void mla_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    u32* ar = WARP->a[LANE];
+    for (int i = 0; i < 4; i++) ar[i] = a[i];
+    WARP->b[LANE][0] = b0, WARP->b[LANE][1] = b1;
+    __syncwarp();
+    auto A = [&](int row, int k) {
+        return bf16_value(WARP->a[(row & 7) * 4 + (k & 7) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
+    };
+    auto B = [&](int k, int col) { return bf16_value(WARP->b[col * 4 + (k & 7) / 2][k >= 8], k & 1); };
+    int g = LANE >> 2, t = LANE & 3;
+    for (int i = 0; i < 4; i++) {
+        int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        double s = c[i];
+        for (int k = 0; k < 16; k++) s += (double)A(row, k) * (double)B(k, col);
+        c[i] = (float)s;
+    }
+    __syncwarp();
+}
+// ldmatrix .x4 (.trans): lanes 8i .. 8i + 7 give the addresses of rows 0-7 of 8 x 8 b16 matrix
+// i; r[i] of lane l holds its row l / 4, columns 2 (l % 4) and + 1 (transposed: column l / 4,
+// rows 2 (l % 4) and + 1).
+inline void ldmatrix(u32* r, u32 addr, bool trans) {
+    WARP->sent[LANE] = addr;
+    __syncwarp();
+    auto at = [&](int m, int row, int col) {
+        u16 v;
+        std::memcpy(&v, shared_ptr((u32)WARP->sent[8 * m + row], 16) + 2 * col, 2);
+        return (u32)v;
+    };
+    const int q = LANE >> 2, e = 2 * (LANE & 3);
+    for (int m = 0; m < 4; m++)
+        r[m] = trans ? at(m, e, q) | at(m, e + 1, q) << 16 : at(m, q, e) | at(m, q, e + 1) << 16;
+    __syncwarp();
+}
+inline void mla_ldsm(u32* r, u32 addr) { ldmatrix(r, addr, false); }
+inline void mla_ldsm_t(u32* r, u32 addr) { ldmatrix(r, addr, true); }
 
 // ---- mbarriers and bulk copies ----
 
@@ -314,20 +414,20 @@ inline void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
     }
 }
 
-// Runs thread(...) as block blockIdx.x of gridDim.x, `threads` threads, with `shared` bytes of
-// dynamic shared memory (allocated exactly, filled with garbage), and named barrier 1 for the
-// threads but the last warp (the bulk-copy kernels' consumers).
-inline void run_block(unsigned block, unsigned grid, int threads, size_t shared,
+// Runs thread(...) as block `block` of `grid`, `threads` threads, with `shared` bytes of
+// dynamic shared memory (allocated exactly, filled with garbage).
+inline void run_block(Dim3 block, Dim3 grid, int threads, size_t shared,
                       const std::function<void()>& thread) {
-    blockIdx = {block, 0, 0};
-    gridDim = {grid, 1, 1};
+    blockIdx = block;
+    gridDim = grid;
+    blockDim = {(unsigned)threads, 1, 1};
     std::vector<u8> smem(shared);
     for (size_t i = 0; i < shared; i++) smem[i] = (u8)(0x5A + 77 * i);
     DYNAMIC_SHARED = smem.data(), DYNAMIC_SHARED_BYTES = shared;
     std::barrier<> block_barrier(threads);
     BLOCK = &block_barrier;
     NAMED.clear();
-    if (threads > 32) NAMED[threads - 32] = std::make_unique<std::barrier<>>(threads - 32);
+    OR_FLAG = 0;
     std::vector<std::unique_ptr<Warp>> warps;
     for (int w = 0; w < threads / 32; w++) warps.push_back(std::make_unique<Warp>());
     std::vector<std::thread> pool;
@@ -345,24 +445,31 @@ inline void run_block(unsigned block, unsigned grid, int threads, size_t shared,
     expect(PENDING.empty(), "bulk copies no thread waited for");
     MBARS.clear();
 }
-// A grid of `grid` blocks, one after another, twice: copies landing at once, then late. Both
-// runs must leave the same bits in `out`, which the second starts from as the first did.
-inline void launch(unsigned grid, int threads, size_t shared, std::vector<u8>& out,
+// A grid of blocks, one after another, twice: copies landing at once, then late. Both runs
+// must leave the same bits in `out`, which the second starts from as the first did.
+inline void launch(Dim3 grid, int threads, size_t shared, std::vector<u8>& out,
                    const std::function<void()>& thread) {
     const std::vector<u8> before = out;
     std::vector<u8> first;
     for (bool late : {false, true}) {
         LATE_COPIES = late;
         out = before;
-        for (unsigned b = 0; b < grid; b++) run_block(b, grid, threads, shared, thread);
+        for (unsigned z = 0; z < grid.z; z++)
+            for (unsigned y = 0; y < grid.y; y++)
+                for (unsigned x = 0; x < grid.x; x++)
+                    run_block({x, y, z}, grid, threads, shared, thread);
         if (!late) first = out;
     }
     expect(out == first, "copies landing at once and late give different results");
 }
+inline void launch(unsigned grid, int threads, size_t shared, std::vector<u8>& out,
+                   const std::function<void()>& thread) {
+    launch(Dim3{grid, 1, 1}, threads, shared, out, thread);
+}
 // Runs lane(l) for l = 0 .. 31 as one warp (threadIdx.x = l).
 template <class Lane>
 void run_warp(Lane lane) {
-    run_block(0, 1, 32, 0, [&] { lane(LANE); });
+    run_block({0, 0, 0}, {1, 1, 1}, 32, 0, [&] { lane(LANE); });
 }
 
 // ---- the harnesses' input and output ----
@@ -379,6 +486,7 @@ struct Input {
         return v;
     }
     int i32() { return scalar<int>(); }
+    float f32() { return scalar<float>(); }
     i64 i64_() { return scalar<i64>(); }
     // Exactly the bytes given (a read past them is the sanitizer's).
     std::vector<u8> buffer() {

@@ -365,7 +365,7 @@ pub fn tma_part_k(k: usize) -> usize {
 /// threads summing the splits as there are splits (a power of two, at most
 /// MLA_COMBINE_THREADS threads, at least a warp). Few splits (a short context) then keep
 /// small blocks, whose two block reductions of the split weights cost least.
-fn mla_combine_shape(multiprocessors: usize, a: &MlaDecode, splits: usize) -> (u32, u32) {
+pub fn mla_combine_shape(multiprocessors: usize, a: &MlaDecode, splits: usize) -> (u32, u32) {
     let chunks = [1, 2, 4, 8]
         .into_iter()
         .find(|c| a.heads * a.tokens * c >= multiprocessors)
