@@ -52,6 +52,60 @@ __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Bulk copies (cp.async.bulk, sm_90 and later) into shared memory, counted on mbarriers: a
+// stage is `full` when its producer's arrival and its copies' bytes are in, `empty` when its
+// readers have arrived. A wait names the phase by its parity.
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(u64* b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_bytes(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_addr(b)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
+    asm volatile(
+        "{\n .reg .pred p;\n wait_%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        " @!p bra wait_%=;\n}\n" ::"r"(shared_addr(b)),
+        "r"(parity)
+        : "memory");
+}
+// `bytes` (a multiple of 16) from 16-byte aligned global src to shared dst, counted on b.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(shared_addr(dst)), "l"(src), "r"(bytes), "r"(shared_addr(b))
+        : "memory");
+}
+// Each stage's barriers by thread 0, for the block: `full` completed by the producer's one
+// arrival and the copies' bytes, `empty` by `readers` consumer warps' arrivals.
+__device__ __forceinline__ void init_stage_barriers(u64* full, u64* empty, int stages,
+                                                    int readers) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], readers);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// Named barrier `id` (1-15; 0 is __syncthreads) of `count` threads (a multiple of 32): wait
+// there, or only arrive (the threads that wait count those that arrive).
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 // The SwiGLU gate, silu(g) = g / (1 + exp(-g)): one expression for silu_mul and the
 // tensor-core matvec's glu form, so that both give the same bits.
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }

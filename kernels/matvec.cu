@@ -909,52 +909,10 @@ DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 #define TMA_ROW 1168     // a row's segment, 8 x 144 bytes padded to 16 mod 128 (see below)
 #define TMA_STAGE (16 * TMA_ROW)
 
-__device__ __forceinline__ u32 shared_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(u64* b, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(b)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_bytes(u64* b, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_addr(b)),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_addr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
-    asm volatile(
-        "{\n .reg .pred p;\n wait_%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        " @!p bra wait_%=;\n}\n" ::"r"(shared_addr(b)),
-        "r"(parity)
-        : "memory");
-}
-// `bytes` (a multiple of 16) from 16-byte aligned global src to shared dst, counted on b.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(shared_addr(dst)), "l"(src), "r"(bytes), "r"(shared_addr(b))
-        : "memory");
-}
 // The WARPS consumer warps only (the producer warp has left).
 template <int WARPS = 8>
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
-}
-
-// Each stage's barriers by thread 0, for the block: `full` completed by the producer's one
-// arrival and the copies' bytes, `empty` by `readers` consumer warps' arrivals.
-__device__ __forceinline__ void init_stage_barriers(u64* full, u64* empty, int stages,
-                                                    int readers) {
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], readers);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
 }
 
 extern "C" __global__ void __launch_bounds__(288, 2)

@@ -140,56 +140,37 @@ __device__ __forceinline__ float2 mla_q2(const float* ql, const float* qp, int q
     return make_float2(n >= 1 ? __ldg(p) : 0.0f, n >= 2 ? __ldg(p + 1) : 0.0f);
 }
 
+// One warp's share of a 16-head tile in the split kernels (W warps a tile): warp c sums
+// latent dims D c .. D c + D of the scores (and, for 16c < dr, rope dims 16c .. 16c + 16) and
+// owns those dims of the output. Rows grp and grp + 8 of the tile are this lane's.
 template <int W>
-__device__ __forceinline__ void mla_split_body(
-    const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
-    const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr, int n_heads,
-    const int* key_ids, int n_ids, int pos0, int keys_per_split, float scale, float* part_acc,
-    float* part_ml, float* out, i64 out_tok) {
-    constexpr int HB = 16 * (8 / W);     // heads per block
-    constexpr int D = MLA_DL_MAX / W;    // latent dims per warp
-    constexpr int KL = D / 16;           // its latent k steps (a rope one follows)
-    constexpr int NT = D / 8;            // its output n8 tiles
-    pdl_enter();
-    extern __shared__ __align__(16) unsigned char mla_smem[];
-    float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);     // [head tile][c][n][lane]
-    int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
-    const u32 sbase = (u32)__cvta_generic_to_shared(mla_smem);
-
-    const int split = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5, grp = lane >> 2, tig = lane & 3;
-    const int ht = warp / W, c = warp % W;
-    const bool rope = 16 * c < dr;                   // warp-uniform
-    const int h_tile = blockIdx.x * HB + 16 * ht;  // first head of this warp's tile
-    const bool active = h_tile < n_heads;
-    const int last = pos0 + t;
-    const int* ids = key_ids ? key_ids + (i64)t * n_ids : nullptr;
-    const int n_keys = ids ? n_ids : last + 1;
-    const int j_begin = split * keys_per_split;
-    const int j_end = min(n_keys, j_begin + keys_per_split);
-    const int n_tiles = j_end > j_begin ? (j_end - j_begin + MLA_BK - 1) / MLA_BK : 0;
-    const float scale2 = scale * MLA_LOG2E;
-
-    // Loader: thread tid copies key kr of a tile, 16 threads a key. The first tile's copies
-    // go out before the query's loads, and all of those before the first use: a short context
-    // is a few tiles, where each round trip to memory waited on alone was most of the time
-    // (ncu, H200, DS3 at one key: half of the stall samples on the query's conversions).
-    const int kr = tid >> 4, sub = tid & 15;
-    int s_next = -1;
-    if (n_tiles > 0) {
-        s_next = mla_key(ids, j_begin + kr, j_end, last);
-        mla_copy_key(sbase, cache, s_next, kr, sub);
-        if (sub == 0) vflag[kr] = s_next >= 0;
-    }
-
+struct MlaWarp {
+    static constexpr int D = MLA_DL_MAX / W;  // latent dims per warp
+    static constexpr int KL = D / 16;         // its latent k steps (a rope one follows)
+    static constexpr int NT = D / 8;          // its output n8 tiles
+    int c, grp, tig;
+    bool rope;  // warp-uniform
     // Q fragments (A, m16k16) of the KL + 1 k steps, hi and lo: k step ks < KL covers latent
     // dims D c + 16ks, ks = KL rope dims 16c.
     u32 qh[KL + 1][4], qlo[KL + 1][4];
-    {
-        const float* ql = q_lat + t * ql_tok;
-        const float* qp = q_pe + t * qp_tok;
-        const bool pair = ((ql_tok | qp_tok | qp_head | dr) & 1) == 0 &&
-                          (((unsigned long long)q_lat | (unsigned long long)q_pe) & 7) == 0;
+    // Running max, this thread's part of the sum, and out[row][D c + 8n + 2tig + {0, 1}] in
+    // o[n][2r], o[n][2r + 1] (row grp + 8r).
+    float m[2], l[2], o[NT][4];
+    u32 ph[4], plo[4];  // P of the current key tile as the A fragment of one m16k16 step
+
+    __device__ __forceinline__ MlaWarp(int c_, int lane, int dr)
+        : c(c_), grp(lane >> 2), tig(lane & 3), rope(16 * c_ < dr) {
+        m[0] = m[1] = NEG_INF;
+        l[0] = l[1] = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    }
+
+    // The query of heads h_tile .. h_tile + 15 of token t (at position last), q_pe roped here
+    // where qp_freq is given.
+    __device__ __forceinline__ void load_q(const float* ql, const float* qp, bool pair,
+                                           int qp_head, const float* qp_freq, float qp_mscale,
+                                           int h_tile, int n_heads, int dl, int dr, int last) {
         // The rope step's pairs of this lane: 8c + tig and 8c + tig + 4 (e >> 1), their
         // frequencies loaded with the query.
         const bool turn = qp_freq && rope;  // warp-uniform
@@ -200,7 +181,7 @@ __device__ __forceinline__ void mla_split_body(
                 freq[i] = __ldg(qp_freq + min(8 * c + tig + 4 * i, dr / 2 - 1));
         }
         float2 qv[KL + 1][4];
-        auto load_q = [&](bool pair) {
+        auto load = [&](bool pair) {
 #pragma unroll
             for (int ks = 0; ks < KL + 1; ks++) {
                 int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
@@ -211,9 +192,9 @@ __device__ __forceinline__ void mla_split_body(
             }
         };
         if (pair) {  // a constant `pair` in each loop: no branch between its loads
-            load_q(true);
+            load(true);
         } else {
-            load_q(false);
+            load(false);
         }
         if (turn) {  // two angles, each for the lane's two heads (e & 1)
             const float2 cs[2] = {rope_cos_sin((float)last, freq[0], qp_mscale),
@@ -231,170 +212,247 @@ __device__ __forceinline__ void mla_split_body(
             for (int e = 0; e < 4; e++) mla_split2(qv[ks][e].x, qv[ks][e].y, qh[ks][e], qlo[ks][e]);
     }
 
-    // Rows grp and grp + 8 of the tile: running max, this thread's part of the sum, and
-    // out[row][D c + 8n + 2tig + {0, 1}] in o[n][2r], o[n][2r + 1].
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    float o[NT][4];
+    // This warp's partial scores of the key tile (hi and lo tiles at shared khi, klo; qk_off
+    // the lane's ldmatrix offset) into xw[(c * 2 + n) * 32] (xw: the head tile's partials at
+    // this lane); the three products in separate sums (independent mma chains).
+    __device__ __forceinline__ void scores(u32 khi, u32 klo, u32 qk_off, float4* xw) const {
+        float shh[2][4], shl[2][4], slh[2][4];
 #pragma unroll
-    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) shh[n][e] = shl[n][e] = slh[n][e] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KL + 1; ks++) {
+            if (ks == KL && !rope) break;
+            int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
+            u32 bh[4], bl[4];
+            mla_ldsm(bh, khi + qk_off + 2 * d0);
+            mla_ldsm(bl, klo + qk_off + 2 * d0);
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                mla_mma(shl[n], qh[ks], bl[2 * n], bl[2 * n + 1]);
+                mla_mma(slh[n], qlo[ks], bh[2 * n], bh[2 * n + 1]);
+                mla_mma(shh[n], qh[ks], bh[2 * n], bh[2 * n + 1]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+            xw[(c * 2 + n) * 32] = make_float4(shh[n][0] + (shl[n][0] + slh[n][0]),
+                                               shh[n][1] + (shl[n][1] + slh[n][1]),
+                                               shh[n][2] + (shl[n][2] + slh[n][2]),
+                                               shh[n][3] + (shl[n][3] + slh[n][3]));
+    }
 
-    // ldmatrix row addresses (bytes from a tile's start) of this lane: 8-lane group li gives
-    // the rows of matrix li. K^T (QK): keys lr + 8 (li >> 1), dims + 8 (li & 1) -> b0, b1 of
-    // key tiles 0, 1. V (PV, .trans): keys lr + 8 (li & 1), dims + 8 (li >> 1) -> b0, b1 of
-    // dim tiles n0, n0 + 8.
+    // The tile's full scores from the W warps' partials (added in the order c = 0, 1, .. by
+    // every warp, so all W hold bit-identical scores and softmax state), the keys' flags vf
+    // (0: not visible, scored -inf), the online softmax, and P.
+    __device__ __forceinline__ void softmax(const float4* xw, const int* vf, float scale2) {
+        // sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
+        float sc[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            float4 a = xw[n * 32];
+#pragma unroll
+            for (int cc = 1; cc < W; cc++) {
+                float4 b = xw[(cc * 2 + n) * 32];
+                a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+            }
+            bool v0 = vf[8 * n + 2 * tig], v1 = vf[8 * n + 2 * tig + 1];
+            sc[n][0] = v0 ? a.x * scale2 : NEG_INF;
+            sc[n][1] = v1 ? a.y * scale2 : NEG_INF;
+            sc[n][2] = v0 ? a.z * scale2 : NEG_INF;
+            sc[n][3] = v1 ? a.w * scale2 : NEG_INF;
+        }
+        // Per row (a row lives in the 4 lanes of a quad).
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]),
+                             fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float mn = fmaxf(m[r], mx);
+            float alpha = (mn == NEG_INF || m[r] == mn) ? 1.0f : mla_ex2(m[r] - mn);
+            float base = mn == NEG_INF ? 0.0f : mn;
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; e++) {
+                    sc[n][e] = mla_ex2(sc[n][e] - base);  // -inf -> 0
+                    sum += sc[n][e];
+                }
+            m[r] = mn;
+            l[r] = l[r] * alpha + sum;
+            if (alpha != 1.0f) {
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    o[n][2 * r] *= alpha;
+                    o[n][2 * r + 1] *= alpha;
+                }
+            }
+        }
+        mla_split2(sc[0][0], sc[0][1], ph[0], plo[0]);
+        mla_split2(sc[0][2], sc[0][3], ph[1], plo[1]);
+        mla_split2(sc[1][0], sc[1][1], ph[2], plo[2]);
+        mla_split2(sc[1][2], sc[1][3], ph[3], plo[3]);
+    }
+
+    // out += P V over this warp's dims: V is the key tile, read through ldmatrix.trans at the
+    // lane's offset pv_off.
+    __device__ __forceinline__ void values(u32 khi, u32 klo, u32 pv_off) {
+#pragma unroll
+        for (int nb = 0; nb < NT / 2; nb++) {
+            u32 a = pv_off + 2 * (D * c + 16 * nb);
+            u32 vh[4], vl[4];
+            mla_ldsm_t(vh, khi + a);
+            mla_ldsm_t(vl, klo + a);
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float* on = o[2 * nb + hf];
+                mla_mma(on, ph, vl[2 * hf], vl[2 * hf + 1]);
+                mla_mma(on, plo, vh[2 * hf], vh[2 * hf + 1]);
+                mla_mma(on, ph, vh[2 * hf], vh[2 * hf + 1]);
+            }
+        }
+    }
+
+    // The split's partial result of heads h_tile .. (or, with one split, the output itself,
+    // as mla_decode_combine would make it: the same operations, so the same bits).
+    __device__ __forceinline__ void store(int h_tile, int n_heads, int dl, int t, int split,
+                                          float* part_acc, float* part_ml, float* out,
+                                          i64 out_tok) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+            int h = h_tile + grp + 8 * r;
+            if (h >= n_heads) continue;
+            if (gridDim.y == 1) {
+                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                float* orow = out + t * out_tok + (i64)h * dl;
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    int d = D * c + 8 * n + 2 * tig;
+                    if (d < dl)
+                        *(float2*)(orow + d) =
+                            make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+                }
+                continue;
+            }
+            i64 base = ((i64)t * gridDim.y + split) * n_heads + h;
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                int d = D * c + 8 * n + 2 * tig;
+                if (d < dl)
+                    *(float2*)(part_acc + base * dl + d) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+            }
+            if (c == 0 && tig == 0) {
+                part_ml[base * 2] = m[r] * MLA_LN2;
+                part_ml[base * 2 + 1] = l[r];
+            }
+        }
+    }
+};
+
+// ldmatrix row addresses (bytes from a tile's start) of a lane: 8-lane group li gives the
+// rows of matrix li. K^T (QK): keys lr + 8 (li >> 1), dims + 8 (li & 1) -> b0, b1 of key
+// tiles 0, 1. V (PV, .trans): keys lr + 8 (li & 1), dims + 8 (li >> 1) -> b0, b1 of dim
+// tiles n0, n0 + 8.
+__device__ __forceinline__ u32 mla_qk_off(int lane) {
     const int li = lane >> 3, lr = lane & 7;
-    const u32 qk_off = (lr + 8 * (li >> 1)) * MLA_ROWB + 16 * (li & 1);
-    const u32 pv_off = (lr + 8 * (li & 1)) * MLA_ROWB + 16 * (li >> 1);
+    return (lr + 8 * (li >> 1)) * MLA_ROWB + 16 * (li & 1);
+}
+__device__ __forceinline__ u32 mla_pv_off(int lane) {
+    const int li = lane >> 3, lr = lane & 7;
+    return (lr + 8 * (li & 1)) * MLA_ROWB + 16 * (li >> 1);
+}
+
+// The split's keys of token t: j_begin .. j_end of its key list, in n_tiles tiles.
+struct MlaSplit {
+    int last, j_begin, j_end, n_tiles;
+    const int* ids;
+};
+__device__ __forceinline__ MlaSplit mla_split_of(const int* key_ids, int n_ids, int pos0, int t,
+                                                 int split, int keys_per_split) {
+    MlaSplit s;
+    s.last = pos0 + t;
+    s.ids = key_ids ? key_ids + (i64)t * n_ids : nullptr;
+    const int n_keys = s.ids ? n_ids : s.last + 1;
+    s.j_begin = split * keys_per_split;
+    s.j_end = min(n_keys, s.j_begin + keys_per_split);
+    s.n_tiles = s.j_end > s.j_begin ? (s.j_end - s.j_begin + MLA_BK - 1) / MLA_BK : 0;
+    return s;
+}
+
+// Whether the decode query's pairs can be loaded 8 bytes at once (mla_q2).
+__device__ __forceinline__ bool mla_q_pairs(const float* q_lat, i64 ql_tok, const float* q_pe,
+                                            i64 qp_tok, int qp_head, int dr) {
+    return ((ql_tok | qp_tok | qp_head | dr) & 1) == 0 &&
+           (((unsigned long long)q_lat | (unsigned long long)q_pe) & 7) == 0;
+}
+
+template <int W>
+__device__ __forceinline__ void mla_split_body(
+    const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
+    const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr, int n_heads,
+    const int* key_ids, int n_ids, int pos0, int keys_per_split, float scale, float* part_acc,
+    float* part_ml, float* out, i64 out_tok) {
+    constexpr int HB = 16 * (8 / W);  // heads per block
+    pdl_enter();
+    extern __shared__ __align__(16) unsigned char mla_smem[];
+    float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);     // [head tile][c][n][lane]
+    int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
+    const u32 sbase = (u32)__cvta_generic_to_shared(mla_smem);
+
+    const int split = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int ht = warp / W;
+    const int h_tile = blockIdx.x * HB + 16 * ht;  // first head of this warp's tile
+    const bool active = h_tile < n_heads;
+    const MlaSplit sp = mla_split_of(key_ids, n_ids, pos0, t, split, keys_per_split);
+
+    // Loader: thread tid copies key kr of a tile, 16 threads a key. The first tile's copies
+    // go out before the query's loads, and all of those before the first use: a short context
+    // is a few tiles, where each round trip to memory waited on alone was most of the time
+    // (ncu, H200, DS3 at one key: half of the stall samples on the query's conversions).
+    const int kr = tid >> 4, sub = tid & 15;
+    int s_next = -1;
+    if (sp.n_tiles > 0) {
+        s_next = mla_key(sp.ids, sp.j_begin + kr, sp.j_end, sp.last);
+        mla_copy_key(sbase, cache, s_next, kr, sub);
+        if (sub == 0) vflag[kr] = s_next >= 0;
+    }
+    MlaWarp<W> w(warp % W, lane, dr);
+    w.load_q(q_lat + t * ql_tok, q_pe + t * qp_tok,
+             mla_q_pairs(q_lat, ql_tok, q_pe, qp_tok, qp_head, dr), qp_head, qp_freq, qp_mscale,
+             h_tile, n_heads, dl, dr, sp.last);
+    const u32 qk_off = mla_qk_off(lane), pv_off = mla_pv_off(lane);
+    const float scale2 = scale * MLA_LOG2E;
+    float4* xw = xs + (ht * W) * 2 * 32 + lane;  // this head tile's partials, this lane
 
     cp_wait<0>();
     int any = __syncthreads_or(s_next >= 0);
-
-    for (int it = 0; it < n_tiles; it++) {
+    for (int it = 0; it < sp.n_tiles; it++) {
         const int cur = it & 1;
-        const bool more = it + 1 < n_tiles;
+        const bool more = it + 1 < sp.n_tiles;
         if (more) {  // into the stage and flags that tile it - 1 left before the last barrier
-            s_next = mla_key(ids, j_begin + (it + 1) * MLA_BK + kr, j_end, last);
+            s_next = mla_key(sp.ids, sp.j_begin + (it + 1) * MLA_BK + kr, sp.j_end, sp.last);
             mla_copy_key(sbase + (cur ^ 1) * MLA_STAGEB, cache, s_next, kr, sub);
             if (sub == 0) vflag[(cur ^ 1) * MLA_BK + kr] = s_next >= 0;
         }
         if (any) {  // block-uniform
             const u32 khi = sbase + cur * MLA_STAGEB, klo = khi + MLA_TILEB;
-            float4* xw = xs + (ht * W) * 2 * 32 + lane;  // this tile's partials, this lane
-            if (active) {
-                // Partial scores over this warp's dims; the three products in separate sums
-                // (independent mma chains).
-                float shh[2][4], shl[2][4], slh[2][4];
-#pragma unroll
-                for (int n = 0; n < 2; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) shh[n][e] = shl[n][e] = slh[n][e] = 0.0f;
-#pragma unroll
-                for (int ks = 0; ks < KL + 1; ks++) {
-                    if (ks == KL && !rope) break;
-                    int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
-                    u32 bh[4], bl[4];
-                    mla_ldsm(bh, khi + qk_off + 2 * d0);
-                    mla_ldsm(bl, klo + qk_off + 2 * d0);
-#pragma unroll
-                    for (int n = 0; n < 2; n++) {
-                        mla_mma(shl[n], qh[ks], bl[2 * n], bl[2 * n + 1]);
-                        mla_mma(slh[n], qlo[ks], bh[2 * n], bh[2 * n + 1]);
-                        mla_mma(shh[n], qh[ks], bh[2 * n], bh[2 * n + 1]);
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < 2; n++)
-                    xw[(c * 2 + n) * 32] =
-                        make_float4(shh[n][0] + (shl[n][0] + slh[n][0]),
-                                    shh[n][1] + (shl[n][1] + slh[n][1]),
-                                    shh[n][2] + (shl[n][2] + slh[n][2]),
-                                    shh[n][3] + (shl[n][3] + slh[n][3]));
-            }
+            if (active) w.scores(khi, klo, qk_off, xw);
             __syncthreads();
             if (active) {
-                // Full scores: the W parts added in the order c = 0, 1, .. by every warp.
-                // sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
-                float sc[2][4];
-#pragma unroll
-                for (int n = 0; n < 2; n++) {
-                    float4 a = xw[n * 32];
-#pragma unroll
-                    for (int cc = 1; cc < W; cc++) {
-                        float4 b = xw[(cc * 2 + n) * 32];
-                        a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
-                    }
-                    const int* vf = vflag + cur * MLA_BK + 8 * n + 2 * tig;
-                    bool v0 = vf[0], v1 = vf[1];
-                    sc[n][0] = v0 ? a.x * scale2 : NEG_INF;
-                    sc[n][1] = v1 ? a.y * scale2 : NEG_INF;
-                    sc[n][2] = v0 ? a.z * scale2 : NEG_INF;
-                    sc[n][3] = v1 ? a.w * scale2 : NEG_INF;
-                }
-                // Online softmax per row (a row lives in the 4 lanes of a quad).
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]),
-                                     fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    float mn = fmaxf(m[r], mx);
-                    float alpha = (mn == NEG_INF || m[r] == mn) ? 1.0f : mla_ex2(m[r] - mn);
-                    float base = mn == NEG_INF ? 0.0f : mn;
-                    float sum = 0.0f;
-#pragma unroll
-                    for (int n = 0; n < 2; n++)
-#pragma unroll
-                        for (int e = 2 * r; e < 2 * r + 2; e++) {
-                            sc[n][e] = mla_ex2(sc[n][e] - base);  // -inf -> 0
-                            sum += sc[n][e];
-                        }
-                    m[r] = mn;
-                    l[r] = l[r] * alpha + sum;
-                    if (alpha != 1.0f) {
-#pragma unroll
-                        for (int n = 0; n < NT; n++) {
-                            o[n][2 * r] *= alpha;
-                            o[n][2 * r + 1] *= alpha;
-                        }
-                    }
-                }
-                // P as the A fragment of one m16k16 step, hi and lo.
-                u32 ph[4], plo[4];
-                mla_split2(sc[0][0], sc[0][1], ph[0], plo[0]);
-                mla_split2(sc[0][2], sc[0][3], ph[1], plo[1]);
-                mla_split2(sc[1][0], sc[1][1], ph[2], plo[2]);
-                mla_split2(sc[1][2], sc[1][3], ph[3], plo[3]);
-#pragma unroll
-                for (int nb = 0; nb < NT / 2; nb++) {
-                    u32 a = pv_off + 2 * (D * c + 16 * nb);
-                    u32 vh[4], vl[4];
-                    mla_ldsm_t(vh, khi + a);
-                    mla_ldsm_t(vl, klo + a);
-#pragma unroll
-                    for (int hf = 0; hf < 2; hf++) {
-                        float* on = o[2 * nb + hf];
-                        mla_mma(on, ph, vl[2 * hf], vl[2 * hf + 1]);
-                        mla_mma(on, plo, vh[2 * hf], vh[2 * hf + 1]);
-                        mla_mma(on, ph, vh[2 * hf], vh[2 * hf + 1]);
-                    }
-                }
+                w.softmax(xw, vflag + cur * MLA_BK, scale2);
+                w.values(khi, klo, pv_off);
             }
         }
         cp_wait<0>();
         any = __syncthreads_or(more && s_next >= 0);
     }
-
-    if (!active) return;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        int h = h_tile + grp + 8 * r;
-        if (h >= n_heads) continue;
-        if (gridDim.y == 1) {
-            // One split: the result itself, as mla_decode_combine would make it (the same
-            // operations, so the same bits), and no combine launch.
-            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            float* orow = out + t * out_tok + (i64)h * dl;
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                int d = D * c + 8 * n + 2 * tig;
-                if (d < dl)
-                    *(float2*)(orow + d) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-            }
-            continue;
-        }
-        i64 base = ((i64)t * gridDim.y + split) * n_heads + h;
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            int d = D * c + 8 * n + 2 * tig;
-            if (d < dl) *(float2*)(part_acc + base * dl + d) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
-        }
-        if (c == 0 && tig == 0) {
-            part_ml[base * 2] = m[r] * MLA_LN2;
-            part_ml[base * 2 + 1] = l[r];
-        }
-    }
+    if (active) w.store(h_tile, n_heads, dl, t, split, part_acc, part_ml, out, out_tok);
 }
 
 #define MLA_SPLIT(name, W, BLOCKS)                                                          \
@@ -413,6 +471,100 @@ MLA_SPLIT(mla_decode_split16, 8, 1)
 // share an SM where shared memory allows (the H200: 2 x 83 KiB), for long splits of few heads
 // (Gpu::mla_decode_form); short ones lose by it (the first tile's latency).
 MLA_SPLIT(mla_decode_split16x2, 8, 2)
+
+// ---- the 32-head form on bulk copies, its two head tiles taking turns (sm_90+) ----
+//
+// mla_decode_split's warps all meet twice a key tile (__syncthreads: the partial scores, and
+// the next tile's cp.async copies), so its tensor cores wait while every warp runs the
+// softmax between the two products, and its scalar pipes wait while every warp multiplies
+// (H200, DS3 at 8K: ~0.35 instructions a cycle and scheduler, 102 mma of ~500 instructions a
+// tile and warp; docs/performance.md, sixth look). Here the copy engine moves each key row's
+// hi and lo planes into the stage (cp.async.bulk, two stages, mbarriers), so the warps no
+// longer meet for copies, and the two head tiles (warps 0-3, 4-7) meet only within themselves
+// (named barriers 1, 2: the partial scores) and take turns on the tensor cores (named
+// barriers 3, 4, as flash attention 3 orders its warp groups): tile 0's score products, then
+// tile 1's while tile 0 runs its softmax, then tile 0's value products while tile 1 runs its
+// softmax, and so on. Each scheduler holds one warp of each tile. The math is mla_split_body's
+// (MlaWarp<4>) in the same order, so the output is the same bits.
+//
+// Warp 0 issues the copies: tiles 0 and 1 at the start, tile it + 2 once every warp has
+// released tile it (warp 0 would wait that long anyway: its tile's next turn follows the
+// other tile's value products). No producer warp: a ninth warp would put three warps on one
+// scheduler, and its share of the register file would hold 168 registers a thread (spills).
+// A key that is not visible is copied from row 0 (a written row: its finite values get weight
+// 0) and flagged; a stage with no visible key costs no products. Grid, block and dynamic shared
+// memory as mla_decode_split's.
+extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_pingpong(
+    const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
+    const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr, int n_heads,
+    const int* key_ids, int n_ids, int pos0, int keys_per_split, float scale, float* part_acc,
+    float* part_ml, float* out, i64 out_tok) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int W = 4;
+    pdl_enter();
+    extern __shared__ __align__(128) unsigned char mla_smem[];
+    __shared__ u64 full[2], empty[2];
+    float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);                   // [head tile][c][n][lane]
+    int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
+    const u32 sbase = (u32)__cvta_generic_to_shared(mla_smem);
+    const int split = blockIdx.y, t = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const MlaSplit sp = mla_split_of(key_ids, n_ids, pos0, t, split, keys_per_split);
+    init_stage_barriers(full, empty, 2, 8);
+    // Tile it into stage it % 2 (warp 0): lane r copies key r % 16's hi plane (r < 16) or lo
+    // plane into the stage's hi or lo tile.
+    auto fill = [&](int it) {
+        const int slot = it & 1, r = lane & 15, lo = lane >> 4;
+        const int s = mla_key(sp.ids, sp.j_begin + it * MLA_BK + r, sp.j_end, sp.last);
+        if (lane < MLA_BK) vflag[slot * MLA_BK + r] = s >= 0;
+        __syncwarp();  // the flags before the arrival that publishes the stage
+        if (lane == 0) mbar_expect_bytes(&full[slot], MLA_BK * LATENT_ROW_BYTES);
+        __syncwarp();
+        bulk_copy(mla_smem + slot * MLA_STAGEB + lo * MLA_TILEB + r * MLA_ROWB,
+                  cache + (i64)max(s, 0) * LATENT_ROW_BYTES + lo * (LATENT_ROW_BYTES / 2),
+                  LATENT_ROW_BYTES / 2, &full[slot]);
+    };
+    if (warp == 0)
+        for (int it = 0; it < min(2, sp.n_tiles); it++) fill(it);
+    const int ht = warp / W;
+    const int h_tile = blockIdx.x * MLA_HB + 16 * ht;
+    const bool active = h_tile < n_heads;
+    MlaWarp<W> w(warp % W, lane, dr);
+    w.load_q(q_lat + t * ql_tok, q_pe + t * qp_tok,
+             mla_q_pairs(q_lat, ql_tok, q_pe, qp_tok, qp_head, dr), qp_head, qp_freq, qp_mscale,
+             h_tile, n_heads, dl, dr, sp.last);
+    const u32 qk_off = mla_qk_off(lane), pv_off = mla_pv_off(lane);
+    const float scale2 = scale * MLA_LOG2E;
+    float4* xw = xs + (ht * W) * 2 * 32 + lane;
+    // Head tile ht's turn: barrier 3 + ht, where its 128 threads wait and the other tile's
+    // arrive. Tile 1 lets tile 0 go first, and its last products pass the turn to no one.
+    const int mine = 3 + ht, theirs = 4 - ht;
+    if (ht == 1 && sp.n_tiles > 0) named_arrive(theirs, 256);
+    for (int it = 0; it < sp.n_tiles; it++) {
+        const int slot = it & 1;
+        const u32 khi = sbase + slot * MLA_STAGEB, klo = khi + MLA_TILEB;
+        mbar_wait(&full[slot], (it >> 1) & 1);
+        const bool any =  // warp-uniform: the stage has a visible key and the tile has heads
+            __any_sync(0xffffffffu, vflag[slot * MLA_BK + (lane & 15)]) && active;
+        named_sync(mine, 256);
+        if (any) w.scores(khi, klo, qk_off, xw);
+        named_arrive(theirs, 256);
+        named_sync(1 + ht, 128);  // the head tile's partial scores
+        if (any) w.softmax(xw, vflag + slot * MLA_BK, scale2);
+        named_sync(mine, 256);
+        if (any) w.values(khi, klo, pv_off);
+        if (ht == 0 || it + 1 < sp.n_tiles) named_arrive(theirs, 256);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);  // the stage was read
+        if (warp == 0 && it + 2 < sp.n_tiles) {
+            mbar_wait(&empty[slot], (it >> 1) & 1);
+            fill(it + 2);
+        }
+    }
+    if (active) w.store(h_tile, n_heads, dl, t, split, part_acc, part_ml, out, out_tok);
+#else
+    __trap();  // ops.rs launches it on sm_90 and later only
+#endif
+}
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
 // grid (H, T, C), block of at most MLA_COMBINE_THREADS (ops.rs, mla_combine_shape); out row

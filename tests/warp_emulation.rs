@@ -127,6 +127,24 @@ const PIECES: &[Piece] = &[
         "__device__ __forceinline__ void mla_copy_key(",
     ),
     Def("mla_decode.cu", "__device__ __forceinline__ float2 mla_q2("),
+    Def("mla_decode.cu", "template <int W>\nstruct MlaWarp {"),
+    Def(
+        "mla_decode.cu",
+        "__device__ __forceinline__ u32 mla_qk_off(",
+    ),
+    Def(
+        "mla_decode.cu",
+        "__device__ __forceinline__ u32 mla_pv_off(",
+    ),
+    Def("mla_decode.cu", "struct MlaSplit {"),
+    Def(
+        "mla_decode.cu",
+        "__device__ __forceinline__ MlaSplit mla_split_of(",
+    ),
+    Def(
+        "mla_decode.cu",
+        "__device__ __forceinline__ bool mla_q_pairs(",
+    ),
     Def(
         "mla_decode.cu",
         "template <int W>\n__device__ __forceinline__ void mla_split_body(",
@@ -134,6 +152,7 @@ const PIECES: &[Piece] = &[
     Line("mla_decode.cu", "#define MLA_SPLIT("),
     Line("mla_decode.cu", "MLA_SPLIT(mla_decode_split,"),
     Line("mla_decode.cu", "MLA_SPLIT(mla_decode_split16,"),
+    Kernel("mla_decode.cu", "mla_decode_pingpong"),
     Kernel("mla_decode.cu", "mla_decode_combine"),
 ];
 
@@ -790,7 +809,12 @@ struct MlaCase {
 /// `kernel` (its form code in mla_decode.cpp, heads per block, threads, dynamic shared memory)
 /// and mla_decode_combine as Gpu::mla_decode_with launches them, against f64 attention over
 /// the f32 values the cache rows split.
-fn check_mla_decode(h: &Emulation, kernel: (&str, i32, usize, u32, usize), c: &MlaCase, seed: u64) {
+fn check_mla_decode(
+    h: &Emulation,
+    kernel: (&str, i32, usize, u32, usize),
+    c: &MlaCase,
+    seed: u64,
+) -> Vec<f32> {
     let (dl, dr, dn, tokens, scale) = (512, 64, 16, 2, 0.07f32);
     let mut rng = Rng::new(seed);
     let s_len = c.pos0 + tokens;
@@ -942,7 +966,9 @@ fn check_mla_decode(h: &Emulation, kernel: (&str, i32, usize, u32, usize), c: &M
         },
         c.per
     );
-    check_outputs_within(&what, &h.run(args), &want, MLA_OP);
+    let got = h.run(args);
+    check_outputs_within(&what, &got, &want, MLA_OP);
+    got
 }
 
 #[test]
@@ -960,9 +986,18 @@ fn mla_decode_kernels_match_f64() {
         rope,
         per,
     };
+    let pingpong = ("mla_decode_pingpong", 2, MLA_HB, MLA_THREADS, smem);
     // 40 heads: the second block's first head tile has 8, its second none (inactive warps).
-    check_mla_decode(&h, split, &case(40, 45, false, false, 32), 40);
+    // The turns of mla_decode_pingpong change no sum: the same bits as mla_decode_split.
+    let first = case(40, 45, false, false, 32);
+    assert!(
+        check_mla_decode(&h, split, &first, 40) == check_mla_decode(&h, pingpong, &first, 40),
+        "mla_decode_pingpong and mla_decode_split differ"
+    );
     check_mla_decode(&h, split, &case(32, 21, false, true, 64), 41);
     check_mla_decode(&h, split16, &case(16, 45, true, false, 16), 42);
     check_mla_decode(&h, split16, &case(20, 30, false, true, 7), 43);
+    // Six key tiles in one split (stages refilled), and DSA's invisible keys and empty tiles.
+    check_mla_decode(&h, pingpong, &case(32, 80, false, true, 96), 44);
+    check_mla_decode(&h, pingpong, &case(32, 30, true, true, 7), 45);
 }

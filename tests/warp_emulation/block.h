@@ -99,21 +99,29 @@ inline void pdl_enter() {}
 
 // ---- a warp ----
 
-struct Warp {
-    std::barrier<> meet{32};
+// What the lanes post for one warp collective (shuffle values, ldmatrix addresses, mma
+// fragments), read by every lane after one meeting. Collectives alternate between two sets:
+// a lane that posts for the next but one has passed the next meeting, so every lane has read
+// this one's.
+struct Posted {
     u64 sent[32];
     u32 a[32][4], b[32][2];
 };
+struct Warp {
+    std::barrier<> meet{32};
+    Posted posted[2];
+};
 thread_local Warp* WARP;
+thread_local unsigned COLLECTIVES;  // this lane's so far (the same in every lane)
 
 inline void __syncwarp() { WARP->meet.arrive_and_wait(); }
+inline Posted& collective() { return WARP->posted[COLLECTIVES++ & 1]; }
 // What lane `from` sent, for every lane.
 inline u64 exchange(u64 v, int from) {
-    WARP->sent[LANE] = v;
+    Posted& p = collective();
+    p.sent[LANE] = v;
     __syncwarp();
-    u64 r = WARP->sent[from];
-    __syncwarp();
-    return r;
+    return p.sent[from];
 }
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     return __uint_as_float((u32)exchange(__float_as_uint(v), LANE ^ o));
@@ -125,6 +133,7 @@ inline u32 __ballot_sync(unsigned, bool p) {
     for (int l = 0; l < 32; l++) r |= (u32)(exchange(p, l) != 0) << l;
     return r;
 }
+inline bool __any_sync(unsigned m, bool p) { return __ballot_sync(m, p) != 0; }
 inline u32 __reduce_add_sync(unsigned, u32 v) {
     u32 r = 0;
     for (int l = 0; l < 32; l++) r += (u32)exchange(v, l);
@@ -144,16 +153,17 @@ inline int byte_value(u32 w, int i, bool is_signed) {
     return is_signed && v > 127 ? v - 256 : v;
 }
 inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool a_signed) {
-    u32* a = WARP->a[LANE];
+    Posted& p = collective();
+    u32* a = p.a[LANE];
     a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
-    WARP->b[LANE][0] = b0, WARP->b[LANE][1] = b1;
+    p.b[LANE][0] = b0, p.b[LANE][1] = b1;
     __syncwarp();
     auto A = [&](int row, int k) {
-        return byte_value(WARP->a[(row & 7) * 4 + (k & 15) / 4][(row >= 8) + 2 * (k >= 16)],
+        return byte_value(p.a[(row & 7) * 4 + (k & 15) / 4][(row >= 8) + 2 * (k >= 16)],
                           k & 3, a_signed);
     };
     auto B = [&](int k, int col) {
-        return byte_value(WARP->b[col * 4 + (k & 15) / 4][k >= 16], k & 3, true);
+        return byte_value(p.b[col * 4 + (k & 15) / 4][k >= 16], k & 3, true);
     };
     int g = LANE >> 2, t = LANE & 3;
     for (int i = 0; i < 4; i++) {
@@ -161,7 +171,6 @@ inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bo
         for (int k = 0; k < 32; k++) s += A(row, k) * B(k, col);
         d[i] = s;
     }
-    __syncwarp();
 }
 inline void mma_s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     mma_16832(d, a0, a1, a2, a3, b0, b1, true);
@@ -263,14 +272,15 @@ inline float mla_ex2(float x) { return std::exp2(x); }
 // k = 2t .. (b0) and 8 + 2t .. (b1); C rows g (c0, c1) and g + 8 (c2, c3), columns 2t, 2t + 1;
 // the lower k in each register's low half.
 inline void mla_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    u32* ar = WARP->a[LANE];
+    Posted& p = collective();
+    u32* ar = p.a[LANE];
     for (int i = 0; i < 4; i++) ar[i] = a[i];
-    WARP->b[LANE][0] = b0, WARP->b[LANE][1] = b1;
+    p.b[LANE][0] = b0, p.b[LANE][1] = b1;
     __syncwarp();
     auto A = [&](int row, int k) {
-        return bf16_value(WARP->a[(row & 7) * 4 + (k & 7) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
+        return bf16_value(p.a[(row & 7) * 4 + (k & 7) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
     };
-    auto B = [&](int k, int col) { return bf16_value(WARP->b[col * 4 + (k & 7) / 2][k >= 8], k & 1); };
+    auto B = [&](int k, int col) { return bf16_value(p.b[col * 4 + (k & 7) / 2][k >= 8], k & 1); };
     int g = LANE >> 2, t = LANE & 3;
     for (int i = 0; i < 4; i++) {
         int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
@@ -278,23 +288,22 @@ inline void mla_mma(float* c, const u32* a, u32 b0, u32 b1) {
         for (int k = 0; k < 16; k++) s += (double)A(row, k) * (double)B(k, col);
         c[i] = (float)s;
     }
-    __syncwarp();
 }
 // ldmatrix .x4 (.trans): lanes 8i .. 8i + 7 give the addresses of rows 0-7 of 8 x 8 b16 matrix
 // i; r[i] of lane l holds its row l / 4, columns 2 (l % 4) and + 1 (transposed: column l / 4,
 // rows 2 (l % 4) and + 1).
 inline void ldmatrix(u32* r, u32 addr, bool trans) {
-    WARP->sent[LANE] = addr;
+    Posted& p = collective();
+    p.sent[LANE] = addr;
     __syncwarp();
     auto at = [&](int m, int row, int col) {
         u16 v;
-        std::memcpy(&v, shared_ptr((u32)WARP->sent[8 * m + row], 16) + 2 * col, 2);
+        std::memcpy(&v, shared_ptr((u32)p.sent[8 * m + row], 16) + 2 * col, 2);
         return (u32)v;
     };
     const int q = LANE >> 2, e = 2 * (LANE & 3);
     for (int m = 0; m < 4; m++)
         r[m] = trans ? at(m, e, q) | at(m, e + 1, q) << 16 : at(m, q, e) | at(m, q, e + 1) << 16;
-    __syncwarp();
 }
 inline void mla_ldsm(u32* r, u32 addr) { ldmatrix(r, addr, false); }
 inline void mla_ldsm_t(u32* r, u32 addr) { ldmatrix(r, addr, true); }
@@ -414,36 +423,51 @@ inline void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
     }
 }
 
-// Runs thread(...) as block `block` of `grid`, `threads` threads, with `shared` bytes of
-// dynamic shared memory (allocated exactly, filled with garbage).
-inline void run_block(Dim3 block, Dim3 grid, int threads, size_t shared,
-                      const std::function<void()>& thread) {
-    blockIdx = block;
-    gridDim = grid;
-    blockDim = {(unsigned)threads, 1, 1};
+// Runs thread() for every thread of every block of `grid`, one block after another, with
+// `threads` threads a block (one host thread each, kept from block to block) and `shared`
+// bytes of dynamic shared memory (allocated exactly, filled with garbage for each block).
+inline void run_grid(Dim3 grid, int threads, size_t shared, const std::function<void()>& thread) {
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    if (blocks == 0) return;
     std::vector<u8> smem(shared);
-    for (size_t i = 0; i < shared; i++) smem[i] = (u8)(0x5A + 77 * i);
-    DYNAMIC_SHARED = smem.data(), DYNAMIC_SHARED_BYTES = shared;
     std::barrier<> block_barrier(threads);
     BLOCK = &block_barrier;
-    NAMED.clear();
-    OR_FLAG = 0;
     std::vector<std::unique_ptr<Warp>> warps;
-    for (int w = 0; w < threads / 32; w++) warps.push_back(std::make_unique<Warp>());
+    for (int w = 0; w < (threads + 31) / 32; w++) warps.push_back(std::make_unique<Warp>());
+    unsigned next = 0;  // the block to run, set between blocks by the barrier's completion
+    auto start = [&] {
+        const unsigned b = next;
+        blockIdx = {b % grid.x, b / grid.x % grid.y, b / grid.x / grid.y};
+        gridDim = grid;
+        blockDim = {(unsigned)threads, 1, 1};
+        for (size_t i = 0; i < shared; i++) smem[i] = (u8)(0x5A + 77 * i + b);
+        DYNAMIC_SHARED = smem.data(), DYNAMIC_SHARED_BYTES = shared;
+        NAMED.clear();
+        OR_FLAG = 0;
+    };
+    auto finish = [&]() noexcept {
+        // On a GPU they would land in the next block's shared memory.
+        expect(PENDING.empty(), "bulk copies no thread waited for");
+        MBARS.clear();
+        if (++next < blocks) start();
+    };
+    std::barrier<decltype(finish)> between(threads, finish);
+    start();
     std::vector<std::thread> pool;
     for (int i = 0; i < threads; i++)
         pool.emplace_back([&, i] {
             threadIdx = {(unsigned)i, 0, 0};
             LANE = i & 31;
             WARP = warps[i / 32].get();
-            BARRIERS_PASSED = 0;
-            stagger();
-            thread();
+            while (next < blocks) {
+                COLLECTIVES = 0;
+                BARRIERS_PASSED = 0;
+                stagger();
+                thread();
+                between.arrive_and_wait();
+            }
         });
     for (auto& t : pool) t.join();
-    // On a GPU they would land in the next block's shared memory.
-    expect(PENDING.empty(), "bulk copies no thread waited for");
-    MBARS.clear();
 }
 // A grid of blocks, one after another, twice: copies landing at once, then late. Both runs
 // must leave the same bits in `out`, which the second starts from as the first did.
@@ -454,10 +478,7 @@ inline void launch(Dim3 grid, int threads, size_t shared, std::vector<u8>& out,
     for (bool late : {false, true}) {
         LATE_COPIES = late;
         out = before;
-        for (unsigned z = 0; z < grid.z; z++)
-            for (unsigned y = 0; y < grid.y; y++)
-                for (unsigned x = 0; x < grid.x; x++)
-                    run_block({x, y, z}, grid, threads, shared, thread);
+        run_grid(grid, threads, shared, thread);
         if (!late) first = out;
     }
     expect(out == first, "copies landing at once and late give different results");
@@ -469,7 +490,7 @@ inline void launch(unsigned grid, int threads, size_t shared, std::vector<u8>& o
 // Runs lane(l) for l = 0 .. 31 as one warp (threadIdx.x = l).
 template <class Lane>
 void run_warp(Lane lane) {
-    run_block({0, 0, 0}, {1, 1, 1}, 32, 0, [&] { lane(LANE); });
+    run_grid({1, 1, 1}, 32, 0, [&] { lane(LANE); });
 }
 
 // ---- the harnesses' input and output ----
