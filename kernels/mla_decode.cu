@@ -34,7 +34,9 @@
 // memory mla_decode_smem_bytes() (kernels.rs). Two forms: mla_decode_split holds MLA_HB = 32
 // heads as two m16 tiles of 4 warps each (W = 4), mla_decode_split16 one tile of 16 heads on
 // all 8 warps (W = 8: for few heads, as on a tensor-parallel rank, where the first form leaves
-// half of its warps idle). Warp w works on head tile w / W and on part c = w % W of the dims:
+// half of its warps idle); mla_decode_pingpong (below) is the 32-head form on bulk copies with
+// its two head tiles taking turns on the tensor cores. Warp w works on head tile w / W and on
+// part c = w % W of the dims (MlaWarp<W>):
 //   scores S [16 heads, 16 keys] = Q K^T: warp c sums latent dims D c .. D c + D (D = 512 / W)
 //     and, for 16c < dr, rope dims 16c .. 16c + 16 (D / 16 + 1 k16 steps; its Q fragments, hi
 //     and lo, stay in registers); the W partial S of a head tile meet in shared memory and
