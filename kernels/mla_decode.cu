@@ -493,9 +493,9 @@ MLA_SPLIT(mla_decode_split16x2, 8, 2)
 // released tile it (warp 0 would wait that long anyway: its tile's next turn follows the
 // other tile's value products). No producer warp: a ninth warp would put three warps on one
 // scheduler, and its share of the register file would hold 168 registers a thread (spills).
-// A key that is not visible is copied from row 0 (a written row: its finite values get weight
-// 0) and flagged; a stage with no visible key costs no products. Grid, block and dynamic shared
-// memory as mla_decode_split's.
+// A key that is not visible is copied from row 0 (position 0 is written before any query
+// attends: its finite values get weight 0) and flagged; a stage with no visible key costs no
+// products. Grid, block and dynamic shared memory as mla_decode_split's.
 extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_pingpong(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
     const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr, int n_heads,
@@ -504,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_pingpong
 #if __CUDA_ARCH__ >= 900
     constexpr int W = 4;
     pdl_enter();
-    extern __shared__ __align__(128) unsigned char mla_smem[];
+    extern __shared__ __align__(16) unsigned char mla_smem[];  // as mla_split_body declares it
     __shared__ u64 full[2], empty[2];
     float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);                   // [head tile][c][n][lane]
     int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
@@ -538,7 +538,10 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_pingpong
     const float scale2 = scale * MLA_LOG2E;
     float4* xw = xs + (ht * W) * 2 * 32 + lane;
     // Head tile ht's turn: barrier 3 + ht, where its 128 threads wait and the other tile's
-    // arrive. Tile 1 lets tile 0 go first, and its last products pass the turn to no one.
+    // arrive. Tile 1 lets tile 0 go first, and its last products pass the turn to no one. The
+    // wait before the value products also keeps the next tile's partial scores from
+    // overwriting xw before all of the tile's warps have read them: a tile that skipped its
+    // turns would need a barrier of its own there.
     const int mine = 3 + ht, theirs = 4 - ht;
     if (ht == 1 && sp.n_tiles > 0) named_arrive(theirs, 256);
     for (int it = 0; it < sp.n_tiles; it++) {

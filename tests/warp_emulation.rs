@@ -997,7 +997,10 @@ fn mla_decode_kernels_match_f64() {
     check_mla_decode(&h, split, &case(32, 21, false, true, 64), 41);
     check_mla_decode(&h, split16, &case(16, 45, true, false, 16), 42);
     check_mla_decode(&h, split16, &case(20, 30, false, true, 7), 43);
-    // Six key tiles in one split (stages refilled), and DSA's invisible keys and empty tiles.
+    // Six key tiles in one split (stages refilled); DSA's invisible keys and empty tiles, in
+    // splits of one tile and of three; 4 splits of 16 where token 0's last has no key.
     check_mla_decode(&h, pingpong, &case(32, 80, false, true, 96), 44);
     check_mla_decode(&h, pingpong, &case(32, 30, true, true, 7), 45);
+    check_mla_decode(&h, pingpong, &case(32, 60, true, false, 40), 46);
+    check_mla_decode(&h, pingpong, &case(32, 47, false, false, 16), 47);
 }

@@ -7,6 +7,7 @@
 // land at once or as late as they may (bulk_copy), named barriers. An mbarrier wait
 // that never ends stops the run with a message (the test kills a run that hangs elsewhere).
 // Only what the kernels use is here.
+#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -183,7 +184,12 @@ inline void mma_u8s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b
 
 std::barrier<>* BLOCK;  // __syncthreads
 std::mutex NAMED_LOCK;
-std::map<int, std::pair<int, std::unique_ptr<std::barrier<>>>> NAMED;  // bar.sync id: count
+struct Named {
+    int count;
+    std::unique_ptr<std::barrier<>> barrier;
+    std::atomic<long> arrivals{0};
+};
+std::map<int, Named> NAMED;  // by bar.sync id
 u8* DYNAMIC_SHARED;
 size_t DYNAMIC_SHARED_BYTES;
 
@@ -209,18 +215,19 @@ inline void __syncthreads() {
 // The kernels' `extern __shared__` array (the test puts this in its place).
 inline u8* dynamic_shared() { return DYNAMIC_SHARED; }
 // Named barrier `id` of `count` threads (bar.sync / bar.arrive): made by its first user.
-inline std::barrier<>& named(int id, int count) {
+inline Named& named(int id, int count) {
     std::lock_guard<std::mutex> g(NAMED_LOCK);
-    auto& b = NAMED[id];
-    if (!b.second) b = {count, std::make_unique<std::barrier<>>(count)};
-    expect(b.first == count, "a named barrier used with two thread counts");
-    return *b.second;
+    Named& b = NAMED[id];
+    if (!b.barrier) b.count = count, b.barrier = std::make_unique<std::barrier<>>(count);
+    expect(b.count == count, "a named barrier used with two thread counts");
+    b.arrivals++;
+    return b;
 }
 inline void named_sync(int id, int count) {
-    named(id, count).arrive_and_wait();
+    named(id, count).barrier->arrive_and_wait();
     stagger();
 }
-inline void named_arrive(int id, int count) { (void)named(id, count).arrive(); }
+inline void named_arrive(int id, int count) { (void)named(id, count).barrier->arrive(); }
 template <int WARPS = 8>
 inline void consumers_sync() { named_sync(1, 32 * WARPS); }
 int OR_FLAG;
@@ -293,6 +300,7 @@ inline void mla_mma(float* c, const u32* a, u32 b0, u32 b1) {
 // i; r[i] of lane l holds its row l / 4, columns 2 (l % 4) and + 1 (transposed: column l / 4,
 // rows 2 (l % 4) and + 1).
 inline void ldmatrix(u32* r, u32 addr, bool trans) {
+    expect(addr % 16 == 0, "ldmatrix: a row address off 16 bytes");
     Posted& p = collective();
     p.sent[LANE] = addr;
     __syncwarp();
@@ -448,6 +456,8 @@ inline void run_grid(Dim3 grid, int threads, size_t shared, const std::function<
     auto finish = [&]() noexcept {
         // On a GPU they would land in the next block's shared memory.
         expect(PENDING.empty(), "bulk copies no thread waited for");
+        for (auto& [id, b] : NAMED)
+            expect(b.arrivals % b.count == 0, "a named barrier left with arrivals at the block's end");
         MBARS.clear();
         if (++next < blocks) start();
     };
