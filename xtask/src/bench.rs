@@ -722,6 +722,7 @@ impl Bench {
                     secs,
                     host,
                     json!({"family": fam, "context": s, "heads": h,
+                           "kernel": self.gpu.mla_decode_form(s, h).0,
                            "splits": splits, "keys_per_split": per, "launches": 2}),
                 );
             }
