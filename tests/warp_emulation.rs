@@ -795,10 +795,14 @@ fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// An MLA decode call of `heads` heads (DeepSeek-V3's dl 512, dr 64) for 2 query tokens after
+/// An MLA decode call of `heads` heads for 2 query tokens after
 /// pos0 positions: over every causal key or a random DSA selection, its q_pe roped already or
 /// by the kernel (read in place from whole [q_nope | q_pe] heads), `per` keys a split.
 struct MlaCase {
+    /// Latent and rope widths (DeepSeek-V3's and GLM-5's 512 and 64, or narrower: zero dims
+    /// in the cache rows).
+    dl: usize,
+    dr: usize,
     heads: usize,
     pos0: usize,
     dsa: bool,
@@ -815,7 +819,7 @@ fn check_mla_decode(
     c: &MlaCase,
     seed: u64,
 ) -> Vec<f32> {
-    let (dl, dr, dn, tokens, scale) = (512, 64, 16, 2, 0.07f32);
+    let (dl, dr, dn, tokens, scale) = (c.dl, c.dr, 16, 2, 0.07f32);
     let mut rng = Rng::new(seed);
     let s_len = c.pos0 + tokens;
     let q_lat = normals(&mut rng, tokens * c.heads * dl);
@@ -955,8 +959,10 @@ fn check_mla_decode(
         .i32(chunks as i32)
         .i32(threads as i32);
     let what = format!(
-        "{name} {} heads after {} positions{}{}, {splits} splits of {}",
+        "{name} {} heads of {} + {} after {} positions{}{}, {splits} splits of {}",
         c.heads,
+        c.dl,
+        c.dr,
         c.pos0,
         if c.dsa { ", DSA" } else { "" },
         if c.rope {
@@ -980,6 +986,8 @@ fn mla_decode_kernels_match_f64() {
     let split = ("mla_decode_split", 0, MLA_HB, MLA_THREADS, smem);
     let split16 = ("mla_decode_split16", 1, 16, MLA_THREADS, smem);
     let case = |heads, pos0, dsa, rope, per| MlaCase {
+        dl: 512,
+        dr: 64,
         heads,
         pos0,
         dsa,
@@ -1003,4 +1011,10 @@ fn mla_decode_kernels_match_f64() {
     check_mla_decode(&h, pingpong, &case(32, 30, true, true, 7), 45);
     check_mla_decode(&h, pingpong, &case(32, 60, true, false, 40), 46);
     check_mla_decode(&h, pingpong, &case(32, 47, false, false, 16), 47);
+    let narrow = MlaCase {
+        dl: 128,
+        dr: 32,
+        ..case(32, 40, false, true, 32)
+    };
+    check_mla_decode(&h, pingpong, &narrow, 48);
 }
