@@ -168,11 +168,16 @@ struct MlaWarp {
         for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     }
 
-    // The query of heads h_tile .. h_tile + 15 of token t (at position last), q_pe roped here
-    // where qp_freq is given.
-    __device__ __forceinline__ void load_q(const float* ql, const float* qp, bool pair,
-                                           int qp_head, const float* qp_freq, float qp_mscale,
-                                           int h_tile, int n_heads, int dl, int dr, int last) {
+    // The query of heads h_tile .. h_tile + 15 of token t (at position last), the kernels' q
+    // arguments as they are, q_pe roped here where qp_freq is given.
+    __device__ __forceinline__ void load_q(const float* q_lat, i64 ql_tok, const float* q_pe,
+                                           i64 qp_tok, int qp_head, const float* qp_freq,
+                                           float qp_mscale, int t, int h_tile, int n_heads,
+                                           int dl, int dr, int last) {
+        const float* ql = q_lat + t * ql_tok;
+        const float* qp = q_pe + t * qp_tok;
+        const bool pair = ((ql_tok | qp_tok | qp_head | dr) & 1) == 0 &&
+                          (((unsigned long long)q_lat | (unsigned long long)q_pe) & 7) == 0;
         // The rope step's pairs of this lane: 8c + tig and 8c + tig + 4 (e >> 1), their
         // frequencies loaded with the query.
         const bool turn = qp_freq && rope;  // warp-uniform
@@ -386,13 +391,6 @@ __device__ __forceinline__ MlaSplit mla_split_of(const int* key_ids, int n_ids, 
     return s;
 }
 
-// Whether the decode query's pairs can be loaded 8 bytes at once (mla_q2).
-__device__ __forceinline__ bool mla_q_pairs(const float* q_lat, i64 ql_tok, const float* q_pe,
-                                            i64 qp_tok, int qp_head, int dr) {
-    return ((ql_tok | qp_tok | qp_head | dr) & 1) == 0 &&
-           (((unsigned long long)q_lat | (unsigned long long)q_pe) & 7) == 0;
-}
-
 template <int W>
 __device__ __forceinline__ void mla_split_body(
     const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
@@ -425,9 +423,8 @@ __device__ __forceinline__ void mla_split_body(
         if (sub == 0) vflag[kr] = s_next >= 0;
     }
     MlaWarp<W> w(warp % W, lane, dr);
-    w.load_q(q_lat + t * ql_tok, q_pe + t * qp_tok,
-             mla_q_pairs(q_lat, ql_tok, q_pe, qp_tok, qp_head, dr), qp_head, qp_freq, qp_mscale,
-             h_tile, n_heads, dl, dr, sp.last);
+    w.load_q(q_lat, ql_tok, q_pe, qp_tok, qp_head, qp_freq, qp_mscale, t, h_tile, n_heads, dl,
+             dr, sp.last);
     const u32 qk_off = mla_qk_off(lane), pv_off = mla_pv_off(lane);
     const float scale2 = scale * MLA_LOG2E;
     float4* xw = xs + (ht * W) * 2 * 32 + lane;  // this head tile's partials, this lane
@@ -531,9 +528,8 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_pingpong
     const int h_tile = blockIdx.x * MLA_HB + 16 * ht;
     const bool active = h_tile < n_heads;
     MlaWarp<W> w(warp % W, lane, dr);
-    w.load_q(q_lat + t * ql_tok, q_pe + t * qp_tok,
-             mla_q_pairs(q_lat, ql_tok, q_pe, qp_tok, qp_head, dr), qp_head, qp_freq, qp_mscale,
-             h_tile, n_heads, dl, dr, sp.last);
+    w.load_q(q_lat, ql_tok, q_pe, qp_tok, qp_head, qp_freq, qp_mscale, t, h_tile, n_heads, dl,
+             dr, sp.last);
     const u32 qk_off = mla_qk_off(lane), pv_off = mla_pv_off(lane);
     const float scale2 = scale * MLA_LOG2E;
     float4* xw = xs + (ht * W) * 2 * 32 + lane;

@@ -7,6 +7,9 @@
 //! before each launch, so an element the kernel never writes fails the comparison.
 //! Without a GPU every test prints `SKIPPED: no CUDA device` and passes.
 
+mod common;
+
+use common::roped_q_pe;
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
@@ -1829,21 +1832,7 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize, p
         .map(|i| 10000f32.powf(-2.0 * i as f32 / dr as f32))
         .collect();
     let mscale = 1.1f32;
-    let q_roped: Vec<f32> = (0..tokens * heads * dr)
-        .map(|j| {
-            let (th, d) = (j / dr, j % dr);
-            let p = &q_whole[th * (dn + dr) + dn..][..dr];
-            let angle = ((pos0 + th / heads) as f32 * inv_freq[d / 2]) as f64;
-            let (s, c) = angle.sin_cos();
-            let (x0, x1) = (p[d & !1] as f64, p[d | 1] as f64);
-            let y = if d % 2 == 0 {
-                x0 * c - x1 * s
-            } else {
-                x0 * s + x1 * c
-            };
-            (y * mscale as f64) as f32
-        })
-        .collect();
+    let q_roped = roped_q_pe(&q_whole, heads, (dn, dr), pos0, &inv_freq, mscale);
     let (dq, dp, dc, dw, df) = (
         g.upload(&q_lat).unwrap(),
         g.upload(&q_pe).unwrap(),

@@ -20,6 +20,9 @@
 //! a kernel can be checked before a GPU runs it. Needs a C++20 compiler (`$CXX`, else g++);
 //! without one the tests print SKIPPED.
 
+mod common;
+
+use common::roped_q_pe;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -140,10 +143,6 @@ const PIECES: &[Piece] = &[
     Def(
         "mla_decode.cu",
         "__device__ __forceinline__ MlaSplit mla_split_of(",
-    ),
-    Def(
-        "mla_decode.cu",
-        "__device__ __forceinline__ bool mla_q_pairs(",
     ),
     Def(
         "mla_decode.cu",
@@ -485,58 +484,46 @@ fn check_outputs_within(what: &str, got: &[f32], want: &[Option<f64>], bound: f6
     assert!(e <= bound, "{what}: nmse {e:.3e} over {bound:.0e}");
 }
 
-/// One warp's 16-row tile (the harness tc_q4k or tc_q6k) against f64.
+/// One warp's 16-row tile (the harness tile.cpp) against f64.
 fn check_tile(h: &Emulation, ty: GgmlType, what: &str, nb: usize, w: &[u8], x: &[f32]) {
     let mut padded = w.to_vec();
     if ty == GgmlType::Q6_K {
         padded.extend([0; 16]); // TcQ6k::load reads 2 bytes past a block (in a stage, later ones)
     }
-    let got = run_harness(
-        &h.bin,
-        &h.dir,
-        &Args::default().i32(nb as i32).bytes(&padded).floats(x).0,
-    );
+    let code = (ty == GgmlType::Q6_K) as i32;
+    let args = Args::default()
+        .i32(code)
+        .i32(nb as i32)
+        .bytes(&padded)
+        .floats(x);
     let want: Vec<Option<f64>> = products(ty, w, x).into_iter().map(Some).collect();
-    check_outputs(what, &got, &want);
+    check_outputs(what, &h.run(args), &want);
 }
 
 /// Random tiles of k = 256, 2048 (twice) and 7168, and the largest sums at k = 2048.
-fn check_tiles(name: &str, ty: GgmlType) {
-    let Some(h) = Emulation::build(name) else {
+fn check_tiles(ty: GgmlType) {
+    let Some(h) = Emulation::build("tile") else {
         return;
     };
     for (nb, seed) in [(1, 1), (8, 2), (8, 3), (28, 4)] {
         let mut rng = Rng::new(seed);
         let w = random_rows(ty, 16, nb, &mut rng);
         let x = random_x(nb, &mut rng);
-        check_tile(
-            &h,
-            ty,
-            &format!("{name} random k = {}", 256 * nb),
-            nb,
-            &w,
-            &x,
-        );
+        let what = format!("{ty:?} tile, random k = {}", 256 * nb);
+        check_tile(&h, ty, &what, nb, &w, &x);
     }
-    let x = vec![3.0; 2048];
-    check_tile(
-        &h,
-        ty,
-        &format!("{name} largest sums, k = 2048"),
-        8,
-        &largest_rows(ty, 16, 8),
-        &x,
-    );
+    let what = format!("{ty:?} tile, largest sums, k = 2048");
+    check_tile(&h, ty, &what, 8, &largest_rows(ty, 16, 8), &[3.0; 2048]);
 }
 
 #[test]
 fn tensor_core_q4_k_tile_matches_f64() {
-    check_tiles("tc_q4k", GgmlType::Q4_K);
+    check_tiles(GgmlType::Q4_K);
 }
 
 #[test]
 fn tensor_core_q6_k_tile_matches_f64() {
-    check_tiles("tc_q6k", GgmlType::Q6_K);
+    check_tiles(GgmlType::Q6_K);
 }
 
 fn silu(g: f64) -> f64 {
@@ -830,24 +817,14 @@ fn check_mla_decode(
         .collect();
     let mscale = 1.1f32;
     // q_pe as the kernel sees it: roped here in f64 from the same f32 angles, or not yet.
-    let q_pe: Vec<f32> = (0..tokens * c.heads * dr)
-        .map(|j| {
-            let (th, d) = (j / dr, j % dr);
-            let p = &q_whole[th * (dn + dr) + dn..][..dr];
-            if !c.rope {
-                return p[d];
-            }
-            let angle = ((c.pos0 + th / c.heads) as f32 * inv_freq[d / 2]) as f64;
-            let (s, co) = angle.sin_cos();
-            let (x0, x1) = (p[d & !1] as f64, p[d | 1] as f64);
-            let y = if d % 2 == 0 {
-                x0 * co - x1 * s
-            } else {
-                x0 * s + x1 * co
-            };
-            (y * mscale as f64) as f32
-        })
-        .collect();
+    let q_pe: Vec<f32> = match c.rope {
+        true => roped_q_pe(&q_whole, c.heads, (dn, dr), c.pos0, &inv_freq, mscale),
+        false => q_whole
+            .chunks(dn + dr)
+            .flat_map(|h| &h[dn..])
+            .copied()
+            .collect(),
+    };
     let n_ids = 40;
     let mut keep = Vec::new();
     for t in 0..tokens {

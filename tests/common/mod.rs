@@ -155,3 +155,32 @@ pub fn manifest_prompt(variant: &str, prompt: usize) -> Option<serde_json::Value
         .find(|p| p.get("k").and_then(|k| k.as_u64()) == Some(prompt as u64))
         .cloned()
 }
+
+/// The decode query's rope as MLA decode applies it when it loads q_pe (MlaDecode::qp_rope),
+/// in f64 from the same f32 angles: q_pe of every (token, head) row of `q_whole` (whole heads
+/// [q_nope | q_pe], dn + dr wide, `heads` a token), token t at position pos0 + t, adjacent
+/// pairs turned by inv_freq and scaled by mscale.
+pub fn roped_q_pe(
+    q_whole: &[f32],
+    heads: usize,
+    (dn, dr): (usize, usize),
+    pos0: usize,
+    inv_freq: &[f32],
+    mscale: f32,
+) -> Vec<f32> {
+    (0..q_whole.len() / (dn + dr) * dr)
+        .map(|j| {
+            let (th, d) = (j / dr, j % dr);
+            let p = &q_whole[th * (dn + dr) + dn..][..dr];
+            let angle = ((pos0 + th / heads) as f32 * inv_freq[d / 2]) as f64;
+            let (s, c) = angle.sin_cos();
+            let (x0, x1) = (p[d & !1] as f64, p[d | 1] as f64);
+            let y = if d % 2 == 0 {
+                x0 * c - x1 * s
+            } else {
+                x0 * s + x1 * c
+            };
+            (y * mscale as f64) as f32
+        })
+        .collect()
+}

@@ -359,33 +359,6 @@ inline void mbar_arrive(u64* b) {
     m.pending--;
     mbar_settle(m);
 }
-inline void land_pending(const u64* b);
-// Until the phase of the given parity has completed (the current phase's parity differs).
-inline void mbar_wait(u64* b, u32 parity) {
-    std::unique_lock<std::mutex> g(MBAR_LOCK);
-    Mbarrier& m = mbar(b);
-    const auto deadline = std::chrono::steady_clock::now() + HANG;
-    for (;;) {
-        land_pending(b);
-        if ((m.phase & 1) != parity) return;
-        if (MBAR_CHANGED.wait_until(g, deadline) == std::cv_status::timeout) break;
-    }
-    std::fprintf(stderr,
-                 "emulation: thread %u waits on an mbarrier for parity %u: phase %u, %d "
-                 "arrivals and %lld bytes missing\n",
-                 threadIdx.x, parity, m.phase, m.pending, m.tx);
-    fail("hang");
-}
-inline void init_stage_barriers(u64* full, u64* empty, int stages, int readers) {
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], readers);
-        }
-    }
-    __syncthreads();
-}
-
 // Bulk copies land either at once (where a producer that refills a stage before its readers
 // released it spoils what they read) or as late as they may, when a thread waits on their
 // mbarrier (where a reader that did not wait reads what was there before): launch runs each
@@ -415,6 +388,32 @@ inline void land_pending(const u64* b) {
         }
     }
 }
+// Until the phase of the given parity has completed (the current phase's parity differs).
+inline void mbar_wait(u64* b, u32 parity) {
+    std::unique_lock<std::mutex> g(MBAR_LOCK);
+    Mbarrier& m = mbar(b);
+    const auto deadline = std::chrono::steady_clock::now() + HANG;
+    for (;;) {
+        land_pending(b);
+        if ((m.phase & 1) != parity) return;
+        if (MBAR_CHANGED.wait_until(g, deadline) == std::cv_status::timeout) break;
+    }
+    std::fprintf(stderr,
+                 "emulation: thread %u waits on an mbarrier for parity %u: phase %u, %d "
+                 "arrivals and %lld bytes missing\n",
+                 threadIdx.x, parity, m.phase, m.pending, m.tx);
+    fail("hang");
+}
+inline void init_stage_barriers(u64* full, u64* empty, int stages, int readers) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], readers);
+        }
+    }
+    __syncthreads();
+}
+
 // cp.async.bulk global -> shared: 16-byte aligned, a multiple of 16 bytes, into the dynamic
 // shared memory.
 inline void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
