@@ -497,16 +497,25 @@ __device__ __forceinline__ int tc_x_bytes(int k) {
 // One warp's share of x's 256-element block blk as digit planes (lane l owns elements
 // 8l .. 8l + 7): the block's scale s (0 for a zero block), the sum of the lane's 4-lane group
 // (32 values), and the lane's 8 digits of each plane p as bytes (words[p]) with their sum.
+// HALVES (IQ4_XS, TcIq4xs): lane l = 4 j + i of sub-block j owns its elements 4i .. 4i + 3 and
+// 16 + 4i .. 16 + 4i + 3 instead, in the order 4i, 16 + 4i, 4i + 1, 16 + 4i + 1, ..., as an
+// IQ4_XS byte's two nibbles come (the block's sums per 32 values are the same).
 struct XDigits {
     float s, sum;
     uint2 words[4];
     int dsum[4];
 };
+template <bool HALVES = false>
 __device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int lane) {
     XDigits r;
-    const float4* xp = (const float4*)(x + 256 * blk + 8 * lane);
-    float4 u = xp[0], v = xp[1];
+    const float* xl = x + 256 * blk + (HALVES ? 32 * (lane >> 2) + 4 * (lane & 3) : 8 * lane);
+    float4 u = *(const float4*)xl, v = *(const float4*)(xl + (HALVES ? 16 : 4));
     float e[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+    if (HALVES) {
+        const float paired[8] = {u.x, v.x, u.y, v.y, u.z, v.z, u.w, v.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) e[i] = paired[i];
+    }
     float mx = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
@@ -545,14 +554,15 @@ __device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int l
 }
 
 // Planes, scales and sums of x[0, k) into shared memory by the block's first nwarps warps, one
-// warp per 256-element block at a time.
+// warp per 256-element block at a time (HALVES: x_block_digits').
+template <bool HALVES = false>
 __device__ void tc_prepare_x(const float* x, int k, u8* sm, int nwarps) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
     float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int blk = warp; blk < k / 256; blk += nwarps) {
-        XDigits xd = x_block_digits(x, blk, lane);
+        XDigits xd = x_block_digits<HALVES>(x, blk, lane);
         if (lane == 0) scales[blk] = xd.s;
         if ((lane & 3) == 0) sums[8 * blk + lane / 4] = xd.sum;
 #pragma unroll
@@ -577,12 +587,24 @@ __device__ __forceinline__ void q4k_packed(u32 w0, u32 w1, u32 w2, u32* sc, u32*
 // columns 0-3, the high nibbles' (as bytes & 0xF0: 16 times the nibble, unsigned) in columns
 // 4-7, so C lanes t < 2 take the first and t >= 2 the second, and every lane's columns are
 // useful (two nibble masks a word, no shift; one B load a chunk).
-struct TcQ4k {
-    static const int BYTES = 144;
+//
+// Q5 (TcQ5k, the bulk-copy kernels only): Q5_K's 176-byte block has the same header, then 32
+// qh bytes, then the qs bytes as Q4_K's; bit 2c of qh byte l is the fifth bit of qs byte l's
+// low nibble in chunk c, bit 2c + 1 of its high nibble. The lane's 8 qh bytes (8t ..) serve
+// every chunk; both nibbles become signed bytes of 0..31 (the high ones shifted down: the
+// fifth bit leaves no room for 16 times the value).
+template <bool Q5>
+struct TcKquant {
+    static const int BYTES = Q5 ? 176 : 144;
+    static const int ROW = Q5 ? 1424 : 1168;  // a bulk-copy stage's row (TMA_STAGES below)
+    static const int QS = Q5 ? 48 : 16;       // where the qs bytes start
+    static const bool HALVES = false;    // x's planes in x_block_digits' plain order
     uint4 h_lo, h_hi;
     uint2 q_lo[4], q_hi[4];
+    uint2 qh_lo, qh_hi;  // Q5: the fifth bits of the lane's 8 elements of each sub-block
 
     __device__ __forceinline__ void load(const u8* blo, const u8* bhi, int t) {
+        static_assert(!Q5, "the matvec_tc kernels take Q4_K only");
         h_lo = ld_cached16(blo);
         h_hi = ld_cached16(bhi);
 #pragma unroll
@@ -595,10 +617,14 @@ struct TcQ4k {
     __device__ __forceinline__ void load_stage(const u8* blo, const u8* bhi, int t) {
         h_lo = *(const uint4*)blo;
         h_hi = *(const uint4*)bhi;
+        if (Q5) {
+            qh_lo = *(const uint2*)(blo + 16 + 8 * t);
+            qh_hi = *(const uint2*)(bhi + 16 + 8 * t);
+        }
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            q_lo[c] = *(const uint2*)(blo + 16 + 32 * c + 8 * t);
-            q_hi[c] = *(const uint2*)(bhi + 16 + 32 * c + 8 * t);
+            q_lo[c] = *(const uint2*)(blo + QS + 32 * c + 8 * t);
+            q_hi[c] = *(const uint2*)(bhi + QS + 32 * c + 8 * t);
         }
     }
 
@@ -614,6 +640,11 @@ struct TcQ4k {
         return t & 1 ? make_float2(128.0f, 1.0f) : make_float2(2097152.0f, 16384.0f);
     }
 
+    // Q5: the fifth bits (bit b of each byte of qh) at bit 4.
+    __device__ static __forceinline__ u32 fifth(u32 qh, int b) {
+        return ((qh >> b) & 0x01010101u) << 4;
+    }
+
     // bk: this lane's B bytes of the block (b_col + 256 kb); sums: the block's 8 sub-block
     // sums of x; s: its scale; pf: plane_factors(t).
     __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
@@ -627,10 +658,22 @@ struct TcQ4k {
         for (int c = 0; c < 4; c++) {
             uint2 bb = *(const uint2*)(bk + 64 * c);
             int cl[4], ch[4];
-            mma_s8_16832(cl, q_lo[c].x & 0x0F0F0F0Fu, q_hi[c].x & 0x0F0F0F0Fu,
-                         q_lo[c].y & 0x0F0F0F0Fu, q_hi[c].y & 0x0F0F0F0Fu, bb.x, bb.y);
-            mma_u8s8_16832(ch, q_lo[c].x & 0xF0F0F0F0u, q_hi[c].x & 0xF0F0F0F0u,
-                           q_lo[c].y & 0xF0F0F0F0u, q_hi[c].y & 0xF0F0F0F0u, bb.x, bb.y);
+            if (Q5) {
+                const u32 m = 0x0F0F0F0Fu;
+                mma_s8_16832(cl, (q_lo[c].x & m) | fifth(qh_lo.x, 2 * c),
+                             (q_hi[c].x & m) | fifth(qh_hi.x, 2 * c),
+                             (q_lo[c].y & m) | fifth(qh_lo.y, 2 * c),
+                             (q_hi[c].y & m) | fifth(qh_hi.y, 2 * c), bb.x, bb.y);
+                mma_s8_16832(ch, ((q_lo[c].x >> 4) & m) | fifth(qh_lo.x, 2 * c + 1),
+                             ((q_hi[c].x >> 4) & m) | fifth(qh_hi.x, 2 * c + 1),
+                             ((q_lo[c].y >> 4) & m) | fifth(qh_lo.y, 2 * c + 1),
+                             ((q_hi[c].y >> 4) & m) | fifth(qh_hi.y, 2 * c + 1), bb.x, bb.y);
+            } else {
+                mma_s8_16832(cl, q_lo[c].x & 0x0F0F0F0Fu, q_hi[c].x & 0x0F0F0F0Fu,
+                             q_lo[c].y & 0x0F0F0F0Fu, q_hi[c].y & 0x0F0F0F0Fu, bb.x, bb.y);
+                mma_u8s8_16832(ch, q_lo[c].x & 0xF0F0F0F0u, q_hi[c].x & 0xF0F0F0F0u,
+                               q_lo[c].y & 0xF0F0F0F0u, q_hi[c].y & 0xF0F0F0F0u, bb.x, bb.y);
+            }
             // Sub-block 2c + odd's scales: byte 2 (c % 2) + odd of word c / 2.
             const u32 sel = 0x4440 + 2 * (c & 1) + odd;
             int sl = (int)__byte_perm(sc_lo[c >> 1], 0u, sel);
@@ -640,10 +683,12 @@ struct TcQ4k {
             ci[2] += sh * (odd ? ch[2] : cl[2]);
             ci[3] += sh * (odd ? ch[3] : cl[3]);
         }
-        // The high nibbles' sums are 16 times theirs: exact multiples of 16 (|sum| < 2^28), and
-        // after the shift below 2^24, so exact as floats.
+        // Q4: the high nibbles' sums are 16 times theirs: exact multiples of 16 (|sum| < 2^28),
+        // and after the shift below 2^24, so exact as floats. (Q5's reach 2^26: f32 rounding.)
+        if (!Q5) {
 #pragma unroll
-        for (int r = 0; r < 4; r++) ci[r] >>= 4 * odd;
+            for (int r = 0; r < 4; r++) ci[r] >>= 4 * odd;
+        }
         float dlo = f16_to_f32((u16)h_lo.x) * s, dhi = f16_to_f32((u16)h_hi.x) * s;
         acc_lo += dlo * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
         acc_hi += dhi * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
@@ -655,6 +700,91 @@ struct TcQ4k {
                   (byte_f(wl, j, 0.0f) * sx.x + byte_f(wl, j + 1, 0.0f) * sx.y);
         acc_hi -= f16_to_f32((u16)(h_hi.x >> 16)) *
                   (byte_f(wh, j, 0.0f) * sx.x + byte_f(wh, j + 1, 0.0f) * sx.y);
+    }
+};
+typedef TcKquant<false> TcQ4k;
+typedef TcKquant<true> TcQ5k;
+
+// IQ4_XS on the same tiles (TcIq4xs, the bulk-copy kernels only). A 136-byte block: f16 d,
+// 16 bits of the scales' high parts, 4 bytes of their low nibbles, then 16 qs bytes a
+// sub-block, byte i holding element i (low nibble) and 16 + i (high nibble); value = d (ls -
+// 32) IQ4_VALUES[nibble]. Lane t takes qs word t of every sub-block: elements 4t .. 4t + 3 and
+// 16 + 4t .. 16 + 4t + 3, looked up four at a time by byte permutes straight into signed
+// bytes in the nibbles' order (4t, 16 + 4t, 4t + 1, ...). x's planes come in that order
+// (x_block_digits' HALVES), so each sub-block is one m16n8k32 product with the same B
+// columns as TcQ4k's: sub-blocks 2p and 2p + 1 take one B, C lanes t < 2 keep the first's
+// sums and t >= 2 the second's. No minimums; the sums reach 2^26 (f32 rounding).
+// The code book as signed bytes: entry i is byte i % 4 of word i / 4 (IQ4_B<n> ^ 0x80808080).
+#define IQ4_S0 0xBFAD9881u
+#define IQ4_S1 0xF6EADDCFu
+#define IQ4_S2 0x26190D01u
+#define IQ4_S3 0x71594535u
+// PTX prmt: byte sel_i (0-7) of the pair (a: 0-3, b: 4-7) for each result byte i, from the
+// selector's low 16 bits. (__byte_perm lets the compiler mask the selectors again each time.)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+struct TcIq4xs {
+    static const int BYTES = 136;
+    static const int ROW = 1104;  // a bulk-copy stage's row (TMA_STAGES below)
+    static const bool HALVES = true;
+    uint2 h_lo, h_hi;      // d | scales_h << 16, scales_l
+    u32 q_lo[8], q_hi[8];  // qs word t of sub-block j
+
+    __device__ __forceinline__ void load_stage(const u8* blo, const u8* bhi, int t) {
+        h_lo = *(const uint2*)blo;
+        h_hi = *(const uint2*)bhi;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            q_lo[j] = *(const u32*)(blo + 8 + 16 * j + 4 * t);
+            q_hi[j] = *(const u32*)(bhi + 8 + 16 * j + 4 * t);
+        }
+    }
+    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride, int g,
+                                                      int t) {
+        return TcQ4k::b_col(planes, stride, g, t);
+    }
+    // The signed code book entries of q's eight nibbles, those of bytes 0-1 in .x and of bytes
+    // 2-3 in .y, each in the nibbles' order: entries 0-7 and 8-15 by the nibbles' low three
+    // bits, then one of the two by the top bit (a byte permute reads its selector's low 16
+    // bits, so one mask serves both halves).
+    __device__ static __forceinline__ uint2 lookup(u32 q) {
+        const u32 idx = q & 0x77777777u, top = ((q >> 1) & 0x44444444u) | 0x32103210u;
+        const u32 idx_hi = idx >> 16, top_hi = top >> 16;
+        return make_uint2(prmt(prmt(IQ4_S0, IQ4_S1, idx), prmt(IQ4_S2, IQ4_S3, idx), top),
+                          prmt(prmt(IQ4_S0, IQ4_S1, idx_hi), prmt(IQ4_S2, IQ4_S3, idx_hi), top_hi));
+    }
+    // Sub-block j's 6-bit scale minus 32, where hx and hy are the header words shifted by 2
+    // odd and 4 odd bits (sub-block 2p + odd at p's place).
+    __device__ static __forceinline__ int scale(u32 hx, u32 hy, int p) {
+        return (int)(((hy >> (8 * p)) & 15) | (((hx >> (16 + 4 * p)) & 3) << 4)) - 32;
+    }
+
+    __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
+                                        float2 pf, float& acc_lo, float& acc_hi) const {
+        const int odd = t >> 1;  // this lane's columns: sub-blocks 2p + odd
+        const u32 lx = h_lo.x >> (2 * odd), ly = h_lo.y >> (4 * odd);
+        const u32 hx = h_hi.x >> (2 * odd), hy = h_hi.y >> (4 * odd);
+        int ci[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            uint2 bb = *(const uint2*)(bk + 64 * p);
+            int c0[4], c1[4];
+            uint2 a = lookup(q_lo[2 * p]), b = lookup(q_hi[2 * p]);
+            mma_s8_16832(c0, a.x, b.x, a.y, b.y, bb.x, bb.y);
+            a = lookup(q_lo[2 * p + 1]), b = lookup(q_hi[2 * p + 1]);
+            mma_s8_16832(c1, a.x, b.x, a.y, b.y, bb.x, bb.y);
+            int sl = scale(lx, ly, p), sh = scale(hx, hy, p);
+            ci[0] += sl * (odd ? c1[0] : c0[0]);
+            ci[1] += sl * (odd ? c1[1] : c0[1]);
+            ci[2] += sh * (odd ? c1[2] : c0[2]);
+            ci[3] += sh * (odd ? c1[3] : c0[3]);
+        }
+        float dlo = f16_to_f32((u16)h_lo.x) * s, dhi = f16_to_f32((u16)h_hi.x) * s;
+        acc_lo += dlo * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
+        acc_hi += dhi * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
     }
 };
 
@@ -904,10 +1034,13 @@ DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 // id) come first and need no wait either; each thread waits for the router before its first
 // routed group. (H200, one call: decode DS3 1,143-1,144 -> 1,163-1,167 tokens/s, GLM-5
 // 1,228-1,230 -> 1,251; docs/performance.md, twenty-second look.)
+//
+// Q5_K and IQ4_XS take the same kernels with their tiles (TcQ5k, TcIq4xs): matvec_tma_q5_k,
+// matvec_tma_iq4_xs, and their items forms below; a stage row is a tile type's ROW bytes, 8
+// blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1104 for IQ4_XS), so
+// that the 8 rows of a warp's lanes start on distinct 16-byte bank groups.
 #define TMA_STAGES 3
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
-#define TMA_ROW 1168     // a row's segment, 8 x 144 bytes padded to 16 mod 128 (see below)
-#define TMA_STAGE (16 * TMA_ROW)
 
 // The WARPS consumer warps only (the producer warp has left).
 template <int WARPS = 8>
@@ -915,11 +1048,14 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(288, 2)
-    matvec_tma_q4_k(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,
-                    const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,
-                    const float* x, float* y, i64 y_stride, int glu) {
+template <class Tile>
+__device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const u8* sw,
+                                                const u8* sw2, i64 mat_stride, const int* ids,
+                                                int items, int rows, int k, int kpart,
+                                                i64 row_bytes, const float* x, float* y,
+                                                i64 y_stride, int glu) {
 #if __CUDA_ARCH__ >= 900
+    constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES;
     extern __shared__ __align__(128) u8 tma_sm[];
     __shared__ u64 full[TMA_STAGES], empty[TMA_STAGES];
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
@@ -976,16 +1112,16 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                 int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
                 for (int m = 0; m < mats; m++) {
                     const u8* mat = item_of(grp, m).mat + (i64)r0 * row_bytes +
-                                    (i64)p * part_blocks * 144;
+                                    (i64)p * part_blocks * BYTES;
                     for (int st = 0; st < steps; st++, n++) {
                         int slot = n % TMA_STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
                         if (n >= TMA_STAGES) mbar_wait(&empty[slot], (n / TMA_STAGES - 1) & 1);
-                        if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * cnt * 144));
+                        if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * cnt * BYTES));
                         __syncwarp();
                         if (lane < nr)
-                            bulk_copy(stages + slot * TMA_STAGE + lane * TMA_ROW,
-                                      mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * 144,
-                                      cnt * 144, &full[slot]);
+                            bulk_copy(stages + slot * STAGE + lane * ROW,
+                                      mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * BYTES,
+                                      cnt * BYTES, &full[slot]);
                     }
                 }
             }
@@ -994,8 +1130,8 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     }
     if (!ids) pdl_enter();  // x may come from the previous kernel (with ids: see above)
     // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
-    // segments TMA_ROW = 16 mod 128 bytes apart put the 8 rows' headers on distinct banks and
-    // their 32-byte qs pieces two to a bank (one and two wavefronts).
+    // segments (Q4_K: 1168 = 16 mod 128 bytes apart) put the 8 rows' headers on distinct banks
+    // and their 32-byte qs pieces two to a bank (one and two wavefronts).
     const int g = lane >> 2, t = lane & 3, c = warp;
     const float2 pf = TcQ4k::plane_factors(t);
     int n = 0, par = 0;
@@ -1004,8 +1140,9 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         const int pnb = part_nb(p), steps = part_steps(p), stride = tc_plane_stride(256 * pnb);
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
-        const u8* bcol = TcQ4k::b_col(tma_sm, stride, g, t);
-        tc_prepare_x(x + 256 * p * part_blocks, 256 * pnb, tma_sm, TMA_BLOCKS);  // by consumers
+        const u8* bcol = Tile::b_col(tma_sm, stride, g, t);
+        tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
+                                   TMA_BLOCKS);  // by consumers
         consumers_sync();
         for (int grp = next_group(blockIdx.x, true); grp < groups;
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
@@ -1015,10 +1152,10 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                 for (int st = 0; st < steps; st++, n++) {
                     int slot = n % TMA_STAGES, kb = st * TMA_BLOCKS + c;
                     mbar_wait(&full[slot], (n / TMA_STAGES) & 1);
-                    TcQ4k q;
+                    Tile q;
                     if (kb < pnb) {
-                        const u8* blo = stages + slot * TMA_STAGE + g * TMA_ROW + 144 * c;
-                        q.load_stage(blo, blo + 8 * TMA_ROW, t);
+                        const u8* blo = stages + slot * STAGE + g * ROW + BYTES * c;
+                        q.load_stage(blo, blo + 8 * ROW, t);
                     }
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
@@ -1053,6 +1190,18 @@ extern "C" __global__ void __launch_bounds__(288, 2)
 #endif
 }
 
+#define DEFINE_MATVEC_TMA(kname, Tile)                                                          \
+    extern "C" __global__ void __launch_bounds__(288, 2)                                        \
+        kname(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,           \
+              const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,             \
+              const float* x, float* y, i64 y_stride, int glu) {                                \
+        matvec_tma_body<Tile>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, kpart,           \
+                              row_bytes, x, y, y_stride, glu);                                  \
+    }
+DEFINE_MATVEC_TMA(matvec_tma_q4_k, TcQ4k)
+DEFINE_MATVEC_TMA(matvec_tma_q5_k, TcQ5k)
+DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, TcIq4xs)
+
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //
 // The MoE down products (a token's choices, each with its own x of moe_ff values) and MLA's
@@ -1075,13 +1224,17 @@ extern "C" __global__ void __launch_bounds__(288, 2)
 // us in 7 launches (+12.6 in 3 moe_combine), GLM-5 123.7 -> 101.2 (+11.6); decode GLM-5
 // 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
-#define TMI_WARPS 4
-
-extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
-    matvec_tma_items_q4_k(const u8* w, const u8* sw, i64 mat_stride, const int* ids, int items,
-                          int rows, int k, i64 row_bytes, const float* x, i64 x_stride, float* y,
-                          i64 y_stride) {
+//
+// matvec_tma_items_q5_k and matvec_tma_items_iq4_xs take the same form with their tiles;
+// Q5_K's with 3 consumer warps, whose 3 stages of 16 x 1424 bytes and x's two buffers fit
+// SM120's 99 KiB where 4 would not (ops.rs, tmi_warps).
+template <class Tile, int TMI_WARPS>
+__device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw, i64 mat_stride,
+                                                      const int* ids, int items, int rows,
+                                                      int k, i64 row_bytes, const float* x,
+                                                      i64 x_stride, float* y, i64 y_stride) {
 #if __CUDA_ARCH__ >= 900
+    constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES;
     extern __shared__ __align__(128) u8 tmi_sm[];
     __shared__ u64 full[TMI_WARPS], empty[TMI_WARPS];
     const int nb = k / 256, tiles = (rows + 15) / 16, groups = items * tiles;
@@ -1106,11 +1259,11 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
             if (!it.held) continue;
             const int slot = n % TMI_WARPS, r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
             if (n >= TMI_WARPS) mbar_wait(&empty[slot], (n / TMI_WARPS - 1) & 1);
-            if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * nb * 144));
+            if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * nb * BYTES));
             __syncwarp();
             if (lane < nr)
-                bulk_copy(stages + slot * TMA_STAGE + lane * TMA_ROW,
-                          it.mat + (i64)(r0 + lane) * row_bytes, nb * 144, &full[slot]);
+                bulk_copy(stages + slot * STAGE + lane * ROW,
+                          it.mat + (i64)(r0 + lane) * row_bytes, nb * BYTES, &full[slot]);
             n++;
         }
         return;
@@ -1129,20 +1282,20 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
             continue;
         }
         u8* planes = tmi_sm + (seg++ & 1) * plane_bytes;
-        tc_prepare_x(x + (i64)i * x_stride, k, planes, TMI_WARPS);
+        tc_prepare_x<Tile::HALVES>(x + (i64)i * x_stride, k, planes, TMI_WARPS);
         consumers_sync<TMI_WARPS>();
         const float* scales = (const float*)(planes + 4 * stride);
         const float* sums = scales + tc_scales_len(k);
-        const u8* bcol = TcQ4k::b_col(planes, stride, g, t);
+        const u8* bcol = Tile::b_col(planes, stride, g, t);
         for (; grp < end; grp++, n++) {
             if (n % TMI_WARPS != warp) continue;
             mbar_wait(&full[warp], (n / TMI_WARPS) & 1);
-            const u8* blo = stages + warp * TMA_STAGE + g * TMA_ROW;
-            const u8* bhi = blo + 8 * TMA_ROW;
+            const u8* blo = stages + warp * STAGE + g * ROW;
+            const u8* bhi = blo + 8 * ROW;
             float acc_lo = 0.0f, acc_hi = 0.0f;
             for (int kb = 0; kb < nb; kb++) {
-                TcQ4k q;
-                q.load_stage(blo + 144 * kb, bhi + 144 * kb, t);
+                Tile q;
+                q.load_stage(blo + BYTES * kb, bhi + BYTES * kb, t);
                 q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
             }
             __syncwarp();
@@ -1158,6 +1311,17 @@ extern "C" __global__ void __launch_bounds__(32 * (TMI_WARPS + 1), 2)
     __trap();  // ops.rs launches it on sm_90 and later only
 #endif
 }
+
+#define DEFINE_MATVEC_TMA_ITEMS(kname, Tile, warps)                                             \
+    extern "C" __global__ void __launch_bounds__(32 * (warps + 1), 2)                          \
+        kname(const u8* w, const u8* sw, i64 mat_stride, const int* ids, int items, int rows,   \
+              int k, i64 row_bytes, const float* x, i64 x_stride, float* y, i64 y_stride) {     \
+        matvec_tma_items_body<Tile, warps>(w, sw, mat_stride, ids, items, rows, k, row_bytes,   \
+                                           x, x_stride, y, y_stride);                           \
+    }
+DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k, TcQ4k, 4)
+DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k, TcQ5k, 3)
+DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs, TcIq4xs, 4)
 
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //

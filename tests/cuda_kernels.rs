@@ -13,8 +13,8 @@ use common::roped_q_pe;
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
-    latent_split, AttentionPrefill, Combine, EmbedRows, Matmul, Matvec, MatvecPart, MlaDecode,
-    MoeRouter, PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED,
+    latent_split, tma_tile, AttentionPrefill, Combine, EmbedRows, Matmul, Matvec, MatvecPart,
+    MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -355,6 +355,22 @@ fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, check: impl FnMut(&Gpu)) {
     );
 }
 
+/// Runs `check` for type `t` (Q4_K, Q5_K, IQ4_XS) on its bulk-copy kernels where the GPU has
+/// them, then without: Q4_K on the matvec_tc kernels, the others on the CUDA cores.
+fn for_each_tile_type_kernel(g: &mut Gpu, t: GgmlType, check: impl FnMut(&Gpu)) {
+    if t == GgmlType::Q4_K {
+        return for_each_q4k_tensor_core_kernel(g, check);
+    }
+    let tile = tma_tile(t).unwrap();
+    let bulk = format!("matvec_tma_{0} / matvec_tma_items_{0}", tile.suffix);
+    for_each_bulk_copy_form(
+        g,
+        &format!("{t} tensor-core"),
+        (&bulk, "the CUDA cores"),
+        check,
+    );
+}
+
 /// Runs `check` with the bulk-copy kernels (`kernels.0`) where the GPU has them, then without
 /// (`kernels.1`), saying which.
 fn for_each_bulk_copy_form(
@@ -386,36 +402,39 @@ fn for_each_bulk_copy_form(
 /// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory), and
 /// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long); the
 /// bulk-copy kernel's rows in parts beyond 9216 (12288: two of 24 256-blocks; 9472: of 19 and
-/// 18, each ending in a partial stage).
+/// 18, each ending in a partial stage). Q5_K and IQ4_XS the same on their bulk-copy kernels
+/// (their parts: Q5_K's beyond 7168, IQ4_XS's beyond 10240; IQ4_XS's odd 256-blocks a row,
+/// k = 4352 and 9472, are not 16-byte rows and stay on the CUDA cores).
 #[test]
-fn matvec_q4_k_tensor_cores_match_dequantized_dot() {
+fn matvec_tensor_core_types_match_dequantized_dot() {
     let Some(mut g) = gpu() else { return };
-    for_each_q4k_tensor_core_kernel(&mut g, |g| {
-        let mut rng = Rng::new("matvec_tc");
-        let t = GgmlType::Q4_K;
-        let cases: [(usize, usize, usize, &[i32]); 6] = [
-            (2100, 1536, 3, &[2, 0, -1, 1, 1]),
-            (2048, 4608, 2, &[1, 0, -1, 1]),
-            (8200, 4352, 1, &[0]),
-            (7200, 9216, 1, &[0]),
-            (6150, 12288, 1, &[0]),
-            (6144, 9472, 1, &[0]),
-        ];
-        for (rows, k, mats, ids) in cases {
-            let w = random_rows(&mut rng, t, rows * mats, k);
-            let wf = dequant_rows(t, &w, rows * mats, k);
-            let x = hard_x(&mut rng, 2 * k);
-            let y = expert_matvec(g, t, &w, (rows, k), &x, 3, ids);
-            let got = chosen_outputs(&y, rows, ids, "");
-            let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
-            assert_close(
-                &format!("matvec q4_k (tensor cores) {rows}x{k}"),
-                &got,
-                &want,
-                F32_OP,
-            );
-        }
-    });
+    for t in TMA_TILE_TYPES {
+        for_each_tile_type_kernel(&mut g, t, |g| {
+            let mut rng = Rng::new("matvec_tc");
+            let cases: [(usize, usize, usize, &[i32]); 6] = [
+                (2100, 1536, 3, &[2, 0, -1, 1, 1]),
+                (2048, 4608, 2, &[1, 0, -1, 1]),
+                (8200, 4352, 1, &[0]),
+                (7200, 9216, 1, &[0]),
+                (6150, 12288, 1, &[0]),
+                (6144, 9472, 1, &[0]),
+            ];
+            for (rows, k, mats, ids) in cases {
+                let w = random_rows(&mut rng, t, rows * mats, k);
+                let wf = dequant_rows(t, &w, rows * mats, k);
+                let x = hard_x(&mut rng, 2 * k);
+                let y = expert_matvec(g, t, &w, (rows, k), &x, 3, ids);
+                let got = chosen_outputs(&y, rows, ids, "");
+                let want = expert_matvec_want(&wf, (rows, k), &x, 3, ids);
+                assert_close(
+                    &format!("matvec {t} (tensor cores) {rows}x{k}"),
+                    &got,
+                    &want,
+                    F32_OP,
+                );
+            }
+        });
+    }
 }
 
 /// `n` normal values in 256-blocks that are hard for the integer paths (x as digit planes per
@@ -717,153 +736,165 @@ fn matvec_q4_k_pair_matches_two_products() {
 /// dequantized matrices and bit for bit to the pair without glu followed by silu_mul. The
 /// dense form (no ids, a token per x), its long-row form (k past TC_K_MAX: groups of one row
 /// tile in each matrix) and the MoE form (one x, a choice held elsewhere left alone, a tail
-/// tile).
+/// tile); Q4_K, Q5_K and IQ4_XS.
 #[test]
-fn matvec_q4_k_glu_pair_folds_the_silu() {
+fn matvec_glu_pair_folds_the_silu() {
     let Some(mut g) = gpu() else { return };
-    for_each_q4k_tensor_core_kernel(&mut g, |g| {
-        let mut rng = Rng::new("matvec_glu");
-        let t = GgmlType::Q4_K;
-        let cases = [
-            (None, 2048, 2048, 1),
-            (None, 3072, 9216, 1),
-            (Some(&[2i32, 0, -1, 1][..]), 2000, 2048, 4),
-        ];
-        for (given, rows, k, x_group) in cases {
-            let ids = given.unwrap_or(&[0, 1]); // no ids: item b uses matrix b
-            let n = ids.len();
-            let mats = 3;
-            let (wa, wb) = (
-                random_rows(&mut rng, t, rows * mats, k),
-                random_rows(&mut rng, t, rows * mats, k),
-            );
-            let (wfa, wfb) = (
-                dequant_rows(t, &wa, rows * mats, k),
-                dequant_rows(t, &wb, rows * mats, k),
-            );
-            let x = rng.normals(n.div_ceil(x_group) * k);
-            let (dwa, dwb, dx, di) = (
-                g.upload(&wa).unwrap(),
-                g.upload(&wb).unwrap(),
-                g.upload(&x).unwrap(),
-                g.upload(ids).unwrap(),
-            );
-            let (glu_y, pair_y) = (poisoned(g, n * rows), poisoned(g, 2 * n * rows));
-            let a = Matvec {
-                mat_stride: rows * t.row_bytes(k).unwrap(),
-                ids: given.map_or(0, |_| g.ptr(&di, 0)),
-                x_group,
-                batch: 2 * n,
-                pair: g.ptr(&dwb, 0),
-                glu: true,
-                ..Matvec::single(
-                    t,
-                    g.ptr(&dwa, 0),
-                    (g.ptr(&dx, 0), g.ptr(&glu_y, 0)),
-                    (rows, k),
-                )
-            };
-            assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
-            g.matvec(&a).unwrap();
-            let glu = g.download(&glu_y).unwrap();
-            let gate = expert_matvec_want(&wfa, (rows, k), &x, x_group, ids);
-            let up = expert_matvec_want(&wfb, (rows, k), &x, x_group, ids);
-            let want: Vec<f64> = gate
-                .iter()
-                .zip(&up)
-                .map(|(&gv, &u)| gv / (1.0 + (-gv).exp()) * u)
-                .collect();
-            let what = format!("matvec q4_k glu pair {rows}x{k}, {n} items");
-            let got = chosen_outputs(&glu, rows, ids, &what);
-            assert_close(&what, &got, &want, F32_OP);
+    for t in TMA_TILE_TYPES {
+        for_each_tile_type_kernel(&mut g, t, |g| {
+            let mut rng = Rng::new("matvec_glu");
+            let cases = [
+                (None, 2048, 2048, 1),
+                (None, 3072, 9216, 1),
+                (Some(&[2i32, 0, -1, 1][..]), 2000, 2048, 4),
+            ];
+            for (given, rows, k, x_group) in cases {
+                let ids = given.unwrap_or(&[0, 1]); // no ids: item b uses matrix b
+                let n = ids.len();
+                let mats = 3;
+                let (wa, wb) = (
+                    random_rows(&mut rng, t, rows * mats, k),
+                    random_rows(&mut rng, t, rows * mats, k),
+                );
+                let (wfa, wfb) = (
+                    dequant_rows(t, &wa, rows * mats, k),
+                    dequant_rows(t, &wb, rows * mats, k),
+                );
+                let x = rng.normals(n.div_ceil(x_group) * k);
+                let (dwa, dwb, dx, di) = (
+                    g.upload(&wa).unwrap(),
+                    g.upload(&wb).unwrap(),
+                    g.upload(&x).unwrap(),
+                    g.upload(ids).unwrap(),
+                );
+                let (glu_y, pair_y) = (poisoned(g, n * rows), poisoned(g, 2 * n * rows));
+                let a = Matvec {
+                    mat_stride: rows * t.row_bytes(k).unwrap(),
+                    ids: given.map_or(0, |_| g.ptr(&di, 0)),
+                    x_group,
+                    batch: 2 * n,
+                    pair: g.ptr(&dwb, 0),
+                    glu: true,
+                    ..Matvec::single(
+                        t,
+                        g.ptr(&dwa, 0),
+                        (g.ptr(&dx, 0), g.ptr(&glu_y, 0)),
+                        (rows, k),
+                    )
+                };
+                // Q5_K and IQ4_XS pairs only on their bulk-copy kernel, glu within one part of k.
+                if t != GgmlType::Q4_K && !g.takes_pair(&a) {
+                    println!("{t} {rows}x{k}: no kernel takes this pair here");
+                    continue;
+                }
+                assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
+                g.matvec(&a).unwrap();
+                let glu = g.download(&glu_y).unwrap();
+                let gate = expert_matvec_want(&wfa, (rows, k), &x, x_group, ids);
+                let up = expert_matvec_want(&wfb, (rows, k), &x, x_group, ids);
+                let want: Vec<f64> = gate
+                    .iter()
+                    .zip(&up)
+                    .map(|(&gv, &u)| gv / (1.0 + (-gv).exp()) * u)
+                    .collect();
+                let what = format!("matvec {t} glu pair {rows}x{k}, {n} items");
+                let got = chosen_outputs(&glu, rows, ids, &what);
+                assert_close(&what, &got, &want, F32_OP);
 
-            g.matvec(&Matvec {
-                glu: false,
-                combine: None,
-                y: g.ptr(&pair_y, 0),
-                ..a
-            })
-            .unwrap();
-            let (gp, up) = (g.ptr(&pair_y, 0), g.ptr(&pair_y, n * rows));
-            g.silu_mul(gp, up, gp, n * rows).unwrap();
-            let plain = g.download(&pair_y).unwrap();
-            let same = glu
-                .iter()
-                .zip(&plain)
-                .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
-            assert!(same, "{what}: not the pair then silu_mul, bit for bit");
-        }
-    });
+                g.matvec(&Matvec {
+                    glu: false,
+                    combine: None,
+                    y: g.ptr(&pair_y, 0),
+                    ..a
+                })
+                .unwrap();
+                let (gp, up) = (g.ptr(&pair_y, 0), g.ptr(&pair_y, n * rows));
+                g.silu_mul(gp, up, gp, n * rows).unwrap();
+                let plain = g.download(&pair_y).unwrap();
+                let same = glu
+                    .iter()
+                    .zip(&plain)
+                    .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
+                assert!(same, "{what}: not the pair then silu_mul, bit for bit");
+            }
+        });
+    }
 }
 
 /// Items that each read their own x, with rows of up to 2048 values: the MoE downs (the shared
 /// expert as a choice, a choice held elsewhere left alone, a tail tile), MLA's per-head v_b (no
-/// ids). Equal to the f64 products of the dequantized matrices, and bit for bit the same on the
-/// bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k.
+/// ids). Equal to the f64 products of the dequantized matrices, and for Q4_K bit for bit the
+/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K and IQ4_XS
+/// on theirs and on the CUDA cores (which take no shared matrix).
 #[test]
-fn matvec_q4_k_items_of_their_own_input() {
+fn matvec_items_of_their_own_input() {
     let Some(mut g) = gpu() else { return };
     let mut rng = Rng::new("matvec_items");
-    let t = GgmlType::Q4_K;
-    let moe = [3i32, MOE_SHARED, -1, 1, 0];
-    let moe9 = [1i32, 0, 2, -1, 3, 1, 0, 2, MOE_SHARED];
-    let heads: Vec<i32> = (0..64).collect();
-    for (given, rows, k) in [
-        (Some(&moe[..]), 2000, 2048),
-        (None, 128, 512),
-        (Some(&moe9[..]), 1000, 1536),
-    ] {
-        let ids = given.unwrap_or(&heads);
-        let (n, mats) = (ids.len(), given.map_or(heads.len(), |_| 4));
-        let w = random_rows(&mut rng, t, rows * mats, k);
-        let sh = random_rows(&mut rng, t, rows, k);
-        let (wf, shf) = (
-            dequant_rows(t, &w, rows * mats, k),
-            dequant_rows(t, &sh, rows, k),
-        );
-        let x = rng.normals(n * k);
-        let (dw, dsh, dx, di) = (
-            g.upload(&w).unwrap(),
-            g.upload(&sh).unwrap(),
-            g.upload(&x).unwrap(),
-            g.upload(ids).unwrap(),
-        );
-        let what = format!("matvec q4_k {n} items of their own input, {rows}x{k}");
-        let mut forms: Vec<Vec<f32>> = Vec::new();
-        for_each_q4k_tensor_core_kernel(&mut g, |g| {
-            let dy = poisoned(g, n * rows);
-            let a = Matvec {
-                mat_stride: rows * t.row_bytes(k).unwrap(),
-                ids: given.map_or(0, |_| g.ptr(&di, 0)),
-                batch: n,
-                shared: given.map_or((0, 0), |_| (g.ptr(&dsh, 0), 0)),
-                ..Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k))
-            };
-            g.matvec(&a).unwrap();
-            let y = g.download(&dy).unwrap();
-            let (mut got, mut want) = (Vec::new(), Vec::new());
-            for (b, &m) in ids.iter().enumerate() {
-                let (yb, xb) = (&y[b * rows..][..rows], &x[b * k..][..k]);
-                let mat = match m {
-                    -1 => {
-                        assert!(yb.iter().all(|v| v.is_nan()), "{what}: item {b} written");
-                        continue;
-                    }
-                    MOE_SHARED => &shf[..],
-                    m => &wf[m as usize * rows * k..][..rows * k],
+    for t in TMA_TILE_TYPES {
+        let moe = [3i32, MOE_SHARED, -1, 1, 0];
+        let moe9 = [1i32, 0, 2, -1, 3, 1, 0, 2, MOE_SHARED];
+        let heads: Vec<i32> = (0..64).collect();
+        for (given, rows, k) in [
+            (Some(&moe[..]), 2000, 2048),
+            (None, 128, 512),
+            (Some(&moe9[..]), 1000, 1536),
+        ] {
+            let ids = given.unwrap_or(&heads);
+            let (n, mats) = (ids.len(), given.map_or(heads.len(), |_| 4));
+            let w = random_rows(&mut rng, t, rows * mats, k);
+            let sh = random_rows(&mut rng, t, rows, k);
+            let (wf, shf) = (
+                dequant_rows(t, &w, rows * mats, k),
+                dequant_rows(t, &sh, rows, k),
+            );
+            let x = rng.normals(n * k);
+            let (dw, dsh, dx, di) = (
+                g.upload(&w).unwrap(),
+                g.upload(&sh).unwrap(),
+                g.upload(&x).unwrap(),
+                g.upload(ids).unwrap(),
+            );
+            let what = format!("matvec {t} {n} items of their own input, {rows}x{k}");
+            let mut forms: Vec<Vec<f32>> = Vec::new();
+            for_each_tile_type_kernel(&mut g, t, |g| {
+                let dy = poisoned(g, n * rows);
+                let a = Matvec {
+                    mat_stride: rows * t.row_bytes(k).unwrap(),
+                    ids: given.map_or(0, |_| g.ptr(&di, 0)),
+                    batch: n,
+                    shared: given.map_or((0, 0), |_| (g.ptr(&dsh, 0), 0)),
+                    ..Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k))
                 };
-                got.extend_from_slice(yb);
-                want.extend((0..rows).map(|r| dot64(&mat[r * k..][..k], xb)));
-            }
-            assert_close(&what, &got, &want, F32_OP);
-            forms.push(got);
-        });
-        let same = forms.windows(2).all(|f| {
-            f[0].iter()
-                .zip(&f[1])
-                .all(|(a, b)| a.to_bits() == b.to_bits())
-        });
-        assert!(same, "{what}: the kernels differ");
+                if a.shared != (0, 0) && !g.takes_shared(&a) {
+                    println!("{what}: no kernel here takes the shared expert");
+                    return;
+                }
+                g.matvec(&a).unwrap();
+                let y = g.download(&dy).unwrap();
+                let (mut got, mut want) = (Vec::new(), Vec::new());
+                for (b, &m) in ids.iter().enumerate() {
+                    let (yb, xb) = (&y[b * rows..][..rows], &x[b * k..][..k]);
+                    let mat = match m {
+                        -1 => {
+                            assert!(yb.iter().all(|v| v.is_nan()), "{what}: item {b} written");
+                            continue;
+                        }
+                        MOE_SHARED => &shf[..],
+                        m => &wf[m as usize * rows * k..][..rows * k],
+                    };
+                    got.extend_from_slice(yb);
+                    want.extend((0..rows).map(|r| dot64(&mat[r * k..][..k], xb)));
+                }
+                assert_close(&what, &got, &want, F32_OP);
+                forms.push(got);
+            });
+            let same = forms.windows(2).all(|f| {
+                f[0].iter()
+                    .zip(&f[1])
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            });
+            assert!(t != GgmlType::Q4_K || same, "{what}: the kernels differ");
+        }
     }
 }
 

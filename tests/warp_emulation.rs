@@ -5,13 +5,13 @@
 //! some random time after they are issued), against the engine's dequantization (bit for bit
 //! gguf-py's, tests/quant.rs) and an f64 dot product.
 //!
-//! - The fragment math (`TcQ4k`, and `TcQ6k` with `q6_dot`) on one warp over random 16-row
-//!   tiles: a wrong lane, column, offset or scale gives an nmse near 1, the kernels' exact
-//!   integer sums ~1e-14.
-//! - The bulk-copy kernels whole (`matvec_tma_q4_k`, `matvec_tma_items_q4_k`,
-//!   `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their producer and
-//!   consumer warps, stage barriers, parts of k, shared expert first, items another rank holds,
-//!   partial tiles and stages across tiles. A stage read before its copy landed or refilled
+//! - The fragment math (`TcQ4k`, `TcQ5k`, `TcIq4xs`, and `TcQ6k` with `q6_dot`) on one warp
+//!   over random 16-row tiles: a wrong lane, column, offset or scale gives an nmse near 1, the
+//!   kernels' exact integer sums ~1e-14.
+//! - The bulk-copy kernels whole (`matvec_tma_<type>` and `matvec_tma_items_<type>` for Q4_K,
+//!   Q5_K and IQ4_XS, `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their
+//!   producer and consumer warps, stage barriers, parts of k, shared expert first, items
+//!   another rank holds, partial tiles and stages across tiles. A stage read before its copy landed or refilled
 //!   while read gives wrong sums; a wait that never ends fails the run instead of hanging it;
 //!   a shared-memory copy out of bounds or misaligned is refused, and the harness runs under
 //!   AddressSanitizer where the compiler has it (reads past a buffer).
@@ -26,12 +26,13 @@ use common::roped_q_pe;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use mla_engine::backend::cuda::kernels::{mla_decode_smem_bytes, MLA_HB, MLA_THREADS};
 use mla_engine::backend::cuda::ops::{
-    latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tmi_smem_bytes,
-    MlaDecode, MOE_SHARED,
+    latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tma_tile,
+    tmi_smem_bytes, MlaDecode, MOE_SHARED,
 };
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
@@ -78,21 +79,42 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "struct XDigits {"),
     Def(
         "matvec.cu",
-        "__device__ __forceinline__ XDigits x_block_digits(",
+        "template <bool HALVES = false>\n__device__ __forceinline__ XDigits x_block_digits(",
     ),
-    Def("matvec.cu", "__device__ void tc_prepare_x("),
+    Def(
+        "matvec.cu",
+        "template <bool HALVES = false>\n__device__ void tc_prepare_x(",
+    ),
     Def("matvec.cu", "__device__ __forceinline__ void q4k_packed("),
-    Def("matvec.cu", "struct TcQ4k {"),
+    Def("matvec.cu", "template <bool Q5>\nstruct TcKquant {"),
+    Line("matvec.cu", "typedef TcKquant<false> TcQ4k;"),
+    Line("matvec.cu", "typedef TcKquant<true> TcQ5k;"),
+    Line("matvec.cu", "#define IQ4_S0 "),
+    Line("matvec.cu", "#define IQ4_S1 "),
+    Line("matvec.cu", "#define IQ4_S2 "),
+    Line("matvec.cu", "#define IQ4_S3 "),
+    Def("matvec.cu", "struct TcIq4xs {"),
     Def("matvec.cu", "__device__ __forceinline__ void quad_sums("),
     Def("matvec.cu", "struct TcItem {"),
     Def("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
     Line("matvec.cu", "#define TMA_STAGES "),
     Line("matvec.cu", "#define TMA_BLOCKS "),
-    Line("matvec.cu", "#define TMA_ROW "),
-    Line("matvec.cu", "#define TMA_STAGE "),
-    Kernel("matvec.cu", "matvec_tma_q4_k"),
-    Line("matvec.cu", "#define TMI_WARPS "),
-    Kernel("matvec.cu", "matvec_tma_items_q4_k"),
+    Def(
+        "matvec.cu",
+        "template <class Tile>\n__device__ __forceinline__ void matvec_tma_body(",
+    ),
+    Line("matvec.cu", "#define DEFINE_MATVEC_TMA("),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q4_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q5_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_iq4_xs,"),
+    Def(
+        "matvec.cu",
+        "template <class Tile, int TMI_WARPS>\n__device__ __forceinline__ void matvec_tma_items_body(",
+    ),
+    Line("matvec.cu", "#define DEFINE_MATVEC_TMA_ITEMS("),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs,"),
     Def(
         "matvec.cu",
         "template <int N>\n__device__ __forceinline__ void lds_words(",
@@ -358,7 +380,11 @@ struct Emulation {
 impl Emulation {
     /// None (after printing SKIPPED) without a C++ compiler.
     fn build(name: &str) -> Option<Emulation> {
-        let dir = std::env::temp_dir().join(format!("mla-emulation-{name}-{}", std::process::id()));
+        // Tests of one process (cargo test's threads) may build the same harness at once.
+        static BUILDS: AtomicUsize = AtomicUsize::new(0);
+        let n = BUILDS.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("mla-emulation-{name}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let bin = build(name, &dir)?;
         Some(Emulation { dir, bin })
@@ -377,7 +403,8 @@ impl Drop for Emulation {
 /// Where a block's f16 scales lie: Q4_K's d and dmin first, Q6_K's d last.
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
-        GgmlType::Q4_K => &[0, 2],
+        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::IQ4_XS => &[0],
         GgmlType::Q6_K => &[208],
         _ => unreachable!(),
     }
@@ -484,15 +511,25 @@ fn check_outputs_within(what: &str, got: &[f32], want: &[Option<f64>], bound: f6
     assert!(e <= bound, "{what}: nmse {e:.3e} over {bound:.0e}");
 }
 
+/// The harnesses' name for a quant type.
+fn type_code(ty: GgmlType) -> i32 {
+    match ty {
+        GgmlType::Q4_K => 0,
+        GgmlType::Q6_K => 1,
+        GgmlType::Q5_K => 2,
+        GgmlType::IQ4_XS => 3,
+        _ => unreachable!(),
+    }
+}
+
 /// One warp's 16-row tile (the harness tile.cpp) against f64.
 fn check_tile(h: &Emulation, ty: GgmlType, what: &str, nb: usize, w: &[u8], x: &[f32]) {
     let mut padded = w.to_vec();
     if ty == GgmlType::Q6_K {
         padded.extend([0; 16]); // TcQ6k::load reads 2 bytes past a block (in a stage, later ones)
     }
-    let code = (ty == GgmlType::Q6_K) as i32;
     let args = Args::default()
-        .i32(code)
+        .i32(type_code(ty))
         .i32(nb as i32)
         .bytes(&padded)
         .floats(x);
@@ -501,38 +538,40 @@ fn check_tile(h: &Emulation, ty: GgmlType, what: &str, nb: usize, w: &[u8], x: &
 }
 
 /// Random tiles of k = 256, 2048 (twice) and 7168, and the largest sums at k = 2048.
-fn check_tiles(ty: GgmlType) {
-    let Some(h) = Emulation::build("tile") else {
-        return;
-    };
+fn check_tiles(h: &Emulation, ty: GgmlType) {
     for (nb, seed) in [(1, 1), (8, 2), (8, 3), (28, 4)] {
         let mut rng = Rng::new(seed);
         let w = random_rows(ty, 16, nb, &mut rng);
         let x = random_x(nb, &mut rng);
         let what = format!("{ty:?} tile, random k = {}", 256 * nb);
-        check_tile(&h, ty, &what, nb, &w, &x);
+        check_tile(h, ty, &what, nb, &w, &x);
     }
     let what = format!("{ty:?} tile, largest sums, k = 2048");
-    check_tile(&h, ty, &what, 8, &largest_rows(ty, 16, 8), &[3.0; 2048]);
+    check_tile(h, ty, &what, 8, &largest_rows(ty, 16, 8), &[3.0; 2048]);
 }
 
 #[test]
-fn tensor_core_q4_k_tile_matches_f64() {
-    check_tiles(GgmlType::Q4_K);
-}
-
-#[test]
-fn tensor_core_q6_k_tile_matches_f64() {
-    check_tiles(GgmlType::Q6_K);
+fn tensor_core_tiles_match_f64() {
+    let Some(h) = Emulation::build("tile") else {
+        return;
+    };
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::IQ4_XS,
+        GgmlType::Q6_K,
+    ] {
+        check_tiles(&h, ty);
+    }
 }
 
 fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
 
-/// A launch of matvec_tma_q4_k: `rows` x 256 nb matrices, `experts` of them in w (and in w2
+/// A launch of matvec_tma_<type>: `rows` x 256 nb matrices, `experts` of them in w (and in w2
 /// for a pair), chosen by ids (or item b takes matrix b), a shared expert's pair in sw / sw2.
-struct TmaQ4k {
+struct TmaCase {
     what: &'static str,
     rows: usize,
     nb: usize,
@@ -546,9 +585,9 @@ struct TmaQ4k {
     grid: u32,
 }
 
-fn check_tma_q4k(h: &Emulation, c: &TmaQ4k, seed: u64) {
-    let ty = GgmlType::Q4_K;
-    let (k, row_bytes) = (256 * c.nb, 144 * c.nb);
+fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
+    let tile = tma_tile(ty).unwrap();
+    let (k, row_bytes) = (256 * c.nb, ty.type_size() * c.nb);
     let mat_bytes = c.rows * row_bytes;
     let mut rng = Rng::new(seed);
     let mut mats = |n: usize| random_rows(ty, n * c.rows, c.nb, &mut rng);
@@ -565,7 +604,7 @@ fn check_tma_q4k(h: &Emulation, c: &TmaQ4k, seed: u64) {
         .clone()
         .unwrap_or_else(|| (0..c.experts as i32).collect());
     let items = if c.pair { 2 * ids.len() } else { ids.len() };
-    let kpart = c.part_nb.map_or_else(|| tma_part_k(k), |n| 256 * n);
+    let kpart = c.part_nb.map_or_else(|| tma_part_k(tile, k), |n| 256 * n);
     // Item b's products: its matrix by its id (b counted from items / 2 in w2 for a pair).
     let item = |b: usize| -> Option<Vec<f64>> {
         let (id, w, sw) = match c.pair && b >= ids.len() {
@@ -599,6 +638,7 @@ fn check_tma_q4k(h: &Emulation, c: &TmaQ4k, seed: u64) {
         }
     }
     let args = Args::default()
+        .i32(type_code(ty))
         .bytes(&w)
         .bytes(&w2)
         .bytes(&sw)
@@ -615,16 +655,19 @@ fn check_tma_q4k(h: &Emulation, c: &TmaQ4k, seed: u64) {
         .i64(y_stride as i64)
         .i32(c.glu as i32)
         .i32(c.grid as i32)
-        .i32(tma_smem_bytes(kpart) as i32);
-    check_outputs(&format!("matvec_tma_q4_k {}", c.what), &h.run(args), &want);
+        .i32(tma_smem_bytes(tile, kpart) as i32);
+    let what = format!("matvec_tma_{} {}", tile.suffix, c.what);
+    check_outputs(&what, &h.run(args), &want);
 }
 
-#[test]
-fn bulk_copy_q4_k_kernel_matches_f64() {
-    let Some(h) = Emulation::build("tma_q4k") else {
-        return;
-    };
-    let one = |what, rows, nb, part_nb, grid| TmaQ4k {
+fn one_matrix(
+    what: &'static str,
+    rows: usize,
+    nb: usize,
+    part_nb: Option<usize>,
+    grid: u32,
+) -> TmaCase {
+    TmaCase {
         what,
         rows,
         nb,
@@ -635,58 +678,96 @@ fn bulk_copy_q4_k_kernel_matches_f64() {
         glu: false,
         shared: false,
         grid,
-    };
-    let cases = [
-        one("40 x 2048, 2 blocks", 40, 8, None, 2),
-        one("24 x 4864 in parts of 10 and 9 256-blocks, 3 blocks", 24, 19, Some(10), 3),
-        one("20 x 18432 in two parts (ops.rs), 1 block", 20, 72, None, 1),
-        TmaQ4k {
-            what: "MoE gate-up glu of 4 choices (one another rank's, the shared expert's last), 3 blocks",
-            rows: 24,
-            nb: 8,
-            part_nb: None,
-            experts: 4,
-            ids: Some(vec![3, -1, 0, MOE_SHARED]),
-            pair: true,
-            glu: true,
-            shared: true,
-            grid: 3,
-        },
-        TmaQ4k {
-            what: "a pair without glu, the shared expert first, 2 blocks",
-            rows: 20,
-            nb: 9,
-            part_nb: None,
-            experts: 3,
-            ids: Some(vec![MOE_SHARED, 2, -1]),
-            pair: true,
-            glu: false,
-            shared: true,
-            grid: 2,
-        },
-        TmaQ4k {
-            what: "3 choices with the shared expert's single matrix, 5 blocks",
-            rows: 36,
-            nb: 8,
-            part_nb: None,
-            experts: 2,
-            ids: Some(vec![1, -1, MOE_SHARED]),
-            pair: false,
-            glu: false,
-            shared: true,
-            grid: 5,
-        },
-    ];
-    for (i, c) in cases.iter().enumerate() {
-        check_tma_q4k(&h, c, 10 + i as u64);
     }
 }
 
-/// A launch of matvec_tma_items_q4_k: item i = the matrix ids[i] (MOE_SHARED: sw) times its
+/// A token's MoE gate-up pair as the glu form (its silu * up) or as two products.
+fn moe_pair(
+    what: &'static str,
+    rows: usize,
+    nb: usize,
+    ids: Vec<i32>,
+    glu: bool,
+    grid: u32,
+) -> TmaCase {
+    TmaCase {
+        experts: 4,
+        ids: Some(ids),
+        pair: true,
+        glu,
+        shared: true,
+        ..one_matrix(what, rows, nb, None, grid)
+    }
+}
+
+/// Q4_K's, Q5_K's and IQ4_XS's kernels over the same launches, but where IQ4_XS needs an
+/// even number of blocks a row and a part (a bulk copy moves multiples of 16 bytes; its
+/// blocks are 136): there one block more.
+#[test]
+fn bulk_copy_kernels_match_f64() {
+    let Some(h) = Emulation::build("tma") else {
+        return;
+    };
+    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::IQ4_XS] {
+        let even = |nb: usize| {
+            if ty == GgmlType::IQ4_XS {
+                nb + nb % 2
+            } else {
+                nb
+            }
+        };
+        let cases = [
+            one_matrix("40 x 2048, 2 blocks", 40, 8, None, 2),
+            one_matrix(
+                "a row of 19 (IQ4_XS: 20) 256-blocks in parts of 10, 3 blocks",
+                24,
+                even(19),
+                Some(10),
+                3,
+            ),
+            one_matrix("20 x 18432 in parts (ops.rs), 1 block", 20, 72, None, 1),
+            moe_pair(
+                "MoE gate-up glu of 4 choices (one another rank's, the shared expert's last), 3 blocks",
+                24,
+                8,
+                vec![3, -1, 0, MOE_SHARED],
+                true,
+                3,
+            ),
+            moe_pair(
+                "a pair without glu, the shared expert first, 2 blocks",
+                20,
+                even(9),
+                vec![MOE_SHARED, 2, -1],
+                false,
+                2,
+            ),
+            TmaCase {
+                experts: 2,
+                ids: Some(vec![1, -1, MOE_SHARED]),
+                shared: true,
+                ..one_matrix("3 choices with the shared expert's single matrix, 5 blocks", 36, 8, None, 5)
+            },
+        ];
+        for (i, c) in cases.iter().enumerate() {
+            check_tma(&h, ty, c, 10 + i as u64);
+        }
+    }
+}
+
+/// A launch of matvec_tma_items_<type>: item i = the matrix ids[i] (MOE_SHARED: sw) times its
 /// own x.
-fn check_tma_items_q4k(h: &Emulation, rows: usize, nb: usize, ids: &[i32], grid: u32, seed: u64) {
-    let ty = GgmlType::Q4_K;
-    let (k, row_bytes) = (256 * nb, 144 * nb);
+fn check_tma_items(
+    h: &Emulation,
+    ty: GgmlType,
+    rows: usize,
+    nb: usize,
+    ids: &[i32],
+    grid: u32,
+    seed: u64,
+) {
+    let tile = tma_tile(ty).unwrap();
+    let (k, row_bytes) = (256 * nb, ty.type_size() * nb);
     let mat_bytes = rows * row_bytes;
     let mut rng = Rng::new(seed);
     let w = random_rows(ty, 3 * rows, nb, &mut rng);
@@ -712,6 +793,8 @@ fn check_tma_items_q4k(h: &Emulation, rows: usize, nb: usize, ids: &[i32], grid:
         }
     }
     let args = Args::default()
+        .i32(type_code(ty))
+        .i32(32 * (tile.items_warps as i32 + 1))
         .bytes(&w)
         .bytes(&sw)
         .i64(mat_bytes as i64)
@@ -725,20 +808,29 @@ fn check_tma_items_q4k(h: &Emulation, rows: usize, nb: usize, ids: &[i32], grid:
         .floats(&vec![UNWRITTEN; want.len()])
         .i64(y_stride as i64)
         .i32(grid as i32)
-        .i32(tmi_smem_bytes(k) as i32);
-    let what = format!("matvec_tma_items_q4_k {rows} x {k}, ids {ids:?}, {grid} blocks");
+        .i32(tmi_smem_bytes(tile, k) as i32);
+    let what = format!(
+        "matvec_tma_items_{} {rows} x {k}, ids {ids:?}, {grid} blocks",
+        tile.suffix
+    );
     check_outputs(&what, &h.run(args), &want);
 }
 
 #[test]
-fn bulk_copy_items_q4_k_kernel_matches_f64() {
-    let Some(h) = Emulation::build("tma_items_q4k") else {
+fn bulk_copy_items_kernels_match_f64() {
+    let Some(h) = Emulation::build("tma_items") else {
         return;
     };
     let ids = [2, -1, MOE_SHARED, 0, 2];
-    check_tma_items_q4k(&h, 40, 8, &ids, 4, 20);
-    check_tma_items_q4k(&h, 40, 6, &ids, 1, 21);
-    check_tma_items_q4k(&h, 24, 8, &ids[..3], 6, 22);
+    for (ty, seed) in [
+        (GgmlType::Q4_K, 20),
+        (GgmlType::Q5_K, 50),
+        (GgmlType::IQ4_XS, 60),
+    ] {
+        check_tma_items(&h, ty, 40, 8, &ids, 4, seed);
+        check_tma_items(&h, ty, 40, 6, &ids, 1, seed + 1);
+        check_tma_items(&h, ty, 24, 8, &ids[..3], 6, seed + 2);
+    }
 }
 
 /// A launch of matvec_tma_q6_k over `rows` x 256 nb.

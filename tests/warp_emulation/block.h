@@ -80,6 +80,20 @@ inline u32 __byte_perm(u32 x, u32 y, u32 s) {
     return r;
 }
 
+// PTX prmt.b32's default mode (kernels/matvec.cu's prmt): from the selector's low 16 bits,
+// byte s_i & 7 of the pair for each result byte i, or its sign in all 8 bits where s_i & 8.
+inline u32 prmt(u32 a, u32 b, u32 s) {
+    u8 p[8];
+    std::memcpy(p, &a, 4);
+    std::memcpy(p + 4, &b, 4);
+    u32 r = 0;
+    for (int i = 0; i < 4; i++) {
+        u32 sel = (s >> (4 * i)) & 15, v = p[sel & 7];
+        r |= (sel & 8 ? (v & 0x80 ? 0xFFu : 0u) : v) << (8 * i);
+    }
+    return r;
+}
+
 inline float f16_to_f32(u16 h) {  // finite values
     int e = (h >> 10) & 31, m = h & 1023;
     float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);

@@ -173,9 +173,22 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         | "mla_decode_pingpong" => mla_decode_smem_bytes(),
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
-        "matvec_tma_q4_k" => super::ops::tma_smem_bytes(super::ops::TMA_K_MAX),
         "matvec_tma_q6_k" => super::ops::tma6_smem_bytes(super::ops::TMA6_K_MAX),
-        "matvec_tma_items_q4_k" => super::ops::tmi_smem_bytes(super::ops::TMI_K_MAX),
-        _ => 0,
+        k => {
+            let tile = |prefix: &str| {
+                let suffix = k.strip_prefix(prefix)?;
+                super::ops::TMA_TILE_TYPES
+                    .iter()
+                    .filter_map(|&ty| super::ops::tma_tile(ty))
+                    .find(|t| t.suffix == suffix)
+            };
+            if let Some(t) = tile("matvec_tma_items_") {
+                super::ops::tmi_smem_bytes(t, super::ops::TMI_K_MAX)
+            } else if let Some(t) = tile("matvec_tma_") {
+                super::ops::tma_smem_bytes(t, t.k_max)
+            } else {
+                0
+            }
+        }
     }
 }

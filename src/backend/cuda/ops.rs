@@ -246,15 +246,15 @@ const TC_K_MAX: usize = 8192;
 const TC_LONG_MIN_ROWS: usize = 6144;
 pub(super) const TC_LONG_K_MAX: usize = 20480;
 
-fn uses_tensor_cores(a: &Matvec, row_bytes: usize) -> bool {
+/// Whether `a`'s shape and alignment suit the tensor-core kernels (of any tile type).
+fn tensor_core_shape(a: &Matvec, row_bytes: usize) -> bool {
     let rows = a.rows * a.batch;
     let shape_pays = if a.k <= TC_K_MAX {
         rows >= TC_MIN_ROWS
     } else {
         a.k <= TC_LONG_K_MAX && rows >= TC_LONG_MIN_ROWS
     };
-    a.ty == GgmlType::Q4_K
-        && !a.transposed
+    !a.transposed
         && shape_pays
         && (a.w | a.pair | a.shared.0 | a.shared.1) % 16 == 0
         && (a.mat_stride | row_bytes) % 16 == 0
@@ -319,7 +319,7 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 /// products whose items all read one x (a single matrix, a token's MoE gate and up) from
 /// k = TMA_K_MIN on, from a whole stage of 8 256-blocks a tile (H200: DS3's q_b 24576 x 1536
 /// took 10.0 -> 12.4 us). Its x planes and TMA_STAGES stages of 16 rows x 1168 bytes fit
-/// SM120's 99 KiB up to TMA_K_MAX (10240 would not, with the 3 KiB of static shared memory
+/// SM120's 99 KiB up to TmaTile::k_max (10240 would not, with the 3 KiB of static shared memory
 /// NVRTC gives it); longer rows (attn_output, the dense down; not glu) go in parts of at most
 /// that many elements (tma_part_k). Measured on an H200 against the matvec_tc kernels, same
 /// call (docs/performance.md): ffn_up 18432 x 7168 38.2 -> 28.2 us, GLM-5's 12288 x 6144 19.7
@@ -329,35 +329,72 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 /// previous kernel ends (decode GLM-5 1,135-1,138 -> 1,177-1,179 tokens/s, DS3 1,107-1,108 ->
 /// 1,116-1,117).
 const TMA_K_MIN: usize = 2048;
-pub(super) const TMA_K_MAX: usize = 9216;
 const TMA_STAGES: usize = 3;
-/// A Q4_K bulk-copy stage: 16 rows of TMA_ROW = 1168 bytes (kernels/matvec.cu, TMA_STAGE).
-const TMA_STAGE_BYTES: usize = 16 * 1168;
 
-/// Dynamic shared memory of matvec_tma_q4_k: x as tc_smem_bytes(k) to a 128-byte boundary,
-/// then the stages.
-pub fn tma_smem_bytes(k: usize) -> usize {
-    tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * TMA_STAGE_BYTES
+/// A quant type of the bulk-copy tensor-core kernels (kernels/matvec.cu: matvec_tma_<suffix>
+/// and matvec_tma_items_<suffix>, its tile type TcQ4k, TcQ5k or TcIq4xs). Q5_K and IQ4_XS
+/// have no other tensor-core kernel: without bulk copies (before sm_90) they stay on the CUDA
+/// cores.
+#[derive(Clone, Copy, Debug)]
+pub struct TmaTile {
+    pub suffix: &'static str,
+    /// A quant block's bytes.
+    pub bytes: usize,
+    /// A stage row's bytes (the tile type's ROW: 8 blocks, padded to an odd multiple of 16).
+    pub row: usize,
+    /// The longest part of k whose x planes fit beside TMA_STAGES stages in SM120's 99 KiB
+    /// with the kernel's static shared memory (longer rows go in parts, tma_part_k).
+    pub k_max: usize,
+    /// Consumer warps of the items kernel, a stage each (Q5_K's 4 stages would not fit).
+    pub items_warps: usize,
 }
 
-/// matvec_tma_items_q4_k (a whole tile a stage, a warp per tile; sm_90 and later) takes the
+pub const TMA_TILE_TYPES: [GgmlType; 3] = [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::IQ4_XS];
+
+pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
+    let tile = |suffix, row, k_max, items_warps| {
+        Some(TmaTile {
+            suffix,
+            bytes: ty.type_size(),
+            row,
+            k_max,
+            items_warps,
+        })
+    };
+    match ty {
+        GgmlType::Q4_K => tile("q4_k", 1168, 9216, 4),
+        GgmlType::Q5_K => tile("q5_k", 1424, 7168, 3),
+        GgmlType::IQ4_XS => tile("iq4_xs", 1104, 10240, 4),
+        _ => None,
+    }
+}
+
+/// Dynamic shared memory of matvec_tma_<type>: x as tc_smem_bytes(k) to a 128-byte boundary,
+/// then the stages.
+pub fn tma_smem_bytes(tile: TmaTile, k: usize) -> usize {
+    tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * 16 * tile.row
+}
+
+/// matvec_tma_items_<type> (a whole tile a stage, a warp per tile; sm_90 and later) takes the
 /// tensor-core products whose items each read their own x (the MoE downs, MLA's v_b) up to
 /// TMI_K_MAX, a tile's 16 rows of 8 256-blocks in one stage.
 pub(super) const TMI_K_MAX: usize = 2048;
-const TMI_WARPS: usize = 4;
 
-/// Dynamic shared memory of matvec_tma_items_q4_k: two buffers of x's planes as
-/// tc_smem_bytes(k), each to a 128-byte boundary, then TMI_WARPS stages.
-pub fn tmi_smem_bytes(k: usize) -> usize {
-    2 * tc_smem_bytes(k).next_multiple_of(128) + TMI_WARPS * TMA_STAGE_BYTES
+/// Dynamic shared memory of matvec_tma_items_<type>: two buffers of x's planes as
+/// tc_smem_bytes(k), each to a 128-byte boundary, then a stage per consumer warp.
+pub fn tmi_smem_bytes(tile: TmaTile, k: usize) -> usize {
+    2 * tc_smem_bytes(k).next_multiple_of(128) + tile.items_warps * 16 * tile.row
 }
 
-/// The elements of each part of x that matvec_tma_q4_k holds as planes at a time: k, or
-/// beyond TMA_K_MAX as few equal parts of whole 256-blocks as fit (the last may be shorter).
-pub fn tma_part_k(k: usize) -> usize {
+/// The elements of each part of x that matvec_tma_<type> holds as planes at a time: k, or
+/// beyond the tile's k_max as few equal parts of whole 256-blocks as fit (the last may be
+/// shorter), each a whole number of 16 bytes a row for the bulk copies (IQ4_XS's 136-byte
+/// blocks: an even number).
+pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
     let blocks = k / 256;
-    let parts = blocks.div_ceil(TMA_K_MAX / 256);
-    blocks.div_ceil(parts) * 256
+    let parts = blocks.div_ceil(tile.k_max / 256);
+    let step = 16 >> tile.bytes.trailing_zeros().min(4); // blocks to a multiple of 16 bytes
+    256 * blocks.div_ceil(parts).next_multiple_of(step)
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
@@ -383,28 +420,32 @@ fn one_x_of(a: &Matvec) -> bool {
     a.x_group >= if a.pair != 0 { a.batch / 2 } else { a.batch }
 }
 
-/// `uses_tensor_cores` for a type and row length the kernels read.
-fn on_tensor_cores(a: &Matvec) -> bool {
-    a.ty.row_bytes(a.k)
-        .is_some_and(|rb| uses_tensor_cores(a, rb))
-}
-
 impl Gpu {
-    /// Whether `matvec` takes `a` with a `pair` (the tensor-core kernels, an even batch).
-    pub fn takes_pair(&self, a: &Matvec) -> bool {
-        a.batch % 2 == 0 && on_tensor_cores(a)
+    /// Whether `matvec` takes `a` on a tensor-core kernel: Q4_K's (the bulk-copy forms where
+    /// they take it, else matvec_tc_q4_k / matvec_tc8_q4_k), Q5_K's and IQ4_XS's bulk-copy
+    /// forms only.
+    fn on_tensor_cores(&self, a: &Matvec) -> bool {
+        let shape = |rb| tma_tile(a.ty).is_some() && tensor_core_shape(a, rb);
+        a.ty.row_bytes(a.k).is_some_and(shape)
+            && (a.ty == GgmlType::Q4_K || self.uses_bulk_copies(a) || self.uses_item_copies(a))
     }
 
-    /// Whether the tensor-core product `a` goes to matvec_tma_q4_k (see TMA_K_MAX).
+    /// Whether `matvec` takes `a` with a `pair` (the tensor-core kernels, an even batch).
+    pub fn takes_pair(&self, a: &Matvec) -> bool {
+        a.batch % 2 == 0 && self.on_tensor_cores(a)
+    }
+
+    /// Whether the tensor-core product `a` goes to matvec_tma_<type> (glu: k within the tile
+    /// type's k_max, one part).
     fn uses_bulk_copies(&self, a: &Matvec) -> bool {
         self.bulk_copies
             && a.k >= TMA_K_MIN
-            && (a.k <= TMA_K_MAX || !a.glu)
+            && tma_tile(a.ty).is_some_and(|t| a.k <= t.k_max || !a.glu)
             && one_x_of(a)
             && a.combine.is_none()
     }
 
-    /// Whether the tensor-core product `a` goes to matvec_tma_items_q4_k.
+    /// Whether the tensor-core product `a` goes to matvec_tma_items_<type>.
     fn uses_item_copies(&self, a: &Matvec) -> bool {
         self.bulk_copies
             && self.item_copies
@@ -416,12 +457,12 @@ impl Gpu {
 
     /// Whether `matvec` takes `a` with a `combine` (the tensor-core kernels, with ids, no pair).
     pub fn takes_combine(&self, a: &Matvec) -> bool {
-        a.ids != 0 && a.pair == 0 && on_tensor_cores(a) && !self.uses_item_copies(a)
+        a.ids != 0 && a.pair == 0 && self.on_tensor_cores(a) && !self.uses_item_copies(a)
     }
 
     /// Whether `matvec` takes `a` with `shared` matrices (the tensor-core kernels, with ids).
     pub fn takes_shared(&self, a: &Matvec) -> bool {
-        a.ids != 0 && on_tensor_cores(a)
+        a.ids != 0 && self.on_tensor_cores(a)
     }
 
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
@@ -448,7 +489,7 @@ impl Gpu {
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
         })?;
-        if uses_tensor_cores(a, row_bytes) {
+        if self.on_tensor_cores(a) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
             // each, all of k) on large grids or short rows, else 2 (two warps each, half of k).
             // Several items (the MoE experts): blocks of 8 warps; where they all read one x,
@@ -459,11 +500,12 @@ impl Gpu {
             // TC_K_MAX: 8 warps, 2 tiles. The faster choices in the lab runs (H200: 8 warps took
             // 10-12% off the expert products, and lost 9% on ffn_up).
             let tiles = a.rows.div_ceil(16);
+            let tile = tma_tile(a.ty).expect("a tensor-core type");
             if self.uses_bulk_copies(a) {
                 // A group per tile of an item (glu: of both matrices), one wave of blocks.
-                let kpart = tma_part_k(a.k);
-                let smem = tma_smem_bytes(kpart);
-                let kernel = "matvec_tma_q4_k";
+                let kpart = tma_part_k(tile, a.k);
+                let smem = tma_smem_bytes(tile, kpart);
+                let kernel = &format!("matvec_tma_{}", tile.suffix);
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
                 let slots = self.wave_blocks(kernel, 288, smem)?;
                 launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
@@ -473,8 +515,9 @@ impl Gpu {
                 return Ok(());
             }
             if self.uses_item_copies(a) {
-                let kernel = "matvec_tma_items_q4_k";
-                let (threads, smem) = (32 * (TMI_WARPS as u32 + 1), tmi_smem_bytes(a.k));
+                let kernel = &format!("matvec_tma_items_{}", tile.suffix);
+                let threads = 32 * (tile.items_warps as u32 + 1);
+                let smem = tmi_smem_bytes(tile, a.k);
                 let slots = self.wave_blocks(kernel, threads, smem)?;
                 launch!(self, kernel, ((tiles * a.batch).min(slots) as u32, 1, 1), threads,
                     smem as u32;
@@ -544,7 +587,7 @@ impl Gpu {
     /// Whether `a` runs on the CUDA-core matvec kernel, the one `matvec_parts` launches.
     pub fn on_cuda_cores(&self, a: &Matvec) -> bool {
         let readable = a.ty.row_bytes(a.k).is_some();
-        readable && !a.transposed && !uses_int_q6_k(a) && !on_tensor_cores(a)
+        readable && !a.transposed && !uses_int_q6_k(a) && !self.on_tensor_cores(a)
     }
 
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
