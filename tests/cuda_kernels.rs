@@ -2119,117 +2119,119 @@ fn dsa_scores_and_topk_match() {
 
 /// MoE decode with the shared expert as one more choice of the token (`Backend::moe_routed` on
 /// the tensor-core kernels: router rows of k + 1, the gate-up pair, the down product and the
-/// combine) equals the CPU's routed experts plus its shared expert, on GLM-5-like Q4_K experts
-/// (16 of them, 8 chosen, sigmoid with a selection bias; hidden 2048, so that the gate-up pair
-/// takes matvec_tma_q4_k where the GPU has bulk copies).
+/// combine) equals the CPU's routed experts plus its shared expert, on GLM-5-like experts of
+/// Q4_K, Q5_K and IQ4_XS (16 of them, 8 chosen, sigmoid with a selection bias; hidden 2048, so
+/// that the gate-up pair takes matvec_tma_<type> where the GPU has bulk copies).
 #[test]
 fn moe_decode_with_the_shared_expert_matches_the_cpu() {
-    let Some(_) = gpu() else { return };
+    let Some(g) = gpu() else { return };
     let cuda = Cuda::new(0).unwrap();
     let mut rng = Rng::new("moe_shared");
-    let (e, f, n_exp) = (2048, 1024, 16);
-    let m = MoeConfig {
-        n_expert: n_exp,
-        n_used: 8,
-        n_shared: 1,
-        n_ff_expert: f,
-        gating: Gating::Sigmoid,
-        weights_scale: 2.5,
-        weights_norm: true,
-        n_group: 1,
-        n_group_used: 1,
-    };
-    let t = GgmlType::Q4_K;
-    let mut tensor = |name: &str, ne: Vec<usize>| {
-        let bytes = random_rows(&mut rng, t, ne[1..].iter().product(), ne[0]);
-        TensorRef {
-            name: name.into(),
-            ggml_type: t,
-            ne,
-            bytes: MappedBytes::owned(bytes),
+    for t in TMA_TILE_TYPES {
+        let (e, f, n_exp) = (2048, 1024, 16);
+        let m = MoeConfig {
+            n_expert: n_exp,
+            n_used: 8,
+            n_shared: 1,
+            n_ff_expert: f,
+            gating: Gating::Sigmoid,
+            weights_scale: 2.5,
+            weights_norm: true,
+            n_group: 1,
+            n_group_used: 1,
+        };
+        let mut tensor = |name: &str, ne: Vec<usize>| {
+            let bytes = random_rows(&mut rng, t, ne[1..].iter().product(), ne[0]);
+            TensorRef {
+                name: name.into(),
+                ggml_type: t,
+                ne,
+                bytes: MappedBytes::owned(bytes),
+            }
+        };
+        let tensors = [
+            tensor("ffn_gate_exps", vec![e, f, n_exp]),
+            tensor("ffn_up_exps", vec![e, f, n_exp]),
+            tensor("ffn_down_exps", vec![f, e, n_exp]),
+            tensor("ffn_gate_shexp", vec![e, f]),
+            tensor("ffn_up_shexp", vec![e, f]),
+            tensor("ffn_down_shexp", vec![f, e]),
+        ];
+        // Logits 0.3 apart (no near-ties for the two exp implementations to split), in a shuffled
+        // order; the bias reorders them a little.
+        let mut logits: Vec<f32> = (0..n_exp).map(|i| 0.3 * i as f32 - 2.0).collect();
+        for i in (1..n_exp).rev() {
+            logits.swap(i, rng.below(i + 1));
         }
-    };
-    let tensors = [
-        tensor("ffn_gate_exps", vec![e, f, n_exp]),
-        tensor("ffn_up_exps", vec![e, f, n_exp]),
-        tensor("ffn_down_exps", vec![f, e, n_exp]),
-        tensor("ffn_gate_shexp", vec![e, f]),
-        tensor("ffn_up_shexp", vec![e, f]),
-        tensor("ffn_down_shexp", vec![f, e]),
-    ];
-    // Logits 0.3 apart (no near-ties for the two exp implementations to split), in a shuffled
-    // order; the bias reorders them a little.
-    let mut logits: Vec<f32> = (0..n_exp).map(|i| 0.3 * i as f32 - 2.0).collect();
-    for i in (1..n_exp).rev() {
-        logits.swap(i, rng.below(i + 1));
+        let bias: Vec<f32> = (0..n_exp).map(|i| 0.01 * (i % 3) as f32).collect();
+        let x = rng.normals(e);
+        // An f32 router whose row i is logits[i] x / |x|^2, so that router x = logits.
+        let xx: f32 = x.iter().map(|v| v * v).sum();
+        let router: Vec<u8> = logits
+            .iter()
+            .flat_map(|&l| x.iter().map(move |&v| l * v / xx))
+            .flat_map(f32::to_le_bytes)
+            .collect();
+        let router = TensorRef {
+            name: "ffn_gate_inp".into(),
+            ggml_type: GgmlType::F32,
+            ne: vec![e, n_exp],
+            bytes: MappedBytes::owned(router),
+        };
+
+        let gw: Vec<_> = tensors[..3]
+            .iter()
+            .map(|t| cuda.load_weight(t, WeightRole::Matrix).unwrap())
+            .collect();
+        let shared = DenseFfn {
+            gate: cuda.load_weight(&tensors[3], WeightRole::Matrix).unwrap(),
+            up: cuda.load_weight(&tensors[4], WeightRole::Matrix).unwrap(),
+            down: cuda.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
+        };
+        let gx = cuda.upload(&x, 1, e);
+        let gr = cuda.load_weight(&router, WeightRole::Matrix).unwrap();
+        let experts = (&gw[0], &gw[1], &gw[2]);
+        let (out, with_shared) = cuda
+            .moe_routed(
+                &gx,
+                &gr,
+                Some(&bias),
+                &m,
+                &(0..n_exp),
+                experts,
+                Some(&shared),
+            )
+            .unwrap();
+        // Q5_K and IQ4_XS: on their bulk-copy kernels only.
+        assert!(
+            with_shared || t != GgmlType::Q4_K && !g.bulk_copies,
+            "the shared expert runs as a choice at these shapes ({t})"
+        );
+        let got = cuda.download(&out);
+
+        let cpu = Cpu;
+        let cw: Vec<_> = tensors[..3]
+            .iter()
+            .map(|t| cpu.load_weight(t, WeightRole::Matrix).unwrap())
+            .collect();
+        let cx = cpu.upload(&x, 1, e);
+        let cl = cpu.linear(&cx, &cpu.load_weight(&router, WeightRole::Matrix).unwrap());
+        let r = route(&cpu.download(&cl), Some(&bias), &m);
+        let mut want = cpu.moe_experts(&cx, &cw[0], &cw[1], &cw[2], &r.ids, &r.weights, m.n_used);
+        let cpu_shared = DenseFfn {
+            gate: cpu.load_weight(&tensors[3], WeightRole::Matrix).unwrap(),
+            up: cpu.load_weight(&tensors[4], WeightRole::Matrix).unwrap(),
+            down: cpu.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
+        };
+        cpu.add_assign(&mut want, &dense_ffn(&cpu, &cpu_shared, &cx));
+        let want: Vec<f64> = cpu.download(&want).iter().map(|&v| v as f64).collect();
+        assert_close(
+            &format!("moe decode with the shared expert as a choice, {t} experts"),
+            &got,
+            &want,
+            F32_OP,
+        );
     }
-    let bias: Vec<f32> = (0..n_exp).map(|i| 0.01 * (i % 3) as f32).collect();
-    let x = rng.normals(e);
-    // An f32 router whose row i is logits[i] x / |x|^2, so that router x = logits.
-    let xx: f32 = x.iter().map(|v| v * v).sum();
-    let router: Vec<u8> = logits
-        .iter()
-        .flat_map(|&l| x.iter().map(move |&v| l * v / xx))
-        .flat_map(f32::to_le_bytes)
-        .collect();
-    let router = TensorRef {
-        name: "ffn_gate_inp".into(),
-        ggml_type: GgmlType::F32,
-        ne: vec![e, n_exp],
-        bytes: MappedBytes::owned(router),
-    };
-
-    let gw: Vec<_> = tensors[..3]
-        .iter()
-        .map(|t| cuda.load_weight(t, WeightRole::Matrix).unwrap())
-        .collect();
-    let shared = DenseFfn {
-        gate: cuda.load_weight(&tensors[3], WeightRole::Matrix).unwrap(),
-        up: cuda.load_weight(&tensors[4], WeightRole::Matrix).unwrap(),
-        down: cuda.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
-    };
-    let gx = cuda.upload(&x, 1, e);
-    let gr = cuda.load_weight(&router, WeightRole::Matrix).unwrap();
-    let experts = (&gw[0], &gw[1], &gw[2]);
-    let (out, with_shared) = cuda
-        .moe_routed(
-            &gx,
-            &gr,
-            Some(&bias),
-            &m,
-            &(0..n_exp),
-            experts,
-            Some(&shared),
-        )
-        .unwrap();
-    assert!(
-        with_shared,
-        "the shared expert runs as a choice at these shapes"
-    );
-    let got = cuda.download(&out);
-
-    let cpu = Cpu;
-    let cw: Vec<_> = tensors[..3]
-        .iter()
-        .map(|t| cpu.load_weight(t, WeightRole::Matrix).unwrap())
-        .collect();
-    let cx = cpu.upload(&x, 1, e);
-    let cl = cpu.linear(&cx, &cpu.load_weight(&router, WeightRole::Matrix).unwrap());
-    let r = route(&cpu.download(&cl), Some(&bias), &m);
-    let mut want = cpu.moe_experts(&cx, &cw[0], &cw[1], &cw[2], &r.ids, &r.weights, m.n_used);
-    let cpu_shared = DenseFfn {
-        gate: cpu.load_weight(&tensors[3], WeightRole::Matrix).unwrap(),
-        up: cpu.load_weight(&tensors[4], WeightRole::Matrix).unwrap(),
-        down: cpu.load_weight(&tensors[5], WeightRole::Matrix).unwrap(),
-    };
-    cpu.add_assign(&mut want, &dense_ffn(&cpu, &cpu_shared, &cx));
-    let want: Vec<f64> = cpu.download(&want).iter().map(|&v| v as f64).collect();
-    assert_close(
-        "moe decode with the shared expert as a choice",
-        &got,
-        &want,
-        F32_OP,
-    );
 }
 
 /// CPU twin of moe_router for one token: every expert as (id, choice, s) in the order of
