@@ -596,9 +596,11 @@ __device__ __forceinline__ void q4k_packed(u32 w0, u32 w1, u32 w2, u32* sc, u32*
 template <bool Q5>
 struct TcKquant {
     static const int BYTES = Q5 ? 176 : 144;
-    static const int ROW = Q5 ? 1424 : 1168;  // a bulk-copy stage's row (TMA_STAGES below)
-    static const int QS = Q5 ? 48 : 16;       // where the qs bytes start
-    static const bool HALVES = false;    // x's planes in x_block_digits' plain order
+    static const int ROW = Q5 ? 1424 : 1168;  // a bulk-copy stage's row (matvec_tma_body)
+    static const int STAGES = 3;               // bulk-copy stages
+    static const int ZEROS = 0;                // bytes of zeros B reads (TcQ6kTile)
+    static const int QS = Q5 ? 48 : 16;        // where the qs bytes start
+    static const bool HALVES = false;          // x's planes in x_block_digits' plain order
     uint4 h_lo, h_hi;
     uint2 q_lo[4], q_hi[4];
     uint2 qh_lo, qh_hi;  // Q5: the fifth bits of the lane's 8 elements of each sub-block
@@ -634,6 +636,13 @@ struct TcKquant {
                                                       int t) {
         return planes + (g & 3) * stride + 32 * (g >> 2) + 8 * t;
     }
+    // The same as the bulk-copy kernels ask every tile type (TcQ6kTile's B needs zeros), and
+    // the step from block to block.
+    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride,
+                                                      const u8* zeros, int g, int t) {
+        return b_col(planes, stride, g, t);
+    }
+    __device__ static __forceinline__ int b_step(int g, int t) { return 256; }
     // The weights of lane t's output columns 2t, 2t + 1: planes 0, 1 (2^21, 2^14) or 2, 3
     // (2^7, 1).
     __device__ static __forceinline__ float2 plane_factors(int t) {
@@ -728,7 +737,9 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 struct TcIq4xs {
     static const int BYTES = 136;
-    static const int ROW = 1104;  // a bulk-copy stage's row (TMA_STAGES below)
+    static const int ROW = 1104;  // a bulk-copy stage's row (matvec_tma_body)
+    static const int STAGES = 3;
+    static const int ZEROS = 0;
     static const bool HALVES = true;
     uint2 h_lo, h_hi;      // d | scales_h << 16, scales_l
     u32 q_lo[8], q_hi[8];  // qs word t of sub-block j
@@ -742,10 +753,11 @@ struct TcIq4xs {
             q_hi[j] = *(const u32*)(bhi + 8 + 16 * j + 4 * t);
         }
     }
-    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride, int g,
-                                                      int t) {
+    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride,
+                                                      const u8* zeros, int g, int t) {
         return TcQ4k::b_col(planes, stride, g, t);
     }
+    __device__ static __forceinline__ int b_step(int g, int t) { return 256; }
     // The signed code book entries of q's eight nibbles, those of bytes 0-1 in .x and of bytes
     // 2-3 in .y, each in the nibbles' order: entries 0-7 and 8-15 by the nibbles' low three
     // bits, then one of the two by the top bit (a byte permute reads its selector's low 16
@@ -1002,13 +1014,131 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 
+// N words from 2-byte aligned shared memory, each shifted right by `extra` more bits (< 8)
+// with the bits of the word above.
+template <int N>
+__device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) {
+    // By pointer arithmetic on p, not an integer mask: the compiler then still knows the
+    // address is shared memory (LDS; a cast from an integer made generic loads).
+    const u32 mis = (u32)((unsigned long long)p & 3);
+    const u32* base = (const u32*)(p - mis);
+    u32 sh = 8 * mis + extra;
+    u32 a[N + 1];
+#pragma unroll
+    for (int i = 0; i <= N; i++) a[i] = base[i];
+#pragma unroll
+    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
+}
+
+// A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
+// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half (qh[h], the top bit of each 2-bit field
+// flipped), and from the scales at s = t >> 1 on (sc: byte 2i is sub-block 2i + s's), d.
+struct TcQ6k {
+    u32 ql[2][2][2], qh[2][2];
+    u32 sc[4], d;
+
+    __device__ __forceinline__ void load(const u8* b, int t) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            lds_words<2>(b + 64 * h + 8 * t, ql[h][0]);
+            lds_words<2>(b + 64 * h + 32 + 8 * t, ql[h][1]);
+            lds_words<2>(b + 128 + 32 * h + 8 * t, qh[h]);
+            qh[h][0] ^= 0xAAAAAAAAu;
+            qh[h][1] ^= 0xAAAAAAAAu;
+        }
+        lds_words<4>(b + 192 + (t >> 1), sc);  // reads up to 2 bytes past the block (in the stage)
+        d = *(const u16*)(b + 208);
+    }
+
+    // Lane (g, t)'s B bytes of x's block blk: plane g % 4 from byte 8t where its k values
+    // (t < 2: a quarter's first sub-block, t >= 2 its second) are its columns' sub-block (g < 4:
+    // the first), else 256 bytes of zeros.
+    __device__ static __forceinline__ const u8* b_block(const u8* planes, int stride,
+                                                        const u8* zeros, int g, int t, int blk) {
+        return (g >> 2) == (t >> 1) ? planes + (g & 3) * stride + 256 * blk + 8 * t : zeros + 8 * t;
+    }
+
+    // Quarter j of half h, word i (values 8t + 4i ..) as 4 signed bytes 4 (q - 32): q's low
+    // 4 bits at bits 2-5, its high 2 bits at bits 6-7 with the top one flipped (q - 32 in
+    // 6-bit two's complement, times 4 as a byte).
+    __device__ __forceinline__ u32 quarter(int h, int j, int i) const {
+        u32 l = ql[h][j & 1][i], q = qh[h][i];
+        u32 lo = j < 2 ? l << 2 : l >> 2;
+        return (lo & 0x3C3C3C3Cu) | ((q << (6 - 2 * j)) & 0xC0C0C0C0u);
+    }
+    // The scale of the lane's sub-block in quarter j of half h.
+    __device__ __forceinline__ int scale(int h, int j) const {
+        return (int)(signed char)(sc[2 * h + (j >> 1)] >> (16 * (j & 1)));
+    }
+};
+
+// acc_lo / acc_hi += rows g and g + 8's block (lo, hi) . x's block: bk the lane's B bytes of it
+// (TcQ6k::b_block), s x's block scale, pf the weights of its output planes
+// (TcQ4k::plane_factors: the same columns).
+__device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u8* bk, float s,
+                                       float2 pf, float& acc_lo, float& acc_hi) {
+    int ci[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint2 bb = *(const uint2*)(bk + 128 * h + 32 * j);
+            int cc[4];
+            mma_s8_16832(cc, lo.quarter(h, j, 0), hi.quarter(h, j, 0), lo.quarter(h, j, 1),
+                         hi.quarter(h, j, 1), bb.x, bb.y);
+            int sl = lo.scale(h, j), sh = hi.scale(h, j);
+            ci[0] += sl * cc[0];
+            ci[1] += sl * cc[1];
+            ci[2] += sh * cc[2];
+            ci[3] += sh * cc[3];
+        }
+    }
+    // Four times the sums of q - 32 (multiples of 4, |.| < 2^29): the sums.
+#pragma unroll
+    for (int r = 0; r < 4; r++) ci[r] >>= 2;
+    acc_lo += f16_to_f32((u16)lo.d) * s * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
+    acc_hi += f16_to_f32((u16)hi.d) * s * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
+}
+
+// Q6_K on the same tiles where its rows are 16-byte aligned (a multiple of 8 blocks: the
+// downs, attn_output; TcQ6kTile, the bulk-copy kernels only): TcQ6k for rows g and g + 8 and
+// q6_dot (matvec_tma_q6_k's, below), whose B is zeros where a lane's columns are not its k
+// values' sub-block (ZEROS bytes of them after x's planes). Its stage row keeps 8 blocks and
+// the bytes TcQ6k::load reads past the last; two stages beside x's planes (k parts up to
+// 10240) fit SM120's 99 KiB.
+struct TcQ6kTile {
+    static const int BYTES = 210;
+    static const int ROW = 1712;  // 8 x 210 and slack, an odd multiple of 16
+    static const int STAGES = 2;
+    static const int ZEROS = 256;
+    static const bool HALVES = false;
+    TcQ6k lo, hi;
+
+    __device__ __forceinline__ void load_stage(const u8* blo, const u8* bhi, int t) {
+        lo.load(blo, t);
+        hi.load(bhi, t);
+    }
+    // Lane (g, t)'s B bytes of block 0 and the step to block kb: TcQ6k::b_block.
+    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride,
+                                                      const u8* zeros, int g, int t) {
+        return TcQ6k::b_block(planes, stride, zeros, g, t, 0);
+    }
+    __device__ static __forceinline__ int b_step(int g, int t) {
+        return (g >> 2) == (t >> 1) ? 256 : 0;
+    }
+    __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
+                                        float2 pf, float& acc_lo, float& acc_hi) const {
+        q6_dot(lo, hi, bk, s, pf, acc_lo, acc_hi);
+    }
+};
+
 // ---- Q4_K on the tensor cores, the weights by bulk copies (sm_90 and later) ----
 //
 // matvec_tc_q4_k's lanes load their weights themselves, 32 bytes of each of 8 rows per
 // instruction, and reach ~70% of the copy bandwidth on the addresses alone (eighth look).
 // Here one producer warp has the copy engine (cp.async.bulk, completion counted on an
 // mbarrier) move each tile's rows into shared memory as 1152-byte segments (8 256-blocks of
-// one row), TMA_STAGES stages ahead, and 8 consumer warps take a 256-block each of every stage
+// one row), 3 stages ahead, and 8 consumer warps take a 256-block each of every stage
 // into the registers TcQ4k::dot multiplies with x's planes (lab, H200, 36864 x 6144 as one
 // matrix: 60.7 -> 39.3 us, 76% of copy; segments of 4 blocks 47.6 us, of 1 block 194 us).
 //
@@ -1035,11 +1165,12 @@ DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 // routed group. (H200, one call: decode DS3 1,143-1,144 -> 1,163-1,167 tokens/s, GLM-5
 // 1,228-1,230 -> 1,251; docs/performance.md, twenty-second look.)
 //
-// Q5_K and IQ4_XS take the same kernels with their tiles (TcQ5k, TcIq4xs): matvec_tma_q5_k,
-// matvec_tma_iq4_xs, and their items forms below; a stage row is a tile type's ROW bytes, 8
-// blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1104 for IQ4_XS), so
-// that the 8 rows of a warp's lanes start on distinct 16-byte bank groups.
-#define TMA_STAGES 3
+// Q5_K, IQ4_XS and Q6_K (rows of a multiple of 8 blocks) take the same kernels with their
+// tiles (TcQ5k, TcIq4xs, TcQ6kTile): matvec_tma_q5_k, matvec_tma_iq4_xs,
+// matvec_tma_aligned_q6_k, and their items forms below. A stage row is a tile type's ROW
+// bytes, 8 blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1104 for
+// IQ4_XS, 1712 for Q6_K), so that the 8 rows of a warp's lanes start on distinct 16-byte bank
+// groups; Tile::STAGES of them (3, Q6_K's 2) follow x's planes and Tile::ZEROS bytes of zeros.
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The WARPS consumer warps only (the producer warp has left).
@@ -1055,11 +1186,12 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                                                 i64 row_bytes, const float* x, float* y,
                                                 i64 y_stride, int glu) {
 #if __CUDA_ARCH__ >= 900
-    constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES;
+    constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
     extern __shared__ __align__(128) u8 tma_sm[];
-    __shared__ u64 full[TMA_STAGES], empty[TMA_STAGES];
+    __shared__ u64 full[STAGES], empty[STAGES];
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
-    u8* stages = tma_sm + tc_x_bytes(kpart);
+    u8* zeros = tma_sm + tc_x_bytes(kpart);  // Tile::ZEROS bytes, then the stages
+    u8* stages = zeros + Tile::ZEROS;
     const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
     // With a shared expert, groups 0 .. tiles - 1 are its choice (the token's last), then
     // choices 0, 1, ...: rot turns group order into choice order.
@@ -1100,10 +1232,10 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         }
         return grp;
     };
-    init_stage_barriers(full, empty, TMA_STAGES, TMA_BLOCKS);
+    init_stage_barriers(full, empty, STAGES, TMA_BLOCKS);
     if (warp == TMA_BLOCKS) {
-        // Producer: stage n of the block's sequence into slot n % TMA_STAGES once the
-        // consumers have released what it held before (its (n / TMA_STAGES - 1)-th phase).
+        // Producer: stage n of the block's sequence into slot n % STAGES once the consumers
+        // have released what it held before (its (n / STAGES - 1)-th phase).
         int n = 0;
         for (int p = 0; p < parts; p++) {
             const int pnb = part_nb(p), steps = part_steps(p);
@@ -1114,8 +1246,8 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     const u8* mat = item_of(grp, m).mat + (i64)r0 * row_bytes +
                                     (i64)p * part_blocks * BYTES;
                     for (int st = 0; st < steps; st++, n++) {
-                        int slot = n % TMA_STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
-                        if (n >= TMA_STAGES) mbar_wait(&empty[slot], (n / TMA_STAGES - 1) & 1);
+                        int slot = n % STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
+                        if (n >= STAGES) mbar_wait(&empty[slot], (n / STAGES - 1) & 1);
                         if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * cnt * BYTES));
                         __syncwarp();
                         if (lane < nr)
@@ -1132,15 +1264,16 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
     // segments (Q4_K: 1168 = 16 mod 128 bytes apart) put the 8 rows' headers on distinct banks
     // and their 32-byte qs pieces two to a bank (one and two wavefronts).
-    const int g = lane >> 2, t = lane & 3, c = warp;
+    const int g = lane >> 2, t = lane & 3, c = warp, bstep = Tile::b_step(g, t);
     const float2 pf = TcQ4k::plane_factors(t);
+    if (threadIdx.x < Tile::ZEROS / 4) ((u32*)zeros)[threadIdx.x] = 0u;  // before part 0's sync
     int n = 0, par = 0;
     for (int p = 0; p < parts; p++) {
         // The last group's dots of part p - 1 are behind its consumers_sync: its planes are free.
         const int pnb = part_nb(p), steps = part_steps(p), stride = tc_plane_stride(256 * pnb);
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
-        const u8* bcol = Tile::b_col(tma_sm, stride, g, t);
+        const u8* bcol = Tile::b_col(tma_sm, stride, zeros, g, t);
         tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
                                    TMA_BLOCKS);  // by consumers
         consumers_sync();
@@ -1150,8 +1283,8 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             for (int m = 0; m < mats; m++) {
                 float acc_lo = 0.0f, acc_hi = 0.0f;
                 for (int st = 0; st < steps; st++, n++) {
-                    int slot = n % TMA_STAGES, kb = st * TMA_BLOCKS + c;
-                    mbar_wait(&full[slot], (n / TMA_STAGES) & 1);
+                    int slot = n % STAGES, kb = st * TMA_BLOCKS + c;
+                    mbar_wait(&full[slot], (n / STAGES) & 1);
                     Tile q;
                     if (kb < pnb) {
                         const u8* blo = stages + slot * STAGE + g * ROW + BYTES * c;
@@ -1160,7 +1293,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
                     if (kb < pnb)
-                        q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo,
+                        q.dot(bcol + bstep * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo,
                               acc_hi);
                 }
                 quad_sums(acc_lo, acc_hi);
@@ -1201,6 +1334,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
 DEFINE_MATVEC_TMA(matvec_tma_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, TcIq4xs)
+DEFINE_MATVEC_TMA(matvec_tma_aligned_q6_k, TcQ6kTile)
 
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //
@@ -1225,9 +1359,9 @@ DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, TcIq4xs)
 // 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
 //
-// matvec_tma_items_q5_k and matvec_tma_items_iq4_xs take the same form with their tiles;
-// Q5_K's with 3 consumer warps, whose 3 stages of 16 x 1424 bytes and x's two buffers fit
-// SM120's 99 KiB where 4 would not (ops.rs, tmi_warps).
+// matvec_tma_items_q5_k, matvec_tma_items_iq4_xs and matvec_tma_items_q6_k take the same form
+// with their tiles; Q5_K's and Q6_K's with 3 consumer warps, whose stages (16 x 1424 or 1712
+// bytes) and x's two buffers fit SM120's 99 KiB where 4 would not (ops.rs, TmaTile).
 template <class Tile, int TMI_WARPS>
 __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw, i64 mat_stride,
                                                       const int* ids, int items, int rows,
@@ -1240,7 +1374,8 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
     const int nb = k / 256, tiles = (rows + 15) / 16, groups = items * tiles;
     const int stride = tc_plane_stride(k);
     const int plane_bytes = tc_x_bytes(k);
-    u8* stages = tmi_sm + 2 * plane_bytes;
+    u8* zeros = tmi_sm + 2 * plane_bytes;  // Tile::ZEROS bytes, then the stages
+    u8* stages = zeros + Tile::ZEROS;
     const int g0 = (int)((i64)blockIdx.x * groups / gridDim.x);
     const int g1 = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1269,8 +1404,9 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
         return;
     }
     pdl_launch_next();
-    const int g = lane >> 2, t = lane & 3;
+    const int g = lane >> 2, t = lane & 3, bstep = Tile::b_step(g, t);
     const float2 pf = TcQ4k::plane_factors(t);
+    if (threadIdx.x < Tile::ZEROS / 4) ((u32*)zeros)[threadIdx.x] = 0u;  // before the first sync
     int n = 0, seg = 0;
     for (int grp = g0; grp < g1;) {
         // The run's tiles of item i: its planes into buffer seg % 2, which no warp reads any
@@ -1286,7 +1422,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
         consumers_sync<TMI_WARPS>();
         const float* scales = (const float*)(planes + 4 * stride);
         const float* sums = scales + tc_scales_len(k);
-        const u8* bcol = Tile::b_col(planes, stride, g, t);
+        const u8* bcol = Tile::b_col(planes, stride, zeros, g, t);
         for (; grp < end; grp++, n++) {
             if (n % TMI_WARPS != warp) continue;
             mbar_wait(&full[warp], (n / TMI_WARPS) & 1);
@@ -1296,7 +1432,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
             for (int kb = 0; kb < nb; kb++) {
                 Tile q;
                 q.load_stage(blo + BYTES * kb, bhi + BYTES * kb, t);
-                q.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
+                q.dot(bcol + bstep * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[warp]);  // the stage was read into registers
@@ -1322,6 +1458,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k, TcQ4k, 4)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k, TcQ5k, 3)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs, TcIq4xs, 4)
+DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q6_k, TcQ6kTile, 3)
 
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //
@@ -1369,22 +1506,6 @@ __device__ __forceinline__ int dp4a_u8s8(u32 a, u32 b, int c) {
 // bytes, as 16-byte chunks from the aligned address below its start.
 #define INT_Q6_STRETCH 840
 #define INT_Q6_CHUNKS 54
-
-// N words from 2-byte aligned shared memory, each shifted right by `extra` more bits (< 8)
-// with the bits of the word above.
-template <int N>
-__device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) {
-    // By pointer arithmetic on p, not an integer mask: the compiler then still knows the
-    // address is shared memory (LDS; a cast from an integer made generic loads).
-    const u32 mis = (u32)((unsigned long long)p & 3);
-    const u32* base = (const u32*)(p - mis);
-    u32 sh = 8 * mis + extra;
-    u32 a[N + 1];
-#pragma unroll
-    for (int i = 0; i <= N; i++) a[i] = base[i];
-#pragma unroll
-    for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
-}
 
 // The 16 bytes at p (16-byte aligned); where the chunk straddles `end` (the matrix's last
 // chunk: its end is only 2-byte aligned) the bytes before `end` and zeros, by 4- and 2-byte
@@ -1571,76 +1692,6 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // 80 modulo 128, so the 8 rows a load instruction reads fall on distinct pairs of banks.
 #define TMA6_ROW 1744
 #define TMA6_STAGE (16 * TMA6_ROW)
-
-// A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
-// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half (qh[h], the top bit of each 2-bit field
-// flipped), and from the scales at s = t >> 1 on (sc: byte 2i is sub-block 2i + s's), d.
-struct TcQ6k {
-    u32 ql[2][2][2], qh[2][2];
-    u32 sc[4], d;
-
-    __device__ __forceinline__ void load(const u8* b, int t) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            lds_words<2>(b + 64 * h + 8 * t, ql[h][0]);
-            lds_words<2>(b + 64 * h + 32 + 8 * t, ql[h][1]);
-            lds_words<2>(b + 128 + 32 * h + 8 * t, qh[h]);
-            qh[h][0] ^= 0xAAAAAAAAu;
-            qh[h][1] ^= 0xAAAAAAAAu;
-        }
-        lds_words<4>(b + 192 + (t >> 1), sc);  // reads up to 2 bytes past the block (in the stage)
-        d = *(const u16*)(b + 208);
-    }
-
-    // Lane (g, t)'s B bytes of x's block blk: plane g % 4 from byte 8t where its k values
-    // (t < 2: a quarter's first sub-block, t >= 2 its second) are its columns' sub-block (g < 4:
-    // the first), else 256 bytes of zeros.
-    __device__ static __forceinline__ const u8* b_block(const u8* planes, int stride,
-                                                        const u8* zeros, int g, int t, int blk) {
-        return (g >> 2) == (t >> 1) ? planes + (g & 3) * stride + 256 * blk + 8 * t : zeros + 8 * t;
-    }
-
-    // Quarter j of half h, word i (values 8t + 4i ..) as 4 signed bytes 4 (q - 32): q's low
-    // 4 bits at bits 2-5, its high 2 bits at bits 6-7 with the top one flipped (q - 32 in
-    // 6-bit two's complement, times 4 as a byte).
-    __device__ __forceinline__ u32 quarter(int h, int j, int i) const {
-        u32 l = ql[h][j & 1][i], q = qh[h][i];
-        u32 lo = j < 2 ? l << 2 : l >> 2;
-        return (lo & 0x3C3C3C3Cu) | ((q << (6 - 2 * j)) & 0xC0C0C0C0u);
-    }
-    // The scale of the lane's sub-block in quarter j of half h.
-    __device__ __forceinline__ int scale(int h, int j) const {
-        return (int)(signed char)(sc[2 * h + (j >> 1)] >> (16 * (j & 1)));
-    }
-};
-
-// acc_lo / acc_hi += rows g and g + 8's block (lo, hi) . x's block: bk the lane's B bytes of it
-// (TcQ6k::b_block), s x's block scale, pf the weights of its output planes
-// (TcQ4k::plane_factors: the same columns).
-__device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u8* bk, float s,
-                                       float2 pf, float& acc_lo, float& acc_hi) {
-    int ci[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            uint2 bb = *(const uint2*)(bk + 128 * h + 32 * j);
-            int cc[4];
-            mma_s8_16832(cc, lo.quarter(h, j, 0), hi.quarter(h, j, 0), lo.quarter(h, j, 1),
-                         hi.quarter(h, j, 1), bb.x, bb.y);
-            int sl = lo.scale(h, j), sh = hi.scale(h, j);
-            ci[0] += sl * cc[0];
-            ci[1] += sl * cc[1];
-            ci[2] += sh * cc[2];
-            ci[3] += sh * cc[3];
-        }
-    }
-    // Four times the sums of q - 32 (multiples of 4, |.| < 2^29): the sums.
-#pragma unroll
-    for (int r = 0; r < 4; r++) ci[r] >>= 2;
-    acc_lo += f16_to_f32((u16)lo.d) * s * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
-    acc_hi += f16_to_f32((u16)hi.d) * s * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
-}
 
 // The bytes of a row's segment of cnt blocks from address src (its low 32 bits enough) as
 // copied: from the 16-byte boundary below src, rounded up to 16.

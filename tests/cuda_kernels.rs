@@ -355,14 +355,14 @@ fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, check: impl FnMut(&Gpu)) {
     );
 }
 
-/// Runs `check` for type `t` (Q4_K, Q5_K, IQ4_XS) on its bulk-copy kernels where the GPU has
-/// them, then without: Q4_K on the matvec_tc kernels, the others on the CUDA cores.
+/// Runs `check` for type `t` (Q4_K, Q5_K, IQ4_XS, Q6_K) on its bulk-copy kernels where the GPU
+/// has them, then without: Q4_K on the matvec_tc kernels, the others on the CUDA cores.
 fn for_each_tile_type_kernel(g: &mut Gpu, t: GgmlType, check: impl FnMut(&Gpu)) {
     if t == GgmlType::Q4_K {
         return for_each_q4k_tensor_core_kernel(g, check);
     }
     let tile = tma_tile(t).unwrap();
-    let bulk = format!("matvec_tma_{0} / matvec_tma_items_{0}", tile.suffix);
+    let bulk = format!("{} / {}", tile.kernel, tile.items_kernel);
     for_each_bulk_copy_form(
         g,
         &format!("{t} tensor-core"),
@@ -402,19 +402,21 @@ fn for_each_bulk_copy_form(
 /// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory), and
 /// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long); the
 /// bulk-copy kernel's rows in parts beyond 9216 (12288: two of 24 256-blocks; 9472: of 19 and
-/// 18, each ending in a partial stage). Q5_K and IQ4_XS the same on their bulk-copy kernels
-/// (their parts: Q5_K's beyond 7168, IQ4_XS's beyond 10240; IQ4_XS's odd 256-blocks a row,
-/// k = 4352 and 9472, are not 16-byte rows and stay on the CUDA cores).
+/// 18, each ending in a partial stage). Q5_K, IQ4_XS and Q6_K the same on their bulk-copy
+/// kernels (their parts: Q5_K's beyond 7168, IQ4_XS's and Q6_K's beyond 10240); rows that are
+/// no multiple of 16 bytes (IQ4_XS's of an odd number of 256-blocks, Q6_K's of other than a
+/// multiple of 8: here only k = 4096 and 12288 are) stay on the CUDA cores.
 #[test]
 fn matvec_tensor_core_types_match_dequantized_dot() {
     let Some(mut g) = gpu() else { return };
     for t in TMA_TILE_TYPES {
         for_each_tile_type_kernel(&mut g, t, |g| {
             let mut rng = Rng::new("matvec_tc");
-            let cases: [(usize, usize, usize, &[i32]); 6] = [
+            let cases: [(usize, usize, usize, &[i32]); 7] = [
                 (2100, 1536, 3, &[2, 0, -1, 1, 1]),
                 (2048, 4608, 2, &[1, 0, -1, 1]),
                 (8200, 4352, 1, &[0]),
+                (8200, 4096, 1, &[0]),
                 (7200, 9216, 1, &[0]),
                 (6150, 12288, 1, &[0]),
                 (6144, 9472, 1, &[0]),
@@ -736,7 +738,7 @@ fn matvec_q4_k_pair_matches_two_products() {
 /// dequantized matrices and bit for bit to the pair without glu followed by silu_mul. The
 /// dense form (no ids, a token per x), its long-row form (k past TC_K_MAX: groups of one row
 /// tile in each matrix) and the MoE form (one x, a choice held elsewhere left alone, a tail
-/// tile); Q4_K, Q5_K and IQ4_XS.
+/// tile); Q4_K, Q5_K, IQ4_XS and Q6_K.
 #[test]
 fn matvec_glu_pair_folds_the_silu() {
     let Some(mut g) = gpu() else { return };
@@ -782,7 +784,7 @@ fn matvec_glu_pair_folds_the_silu() {
                         (rows, k),
                     )
                 };
-                // Q5_K and IQ4_XS pairs only on their bulk-copy kernel, glu within one part of k.
+                // Q5_K, IQ4_XS and Q6_K pairs only on their bulk-copy kernel, glu within one part of k.
                 if t != GgmlType::Q4_K && !g.takes_pair(&a) {
                     println!("{t} {rows}x{k}: no kernel takes this pair here");
                     continue;
@@ -824,8 +826,9 @@ fn matvec_glu_pair_folds_the_silu() {
 /// Items that each read their own x, with rows of up to 2048 values: the MoE downs (the shared
 /// expert as a choice, a choice held elsewhere left alone, a tail tile), MLA's per-head v_b (no
 /// ids). Equal to the f64 products of the dequantized matrices, and for Q4_K bit for bit the
-/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K and IQ4_XS
-/// on theirs and on the CUDA cores (which take no shared matrix).
+/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K, IQ4_XS and
+/// Q6_K on theirs and on the CUDA cores (which take no shared matrix; Q6_K's rows here but the
+/// first item set's are no multiple of 16 bytes: the CUDA cores).
 #[test]
 fn matvec_items_of_their_own_input() {
     let Some(mut g) = gpu() else { return };
@@ -2120,7 +2123,7 @@ fn dsa_scores_and_topk_match() {
 /// MoE decode with the shared expert as one more choice of the token (`Backend::moe_routed` on
 /// the tensor-core kernels: router rows of k + 1, the gate-up pair, the down product and the
 /// combine) equals the CPU's routed experts plus its shared expert, on GLM-5-like experts of
-/// Q4_K, Q5_K and IQ4_XS (16 of them, 8 chosen, sigmoid with a selection bias; hidden 2048, so
+/// Q4_K, Q5_K, IQ4_XS and Q6_K (16 of them, 8 chosen, sigmoid with a selection bias; hidden 2048, so
 /// that the gate-up pair takes matvec_tma_<type> where the GPU has bulk copies).
 #[test]
 fn moe_decode_with_the_shared_expert_matches_the_cpu() {
@@ -2128,7 +2131,7 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
     let cuda = Cuda::new(0).unwrap();
     let mut rng = Rng::new("moe_shared");
     for t in TMA_TILE_TYPES {
-        let (e, f, n_exp) = (2048, 1024, 16);
+        let (e, f, n_exp) = (2048, 2048, 16);
         let m = MoeConfig {
             n_expert: n_exp,
             n_used: 8,
@@ -2202,7 +2205,7 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
                 Some(&shared),
             )
             .unwrap();
-        // Q5_K and IQ4_XS: on their bulk-copy kernels only.
+        // Q5_K, IQ4_XS and Q6_K: on their bulk-copy kernels only.
         assert!(
             with_shared || t != GgmlType::Q4_K && !g.bulk_copies,
             "the shared expert runs as a choice at these shapes ({t})"

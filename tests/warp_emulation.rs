@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use mla_engine::backend::cuda::kernels::{mla_decode_smem_bytes, MLA_HB, MLA_THREADS};
 use mla_engine::backend::cuda::ops::{
     latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tma_tile,
-    tmi_smem_bytes, MlaDecode, MOE_SHARED,
+    tmi_smem_bytes, MlaDecode, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
@@ -97,7 +97,13 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "__device__ __forceinline__ void quad_sums("),
     Def("matvec.cu", "struct TcItem {"),
     Def("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
-    Line("matvec.cu", "#define TMA_STAGES "),
+    Def(
+        "matvec.cu",
+        "template <int N>\n__device__ __forceinline__ void lds_words(",
+    ),
+    Def("matvec.cu", "struct TcQ6k {"),
+    Def("matvec.cu", "__device__ __forceinline__ void q6_dot("),
+    Def("matvec.cu", "struct TcQ6kTile {"),
     Line("matvec.cu", "#define TMA_BLOCKS "),
     Def(
         "matvec.cu",
@@ -107,6 +113,7 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q4_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_iq4_xs,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_aligned_q6_k,"),
     Def(
         "matvec.cu",
         "template <class Tile, int TMI_WARPS>\n__device__ __forceinline__ void matvec_tma_items_body(",
@@ -115,15 +122,10 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs,"),
-    Def(
-        "matvec.cu",
-        "template <int N>\n__device__ __forceinline__ void lds_words(",
-    ),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q6_k,"),
     Line("matvec.cu", "#define TMA6_STAGES "),
     Line("matvec.cu", "#define TMA6_ROW "),
     Line("matvec.cu", "#define TMA6_STAGE "),
-    Def("matvec.cu", "struct TcQ6k {"),
-    Def("matvec.cu", "__device__ __forceinline__ void q6_dot("),
     Def(
         "matvec.cu",
         "__device__ __forceinline__ u32 q6_segment_bytes(",
@@ -656,7 +658,7 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
         .i32(c.glu as i32)
         .i32(c.grid as i32)
         .i32(tma_smem_bytes(tile, kpart) as i32);
-    let what = format!("matvec_tma_{} {}", tile.suffix, c.what);
+    let what = format!("{} {}", tile.kernel, c.what);
     check_outputs(&what, &h.run(args), &want);
 }
 
@@ -700,29 +702,23 @@ fn moe_pair(
     }
 }
 
-/// Q4_K's, Q5_K's and IQ4_XS's kernels over the same launches, but where IQ4_XS needs an
-/// even number of blocks a row and a part (a bulk copy moves multiples of 16 bytes; its
-/// blocks are 136): there one block more.
+/// Q4_K's, Q5_K's, IQ4_XS's and Q6_K's kernels over the same launches, but where a type's rows
+/// and parts must be a multiple of 2 (IQ4_XS's 136-byte blocks) or 8 blocks (Q6_K's 210) for
+/// the bulk copies' 16 bytes: there a few blocks more.
 #[test]
 fn bulk_copy_kernels_match_f64() {
     let Some(h) = Emulation::build("tma") else {
         return;
     };
-    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::IQ4_XS] {
-        let even = |nb: usize| {
-            if ty == GgmlType::IQ4_XS {
-                nb + nb % 2
-            } else {
-                nb
-            }
-        };
+    for ty in TMA_TILE_TYPES {
+        let even = |nb: usize| aligned_blocks(ty, nb);
         let cases = [
             one_matrix("40 x 2048, 2 blocks", 40, 8, None, 2),
             one_matrix(
-                "a row of 19 (IQ4_XS: 20) 256-blocks in parts of 10, 3 blocks",
+                "a row of 19 256-blocks (IQ4_XS 20, Q6_K 24) in parts of 10 (Q6_K 16), 3 blocks",
                 24,
                 even(19),
-                Some(10),
+                Some(even(10)),
                 3,
             ),
             one_matrix("20 x 18432 in parts (ops.rs), 1 block", 20, 72, None, 1),
@@ -753,6 +749,11 @@ fn bulk_copy_kernels_match_f64() {
             check_tma(&h, ty, c, 10 + i as u64);
         }
     }
+}
+
+/// nb rounded up to whole 16-byte rows of type ty's blocks (the bulk copies').
+fn aligned_blocks(ty: GgmlType, nb: usize) -> usize {
+    nb.next_multiple_of(16 >> ty.type_size().trailing_zeros().min(4))
 }
 
 /// A launch of matvec_tma_items_<type>: item i = the matrix ids[i] (MOE_SHARED: sw) times its
@@ -810,8 +811,8 @@ fn check_tma_items(
         .i32(grid as i32)
         .i32(tmi_smem_bytes(tile, k) as i32);
     let what = format!(
-        "matvec_tma_items_{} {rows} x {k}, ids {ids:?}, {grid} blocks",
-        tile.suffix
+        "{} {rows} x {k}, ids {ids:?}, {grid} blocks",
+        tile.items_kernel
     );
     check_outputs(&what, &h.run(args), &want);
 }
@@ -822,13 +823,9 @@ fn bulk_copy_items_kernels_match_f64() {
         return;
     };
     let ids = [2, -1, MOE_SHARED, 0, 2];
-    for (ty, seed) in [
-        (GgmlType::Q4_K, 20),
-        (GgmlType::Q5_K, 50),
-        (GgmlType::IQ4_XS, 60),
-    ] {
+    for (ty, seed) in TMA_TILE_TYPES.into_iter().zip([20, 50, 60, 70]) {
         check_tma_items(&h, ty, 40, 8, &ids, 4, seed);
-        check_tma_items(&h, ty, 40, 6, &ids, 1, seed + 1);
+        check_tma_items(&h, ty, 40, aligned_blocks(ty, 6), &ids, 1, seed + 1);
         check_tma_items(&h, ty, 24, 8, &ids[..3], 6, seed + 2);
     }
 }

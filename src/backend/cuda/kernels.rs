@@ -175,20 +175,17 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         "matvec_tma_q6_k" => super::ops::tma6_smem_bytes(super::ops::TMA6_K_MAX),
         k => {
-            let tile = |prefix: &str| {
-                let suffix = k.strip_prefix(prefix)?;
-                super::ops::TMA_TILE_TYPES
-                    .iter()
-                    .filter_map(|&ty| super::ops::tma_tile(ty))
-                    .find(|t| t.suffix == suffix)
-            };
-            if let Some(t) = tile("matvec_tma_items_") {
-                super::ops::tmi_smem_bytes(t, super::ops::TMI_K_MAX)
-            } else if let Some(t) = tile("matvec_tma_") {
-                super::ops::tma_smem_bytes(t, t.k_max)
-            } else {
-                0
-            }
+            let tiles = super::ops::TMA_TILE_TYPES
+                .iter()
+                .filter_map(|&ty| super::ops::tma_tile(ty));
+            let mut sizes = tiles.filter_map(|t| match k {
+                _ if k == t.kernel => Some(super::ops::tma_smem_bytes(t, t.k_max)),
+                _ if k == t.items_kernel => {
+                    Some(super::ops::tmi_smem_bytes(t, super::ops::TMI_K_MAX))
+                }
+                _ => None,
+            });
+            sizes.next().unwrap_or(0)
         }
     }
 }

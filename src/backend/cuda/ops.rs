@@ -318,7 +318,7 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 /// matvec_tma_q4_k (the weights by bulk copies, sm_90 and later) takes the tensor-core
 /// products whose items all read one x (a single matrix, a token's MoE gate and up) from
 /// k = TMA_K_MIN on, from a whole stage of 8 256-blocks a tile (H200: DS3's q_b 24576 x 1536
-/// took 10.0 -> 12.4 us). Its x planes and TMA_STAGES stages of 16 rows x 1168 bytes fit
+/// took 10.0 -> 12.4 us). Its x planes and 3 stages of 16 rows x 1168 bytes fit
 /// SM120's 99 KiB up to TmaTile::k_max (10240 would not, with the 3 KiB of static shared memory
 /// NVRTC gives it); longer rows (attn_output, the dense down; not glu) go in parts of at most
 /// that many elements (tma_part_k). Measured on an H200 against the matvec_tc kernels, same
@@ -329,67 +329,94 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 /// previous kernel ends (decode GLM-5 1,135-1,138 -> 1,177-1,179 tokens/s, DS3 1,107-1,108 ->
 /// 1,116-1,117).
 const TMA_K_MIN: usize = 2048;
-const TMA_STAGES: usize = 3;
 
-/// A quant type of the bulk-copy tensor-core kernels (kernels/matvec.cu: matvec_tma_<suffix>
-/// and matvec_tma_items_<suffix>, its tile type TcQ4k, TcQ5k or TcIq4xs). Q5_K and IQ4_XS
-/// have no other tensor-core kernel: without bulk copies (before sm_90) they stay on the CUDA
-/// cores.
+/// A quant type of the bulk-copy tensor-core kernels (kernels/matvec.cu: matvec_tma_body and
+/// matvec_tma_items_body with its tile type TcQ4k, TcQ5k, TcIq4xs or TcQ6kTile). Q5_K, IQ4_XS
+/// and Q6_K have no other tensor-core kernel for these products: without bulk copies (before
+/// sm_90) they stay on the CUDA cores (Q6_K's lm head: matvec_tma_q6_k / matvec_int_q6_k).
 #[derive(Clone, Copy, Debug)]
 pub struct TmaTile {
-    pub suffix: &'static str,
+    /// The kernel of products whose items read one x, and of items with their own.
+    pub kernel: &'static str,
+    pub items_kernel: &'static str,
     /// A quant block's bytes.
     pub bytes: usize,
     /// A stage row's bytes (the tile type's ROW: 8 blocks, padded to an odd multiple of 16).
     pub row: usize,
-    /// The longest part of k whose x planes fit beside TMA_STAGES stages in SM120's 99 KiB
-    /// with the kernel's static shared memory (longer rows go in parts, tma_part_k).
+    /// Stages of kernel's ring (Tile::STAGES), and bytes of zeros before them (Tile::ZEROS).
+    pub stages: usize,
+    pub zeros: usize,
+    /// The longest part of k whose x planes fit beside the stages in SM120's 99 KiB with the
+    /// kernel's static shared memory (longer rows go in parts, tma_part_k).
     pub k_max: usize,
-    /// Consumer warps of the items kernel, a stage each (Q5_K's 4 stages would not fit).
+    /// Consumer warps of the items kernel, a stage each (fewer where 4 stages would not fit).
     pub items_warps: usize,
 }
 
-pub const TMA_TILE_TYPES: [GgmlType; 3] = [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::IQ4_XS];
+pub const TMA_TILE_TYPES: [GgmlType; 4] = [
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::IQ4_XS,
+    GgmlType::Q6_K,
+];
 
 pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
-    let tile = |suffix, row, k_max, items_warps| {
+    let tile = |kernel, items_kernel, row, stages, k_max, items_warps| {
         Some(TmaTile {
-            suffix,
+            kernel,
+            items_kernel,
             bytes: ty.type_size(),
             row,
+            stages,
+            zeros: if ty == GgmlType::Q6_K { 256 } else { 0 },
             k_max,
             items_warps,
         })
     };
     match ty {
-        GgmlType::Q4_K => tile("q4_k", 1168, 9216, 4),
-        GgmlType::Q5_K => tile("q5_k", 1424, 7168, 3),
-        GgmlType::IQ4_XS => tile("iq4_xs", 1104, 10240, 4),
+        GgmlType::Q4_K => tile("matvec_tma_q4_k", "matvec_tma_items_q4_k", 1168, 3, 9216, 4),
+        GgmlType::Q5_K => tile("matvec_tma_q5_k", "matvec_tma_items_q5_k", 1424, 3, 7168, 3),
+        GgmlType::IQ4_XS => tile(
+            "matvec_tma_iq4_xs",
+            "matvec_tma_items_iq4_xs",
+            1104,
+            3,
+            10240,
+            4,
+        ),
+        GgmlType::Q6_K => tile(
+            "matvec_tma_aligned_q6_k",
+            "matvec_tma_items_q6_k",
+            1712,
+            2,
+            10240,
+            3,
+        ),
         _ => None,
     }
 }
 
-/// Dynamic shared memory of matvec_tma_<type>: x as tc_smem_bytes(k) to a 128-byte boundary,
-/// then the stages.
+/// Dynamic shared memory of a tile type's kernel: x as tc_smem_bytes(k) to a 128-byte
+/// boundary, the zeros, then the stages.
 pub fn tma_smem_bytes(tile: TmaTile, k: usize) -> usize {
-    tc_smem_bytes(k).next_multiple_of(128) + TMA_STAGES * 16 * tile.row
+    tc_smem_bytes(k).next_multiple_of(128) + tile.zeros + tile.stages * 16 * tile.row
 }
 
-/// matvec_tma_items_<type> (a whole tile a stage, a warp per tile; sm_90 and later) takes the
-/// tensor-core products whose items each read their own x (the MoE downs, MLA's v_b) up to
+/// A tile type's items kernel (a whole tile a stage, a warp per tile; sm_90 and later) takes
+/// the tensor-core products whose items each read their own x (the MoE downs, MLA's v_b) up to
 /// TMI_K_MAX, a tile's 16 rows of 8 256-blocks in one stage.
 pub(super) const TMI_K_MAX: usize = 2048;
 
-/// Dynamic shared memory of matvec_tma_items_<type>: two buffers of x's planes as
-/// tc_smem_bytes(k), each to a 128-byte boundary, then a stage per consumer warp.
+/// Dynamic shared memory of a tile type's items kernel: two buffers of x's planes as
+/// tc_smem_bytes(k), each to a 128-byte boundary, the zeros, then a stage per consumer warp.
 pub fn tmi_smem_bytes(tile: TmaTile, k: usize) -> usize {
-    2 * tc_smem_bytes(k).next_multiple_of(128) + tile.items_warps * 16 * tile.row
+    2 * tc_smem_bytes(k).next_multiple_of(128) + tile.zeros + tile.items_warps * 16 * tile.row
 }
 
-/// The elements of each part of x that matvec_tma_<type> holds as planes at a time: k, or
+/// The elements of each part of x that a tile type's kernel holds as planes at a time: k, or
 /// beyond the tile's k_max as few equal parts of whole 256-blocks as fit (the last may be
 /// shorter), each a whole number of 16 bytes a row for the bulk copies (IQ4_XS's 136-byte
-/// blocks: an even number).
+/// blocks: an even number; Q6_K's 210: a multiple of 8).
 pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
     let blocks = k / 256;
     let parts = blocks.div_ceil(tile.k_max / 256);
@@ -422,11 +449,12 @@ fn one_x_of(a: &Matvec) -> bool {
 
 impl Gpu {
     /// Whether `matvec` takes `a` on a tensor-core kernel: Q4_K's (the bulk-copy forms where
-    /// they take it, else matvec_tc_q4_k / matvec_tc8_q4_k), Q5_K's and IQ4_XS's bulk-copy
-    /// forms only.
+    /// they take it, else matvec_tc_q4_k / matvec_tc8_q4_k), Q5_K's, IQ4_XS's and Q6_K's
+    /// bulk-copy forms only (Q6_K's lm head keeps its own kernels, uses_int_q6_k).
     fn on_tensor_cores(&self, a: &Matvec) -> bool {
         let shape = |rb| tma_tile(a.ty).is_some() && tensor_core_shape(a, rb);
         a.ty.row_bytes(a.k).is_some_and(shape)
+            && !uses_int_q6_k(a)
             && (a.ty == GgmlType::Q4_K || self.uses_bulk_copies(a) || self.uses_item_copies(a))
     }
 
@@ -505,7 +533,7 @@ impl Gpu {
                 // A group per tile of an item (glu: of both matrices), one wave of blocks.
                 let kpart = tma_part_k(tile, a.k);
                 let smem = tma_smem_bytes(tile, kpart);
-                let kernel = &format!("matvec_tma_{}", tile.suffix);
+                let kernel = tile.kernel;
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
                 let slots = self.wave_blocks(kernel, 288, smem)?;
                 launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
@@ -515,7 +543,7 @@ impl Gpu {
                 return Ok(());
             }
             if self.uses_item_copies(a) {
-                let kernel = &format!("matvec_tma_items_{}", tile.suffix);
+                let kernel = tile.items_kernel;
                 let threads = 32 * (tile.items_warps as u32 + 1);
                 let smem = tmi_smem_bytes(tile, a.k);
                 let slots = self.wave_blocks(kernel, threads, smem)?;
