@@ -179,6 +179,94 @@ __device__ __forceinline__ void piece_q6_k(const u8* const* blk, int p, const fl
     for (int r = 0; r < MATVEC_ROWS; r++) acc[r] += d0[r] * s0[r] + d1[r] * s1[r];
 }
 
+// Q2_K and Q3_K piece p (4 per block): half h = p / 2 and lh = p % 2, the 16 qs bytes l = 16 lh
+// .. 16 lh + 15 of the half, whose 2-bit fields j = 0..3 are elements 128h + 32j + 16lh + i,
+// sub-block s = 8h + 2j + lh (16 values of one scale). Each row's 16 bytes serve its four
+// sums of 16 values (shifted down 2j and masked per field), x's four 16-value runs are shared
+// by the rows. The unit walk (generic_piece) read these blocks a byte at a time.
+//
+// Q2_K (84 bytes, 4-byte aligned): scales[16] (low nibble scale, high nibble min), qs[64] at
+// 16, f16 d at 80, f16 dmin at 82; value = d sc q - dmin mn, summed as d sc sum(q x) - dmin mn
+// sum(x).
+__device__ __forceinline__ void piece_q2_k(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    const int h = p >> 1, lh = p & 1;
+    u32 qs[MATVEC_ROWS][4], sc[MATVEC_ROWS][2], dd[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        ld_words<4>(blk[r] + 16 + 32 * h + 16 * lh, qs[r]);
+        ld_words<2>(blk[r] + 8 * h, sc[r]);  // sub-blocks 8h .. 8h + 7
+        ld_words<1>(blk[r] + 80, &dd[r]);
+    }
+    const float* x0 = xb + 128 * h + 16 * lh;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float sx = 0.0f, sq[MATVEC_ROWS];
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++) sq[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float4 x = *(const float4*)(x0 + 32 * j + 4 * i);
+            sx += sum4(x);
+#pragma unroll
+            for (int r = 0; r < MATVEC_ROWS; r++)
+                sq[r] = dot4((qs[r][i] >> (2 * j)) & 0x03030303u, x, 0.0f, sq[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++) {
+            // Sub-block 8h + 2j + lh: byte 2j + lh of the 8 loaded.
+            u32 b = (sc[r][j >> 1] >> (8 * (2 * (j & 1) + lh))) & 0xFF;
+            float d = f16_to_f32((u16)dd[r]), dmin = f16_to_f32((u16)(dd[r] >> 16));
+            acc[r] += d * (float)(b & 15) * sq[r] - dmin * (float)(b >> 4) * sx;
+        }
+    }
+}
+
+// Q3_K (110 bytes, 2-byte aligned): hmask[32], qs[64] at 32, scales[12] at 96 (16 six-bit
+// scales: low 4 bits of scale s in nibble s / 8 of byte s % 8, high 2 bits at bits 2 (s / 4)
+// of byte 8 + s % 4), f16 d at 108. The field's q2 is lowered by 4 where bit 4h + j of
+// hmask[l] is clear: q2 | hbit << 2 is q + 4, so the bytes enter with a bias of 4; value =
+// d (scale - 32) q.
+__device__ __forceinline__ void piece_q3_k(const u8* const* blk, int p, const float* xb,
+                                           float* acc) {
+    const int h = p >> 1, lh = p & 1;
+    u32 qs[MATVEC_ROWS][4], hm[MATVEC_ROWS][4], sc[MATVEC_ROWS][3];
+    float d[MATVEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        ld_words<4>(blk[r] + 32 + 32 * h + 16 * lh, qs[r]);
+        ld_words<4>(blk[r] + 16 * lh, hm[r]);
+        ld_words<3>(blk[r] + 96, sc[r]);
+        d[r] = f16_to_f32(ld_nc16(blk[r] + 108));
+    }
+    const float* x0 = xb + 128 * h + 16 * lh;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float sq[MATVEC_ROWS];
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++) sq[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float4 x = *(const float4*)(x0 + 32 * j + 4 * i);
+#pragma unroll
+            for (int r = 0; r < MATVEC_ROWS; r++) {
+                u32 q = ((qs[r][i] >> (2 * j)) & 0x03030303u) |
+                        (((hm[r][i] >> (4 * h + j)) & 0x01010101u) << 2);
+                sq[r] = dot4(q, x, 4.0f, sq[r]);
+            }
+        }
+        // Scale s = 8h + 2j + lh: low bits in byte 2j + lh (nibble h), high bits in byte
+        // 8 + 2 (j % 2) + lh at bits 2 (2h + j / 2).
+        const int lo_byte = 2 * j + lh, hi_byte = 8 + 2 * (j & 1) + lh;
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS; r++) {
+            u32 lo = (sc[r][lo_byte >> 2] >> (8 * (lo_byte & 3) + 4 * h)) & 15;
+            u32 hi = (sc[r][hi_byte >> 2] >> (8 * (hi_byte & 3) + 2 * (2 * h + (j >> 1)))) & 3;
+            acc[r] += d[r] * (float)((int)(lo | (hi << 4)) - 32) * sq[r];
+        }
+    }
+}
+
 // Q8_0 piece p (2 per block; blocks 2-byte aligned): the 16 values qs[16p..]. The bytes are
 // signed: flipping their top bit gives q + 128.
 __device__ __forceinline__ void piece_q8_0(const u8* const* blk, int p, const float* xb,
@@ -1900,6 +1988,8 @@ FAST_PIECE(f16, 1, true)
 FAST_PIECE(bf16, 1, true)
 FAST_PIECE(q5_0, 4, false)
 FAST_PIECE(q8_0, 2, false)
+FAST_PIECE(q2_k, 4, false)
+FAST_PIECE(q3_k, 4, false)
 FAST_PIECE(q4_k, 8, true)
 FAST_PIECE(q5_k, 8, true)
 FAST_PIECE(q6_k, 8, false)

@@ -60,7 +60,15 @@ const PIECES: &[Piece] = &[
     Line("common.cuh", "#define LATENT_DIMS"),
     Line("common.cuh", "#define LATENT_ROPE_AT"),
     Line("common.cuh", "#define LATENT_ROW_BYTES"),
+    Def(
+        "common.cuh",
+        "template <int N>\n__device__ __forceinline__ void ld_words(",
+    ),
     Def("common.cuh", "__device__ __forceinline__ float warp_sum("),
+    Def(
+        "common.cuh",
+        "__device__ __forceinline__ float half_warp_sum(",
+    ),
     Def("common.cuh", "__device__ float block_sum("),
     Def(
         "common.cuh",
@@ -68,8 +76,20 @@ const PIECES: &[Piece] = &[
     ),
     Def("common.cuh", "__device__ __forceinline__ void rope_turn("),
     Def("common.cuh", "__device__ float block_max("),
+    Line("matvec.cu", "#define MATVEC_WIDE_WARPS "),
+    Line("matvec.cu", "#define MATVEC_ROWS "),
+    Def("matvec.cu", "struct MatvecParts {"),
+    Line("matvec.cu", "typedef void (*PieceFn)("),
     Def("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),
     Def("matvec.cu", "__device__ __forceinline__ float byte_f("),
+    Def("matvec.cu", "__device__ __forceinline__ float dot4("),
+    Def("matvec.cu", "__device__ __forceinline__ float sum4("),
+    Def("matvec.cu", "__device__ __forceinline__ void piece_q2_k("),
+    Def("matvec.cu", "__device__ __forceinline__ void piece_q3_k("),
+    Def(
+        "matvec.cu",
+        "template <int ELEMS, int BYTES, int PIECES, PieceFn PIECE, bool HALF>\n__device__ void matvec_body(",
+    ),
     Def(
         "matvec.cu",
         "__device__ __forceinline__ int tc_plane_stride(",
@@ -407,6 +427,8 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::IQ4_XS => &[0],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
         GgmlType::Q6_K => &[208],
         _ => unreachable!(),
     }
@@ -860,6 +882,38 @@ fn bulk_copy_q6_k_kernel_matches_f64() {
     check_tma_q6k(&h, 40, 8, 2, 31);
     check_tma_q6k(&h, 20, 12, 1, 32);
     check_tma_q6k(&h, 33, 32, 2, 33);
+}
+
+/// The CUDA-core matrix-vector kernels' Q2_K and Q3_K pieces (matvec_body, the harness
+/// matvec.cpp) against f64: 37 rows (a partial last group of 4), rows of 1, 7 and 28 blocks
+/// (Q3_K's 110-byte blocks 2-byte aligned), a group per block and groups sharing blocks
+/// (the warps of a group splitting k).
+#[test]
+fn cuda_core_q2_k_and_q3_k_pieces_match_f64() {
+    let Some(h) = Emulation::build("matvec") else {
+        return;
+    };
+    for (code, ty) in [(0, GgmlType::Q2_K), (1, GgmlType::Q3_K)] {
+        for (nb, grid, seed) in [(1, 10, 80), (7, 3, 81), (28, 5, 82)] {
+            let rows = 37;
+            let mut rng = Rng::new(seed);
+            let w = random_rows(ty, rows, nb, &mut rng);
+            let x = random_x(nb, &mut rng);
+            let args = Args::default()
+                .i32(code)
+                .bytes(&w)
+                .i32(rows as i32)
+                .i32(256 * nb as i32)
+                .i64((ty.type_size() * nb) as i64)
+                .floats(&x)
+                .floats(&vec![UNWRITTEN; rows])
+                .i32(grid)
+                .i32(4);
+            let want: Vec<Option<f64>> = products(ty, &w, &x).into_iter().map(Some).collect();
+            let what = format!("matvec {ty:?} {rows} x {}, {grid} blocks", 256 * nb);
+            check_outputs(&what, &h.run(args), &want);
+        }
+    }
 }
 
 fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {

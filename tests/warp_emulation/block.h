@@ -105,6 +105,8 @@ inline u32 __funnelshift_r(u32 lo, u32 hi, u32 sh) {
 }
 
 inline uint4 ld_cached16(const u8* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
+inline uint4 ld_stream16(const u8* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
+inline void prefetch_l2(const void*) {}
 inline uint2 ld_cached8(const u8* p) { uint2 v; std::memcpy(&v, p, 8); return v; }
 
 // Programmatic dependent launch: one kernel at a time here.

@@ -200,6 +200,10 @@ const DECODE_TYPES: &[GgmlType] = &[
     GgmlType::Q6_K,
     GgmlType::Q8_0,
     GgmlType::IQ4_XS,
+    // Not among issue 9's targets; the low-bit K-quants that fit the largest models on the
+    // fewest GPUs.
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
 ];
 const PREFILL_TYPES: &[GgmlType] = &[GgmlType::Q4_K, GgmlType::Q8_0];
 const PREFILL_TOKENS: &[usize] = &[512, 2048];
