@@ -384,12 +384,14 @@ fn for_each_bulk_copy_form(
     } else {
         &[false]
     };
+    let had = g.bulk_copies;
     for &bulk in forms {
         g.bulk_copies = bulk;
         let kernel = if bulk { kernels.0 } else { kernels.1 };
         println!("{what} kernel: {kernel}");
         check(g);
     }
+    g.bulk_copies = had; // the next caller's forms start from the GPU's own
 }
 
 /// The Q4_K matvec on the integer tensor cores (matvec_tma_q4_k, matvec_tc_q4_k and
