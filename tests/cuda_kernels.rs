@@ -740,7 +740,7 @@ fn matvec_q4_k_pair_matches_two_products() {
 /// dequantized matrices and bit for bit to the pair without glu followed by silu_mul. The
 /// dense form (no ids, a token per x), its long-row form (k past TC_K_MAX: groups of one row
 /// tile in each matrix) and the MoE form (one x, a choice held elsewhere left alone, a tail
-/// tile); Q4_K, Q5_K, IQ4_XS and Q6_K.
+/// tile; GLM-5's k = 6144 too, 16-byte rows of every type); Q4_K, Q5_K, IQ4_XS and Q6_K.
 #[test]
 fn matvec_glu_pair_folds_the_silu() {
     let Some(mut g) = gpu() else { return };
@@ -751,6 +751,7 @@ fn matvec_glu_pair_folds_the_silu() {
                 (None, 2048, 2048, 1),
                 (None, 3072, 9216, 1),
                 (Some(&[2i32, 0, -1, 1][..]), 2000, 2048, 4),
+                (Some(&[1i32, -1, 0, 2][..]), 1036, 6144, 4),
             ];
             for (given, rows, k, x_group) in cases {
                 let ids = given.unwrap_or(&[0, 1]); // no ids: item b uses matrix b
