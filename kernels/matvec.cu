@@ -1447,9 +1447,10 @@ DEFINE_MATVEC_TMA(matvec_tma_aligned_q6_k, TcQ6kTile)
 // 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
 //
-// matvec_tma_items_q5_k, matvec_tma_items_iq4_xs and matvec_tma_items_q6_k take the same form
-// with their tiles; Q5_K's and Q6_K's with 3 consumer warps, whose stages (16 x 1424 or 1712
-// bytes) and x's two buffers fit SM120's 99 KiB where 4 would not (ops.rs, TmaTile).
+// matvec_tma_items_q5_k and matvec_tma_items_iq4_xs take the same form with their tiles;
+// Q5_K's with 3 consumer warps, whose stages of 16 x 1424 bytes and x's two buffers fit
+// SM120's 99 KiB where 4 would not (ops.rs, TmaTile). (Q6_K's, 3 warps of TcQ6kTile, lost to
+// the CUDA cores on the MoE downs: H200, DS3's MoE row 136.3 -> 145.9 us.)
 template <class Tile, int TMI_WARPS>
 __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw, i64 mat_stride,
                                                       const int* ids, int items, int rows,
@@ -1457,13 +1458,13 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
                                                       i64 x_stride, float* y, i64 y_stride) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES;
+    static_assert(Tile::ZEROS == 0, "no tile with a zeros B (TcQ6kTile) takes the items form");
     extern __shared__ __align__(128) u8 tmi_sm[];
     __shared__ u64 full[TMI_WARPS], empty[TMI_WARPS];
     const int nb = k / 256, tiles = (rows + 15) / 16, groups = items * tiles;
     const int stride = tc_plane_stride(k);
     const int plane_bytes = tc_x_bytes(k);
-    u8* zeros = tmi_sm + 2 * plane_bytes;  // Tile::ZEROS bytes, then the stages
-    u8* stages = zeros + Tile::ZEROS;
+    u8* stages = tmi_sm + 2 * plane_bytes;
     const int g0 = (int)((i64)blockIdx.x * groups / gridDim.x);
     const int g1 = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1494,7 +1495,6 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
     pdl_launch_next();
     const int g = lane >> 2, t = lane & 3, bstep = Tile::b_step(g, t);
     const float2 pf = TcQ4k::plane_factors(t);
-    if (threadIdx.x < Tile::ZEROS / 4) ((u32*)zeros)[threadIdx.x] = 0u;  // before the first sync
     int n = 0, seg = 0;
     for (int grp = g0; grp < g1;) {
         // The run's tiles of item i: its planes into buffer seg % 2, which no warp reads any
@@ -1510,7 +1510,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
         consumers_sync<TMI_WARPS>();
         const float* scales = (const float*)(planes + 4 * stride);
         const float* sums = scales + tc_scales_len(k);
-        const u8* bcol = Tile::b_col(planes, stride, zeros, g, t);
+        const u8* bcol = Tile::b_col(planes, stride, nullptr, g, t);
         for (; grp < end; grp++, n++) {
             if (n % TMI_WARPS != warp) continue;
             mbar_wait(&full[warp], (n / TMI_WARPS) & 1);
@@ -1546,7 +1546,6 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k, TcQ4k, 4)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k, TcQ5k, 3)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs, TcIq4xs, 4)
-DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q6_k, TcQ6kTile, 3)
 
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //

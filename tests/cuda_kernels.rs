@@ -362,7 +362,10 @@ fn for_each_tile_type_kernel(g: &mut Gpu, t: GgmlType, check: impl FnMut(&Gpu)) 
         return for_each_q4k_tensor_core_kernel(g, check);
     }
     let tile = tma_tile(t).unwrap();
-    let bulk = format!("{} / {}", tile.kernel, tile.items_kernel);
+    let bulk = match tile.items {
+        Some((items, _)) => format!("{} / {items}", tile.kernel),
+        None => tile.kernel.to_string(),
+    };
     for_each_bulk_copy_form(
         g,
         &format!("{t} tensor-core"),
@@ -829,9 +832,9 @@ fn matvec_glu_pair_folds_the_silu() {
 /// Items that each read their own x, with rows of up to 2048 values: the MoE downs (the shared
 /// expert as a choice, a choice held elsewhere left alone, a tail tile), MLA's per-head v_b (no
 /// ids). Equal to the f64 products of the dequantized matrices, and for Q4_K bit for bit the
-/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K, IQ4_XS and
-/// Q6_K on theirs and on the CUDA cores (which take no shared matrix; Q6_K's rows here but the
-/// first item set's are no multiple of 16 bytes: the CUDA cores).
+/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K and IQ4_XS
+/// on theirs and on the CUDA cores (which take no shared matrix); Q6_K, which has no items form,
+/// on the CUDA cores.
 #[test]
 fn matvec_items_of_their_own_input() {
     let Some(mut g) = gpu() else { return };
@@ -2208,10 +2211,11 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
                 Some(&shared),
             )
             .unwrap();
-        // Q5_K, IQ4_XS and Q6_K: on their bulk-copy kernels only.
-        assert!(
-            with_shared || t != GgmlType::Q4_K && !g.bulk_copies,
-            "the shared expert runs as a choice at these shapes ({t})"
+        // Q5_K and IQ4_XS on their bulk-copy kernels only; Q6_K's downs have no items form.
+        let as_choice = t == GgmlType::Q4_K || g.bulk_copies && t != GgmlType::Q6_K;
+        assert_eq!(
+            with_shared, as_choice,
+            "whether the shared expert runs as a choice at these shapes ({t})"
         );
         let got = cuda.download(&out);
 

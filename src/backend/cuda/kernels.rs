@@ -178,10 +178,10 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
             let tiles = super::ops::TMA_TILE_TYPES
                 .iter()
                 .filter_map(|&ty| super::ops::tma_tile(ty));
-            let mut sizes = tiles.filter_map(|t| match k {
+            let mut sizes = tiles.filter_map(|t| match t.items {
                 _ if k == t.kernel => Some(super::ops::tma_smem_bytes(t, t.k_max)),
-                _ if k == t.items_kernel => {
-                    Some(super::ops::tmi_smem_bytes(t, super::ops::TMI_K_MAX))
+                Some((items, warps)) if k == items => {
+                    Some(super::ops::tmi_smem_bytes(t, warps, super::ops::TMI_K_MAX))
                 }
                 _ => None,
             });

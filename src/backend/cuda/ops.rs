@@ -336,9 +336,12 @@ const TMA_K_MIN: usize = 2048;
 /// sm_90) they stay on the CUDA cores (Q6_K's lm head: matvec_tma_q6_k / matvec_int_q6_k).
 #[derive(Clone, Copy, Debug)]
 pub struct TmaTile {
-    /// The kernel of products whose items read one x, and of items with their own.
+    /// The kernel of products whose items read one x.
     pub kernel: &'static str,
-    pub items_kernel: &'static str,
+    /// The kernel of items with their own x, and its consumer warps (a stage each; fewer
+    /// where 4 stages would not fit). None for Q6_K: its items form lost to the CUDA cores
+    /// (H200, the DS3 MoE row's downs: 136.3 -> 145.9 us; docs/performance.md).
+    pub items: Option<(&'static str, usize)>,
     /// A quant block's bytes.
     pub bytes: usize,
     /// A stage row's bytes (the tile type's ROW: 8 blocks, padded to an odd multiple of 16).
@@ -349,8 +352,6 @@ pub struct TmaTile {
     /// The longest part of k whose x planes fit beside the stages in SM120's 99 KiB with the
     /// kernel's static shared memory (longer rows go in parts, tma_part_k).
     pub k_max: usize,
-    /// Consumer warps of the items kernel, a stage each (fewer where 4 stages would not fit).
-    pub items_warps: usize,
 }
 
 pub const TMA_TILE_TYPES: [GgmlType; 4] = [
@@ -361,37 +362,40 @@ pub const TMA_TILE_TYPES: [GgmlType; 4] = [
 ];
 
 pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
-    let tile = |kernel, items_kernel, row, stages, k_max, items_warps| {
+    let tile = |kernel, items, row, stages, k_max| {
         Some(TmaTile {
             kernel,
-            items_kernel,
+            items,
             bytes: ty.type_size(),
             row,
             stages,
             zeros: if ty == GgmlType::Q6_K { 256 } else { 0 },
             k_max,
-            items_warps,
         })
     };
     match ty {
-        GgmlType::Q4_K => tile("matvec_tma_q4_k", "matvec_tma_items_q4_k", 1168, 3, 9216, 4),
-        GgmlType::Q5_K => tile("matvec_tma_q5_k", "matvec_tma_items_q5_k", 1424, 3, 7168, 3),
+        GgmlType::Q4_K => tile(
+            "matvec_tma_q4_k",
+            Some(("matvec_tma_items_q4_k", 4)),
+            1168,
+            3,
+            9216,
+        ),
+        GgmlType::Q5_K => tile(
+            "matvec_tma_q5_k",
+            Some(("matvec_tma_items_q5_k", 3)),
+            1424,
+            3,
+            7168,
+        ),
         GgmlType::IQ4_XS => tile(
             "matvec_tma_iq4_xs",
-            "matvec_tma_items_iq4_xs",
+            Some(("matvec_tma_items_iq4_xs", 4)),
             1104,
             3,
             10240,
-            4,
         ),
-        GgmlType::Q6_K => tile(
-            "matvec_tma_aligned_q6_k",
-            "matvec_tma_items_q6_k",
-            1712,
-            2,
-            10240,
-            3,
-        ),
+        GgmlType::Q6_K => tile("matvec_tma_aligned_q6_k", None, 1712, 2, 10240),
         _ => None,
     }
 }
@@ -407,10 +411,10 @@ pub fn tma_smem_bytes(tile: TmaTile, k: usize) -> usize {
 /// TMI_K_MAX, a tile's 16 rows of 8 256-blocks in one stage.
 pub(super) const TMI_K_MAX: usize = 2048;
 
-/// Dynamic shared memory of a tile type's items kernel: two buffers of x's planes as
-/// tc_smem_bytes(k), each to a 128-byte boundary, the zeros, then a stage per consumer warp.
-pub fn tmi_smem_bytes(tile: TmaTile, k: usize) -> usize {
-    2 * tc_smem_bytes(k).next_multiple_of(128) + tile.zeros + tile.items_warps * 16 * tile.row
+/// Dynamic shared memory of a tile type's items kernel of `warps` consumer warps: two buffers
+/// of x's planes as tc_smem_bytes(k), each to a 128-byte boundary, then a stage per warp.
+pub fn tmi_smem_bytes(tile: TmaTile, warps: usize, k: usize) -> usize {
+    2 * tc_smem_bytes(k).next_multiple_of(128) + warps * 16 * tile.row
 }
 
 /// The elements of each part of x that a tile type's kernel holds as planes at a time: k, or
@@ -477,6 +481,7 @@ impl Gpu {
     fn uses_item_copies(&self, a: &Matvec) -> bool {
         self.bulk_copies
             && self.item_copies
+            && tma_tile(a.ty).is_some_and(|t| t.items.is_some())
             && a.k <= TMI_K_MAX
             && a.batch > 1
             && a.x_group == 1
@@ -543,9 +548,9 @@ impl Gpu {
                 return Ok(());
             }
             if self.uses_item_copies(a) {
-                let kernel = tile.items_kernel;
-                let threads = 32 * (tile.items_warps as u32 + 1);
-                let smem = tmi_smem_bytes(tile, a.k);
+                let (kernel, warps) = tile.items.expect("uses_item_copies");
+                let threads = 32 * (warps as u32 + 1);
+                let smem = tmi_smem_bytes(tile, warps, a.k);
                 let slots = self.wave_blocks(kernel, threads, smem)?;
                 launch!(self, kernel, ((tiles * a.batch).min(slots) as u32, 1, 1), threads,
                     smem as u32;
