@@ -97,15 +97,6 @@ __device__ __forceinline__ void init_stage_barriers(u64* full, u64* empty, int s
     __syncthreads();
 }
 
-// Named barrier `id` (1-15; 0 is __syncthreads) of `count` threads (a multiple of 32): wait
-// there, or only arrive (the threads that wait count those that arrive).
-__device__ __forceinline__ void named_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
 // The SwiGLU gate, silu(g) = g / (1 + exp(-g)): one expression for silu_mul and the
 // tensor-core matvec's glu form, so that both give the same bits.
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }

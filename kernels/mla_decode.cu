@@ -34,8 +34,7 @@
 // memory mla_decode_smem_bytes() (kernels.rs). Two forms: mla_decode_split holds MLA_HB = 32
 // heads as two m16 tiles of 4 warps each (W = 4), mla_decode_split16 one tile of 16 heads on
 // all 8 warps (W = 8: for few heads, as on a tensor-parallel rank, where the first form leaves
-// half of its warps idle); mla_decode_pingpong (below) is the 32-head form on bulk copies with
-// its two head tiles taking turns on the tensor cores. Warp w works on head tile w / W and on
+// half of its warps idle). Warp w works on head tile w / W and on
 // part c = w % W of the dims (MlaWarp<W>):
 //   scores S [16 heads, 16 keys] = Q K^T: warp c sums latent dims D c .. D c + D (D = 512 / W)
 //     and, for 16c < dr, rope dims 16c .. 16c + 16 (D / 16 + 1 k16 steps; its Q fragments, hi
@@ -470,102 +469,6 @@ MLA_SPLIT(mla_decode_split16, 8, 1)
 // share an SM where shared memory allows (the H200: 2 x 83 KiB), for long splits of few heads
 // (Gpu::mla_decode_form); short ones lose by it (the first tile's latency).
 MLA_SPLIT(mla_decode_split16x2, 8, 2)
-
-// ---- the 32-head form on bulk copies, its two head tiles taking turns (sm_90+) ----
-//
-// mla_decode_split's warps all meet twice a key tile (__syncthreads: the partial scores, and
-// the next tile's cp.async copies), so its tensor cores wait while every warp runs the
-// softmax between the two products, and its scalar pipes wait while every warp multiplies
-// (H200, DS3 at 8K: ~0.35 instructions a cycle and scheduler, 102 mma of ~500 instructions a
-// tile and warp; docs/performance.md, sixth look). Here the copy engine moves each key row's
-// hi and lo planes into the stage (cp.async.bulk, two stages, mbarriers), so the warps no
-// longer meet for copies, and the two head tiles (warps 0-3, 4-7) meet only within themselves
-// (named barriers 1, 2: the partial scores) and take turns on the tensor cores (named
-// barriers 3, 4, as flash attention 3 orders its warp groups): tile 0's score products, then
-// tile 1's while tile 0 runs its softmax, then tile 0's value products while tile 1 runs its
-// softmax, and so on. Each scheduler holds one warp of each tile. The math is mla_split_body's
-// (MlaWarp<4>) in the same order, so the output is the same bits.
-//
-// Warp 0 issues the copies: tiles 0 and 1 at the start, tile it + 2 once every warp has
-// released tile it (warp 0 would wait that long anyway: its tile's next turn follows the
-// other tile's value products). No producer warp: a ninth warp would put three warps on one
-// scheduler, and its share of the register file would hold 168 registers a thread (spills).
-// A key that is not visible is copied from row 0 (position 0 is written before any query
-// attends: its finite values get weight 0) and flagged; a stage with no visible key costs no
-// products. Grid, block and dynamic shared memory as mla_decode_split's.
-extern "C" __global__ void __launch_bounds__(MLA_THREADS, 1) mla_decode_pingpong(
-    const float* q_lat, i64 ql_tok, const float* q_pe, i64 qp_tok, int qp_head,
-    const float* qp_freq, float qp_mscale, const u8* cache, int dl, int dr, int n_heads,
-    const int* key_ids, int n_ids, int pos0, int keys_per_split, float scale, float* part_acc,
-    float* part_ml, float* out, i64 out_tok) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int W = 4;
-    pdl_enter();
-    extern __shared__ __align__(16) unsigned char mla_smem[];  // as mla_split_body declares it
-    __shared__ u64 full[2], empty[2];
-    float4* xs = (float4*)(mla_smem + 2 * MLA_STAGEB);                   // [head tile][c][n][lane]
-    int* vflag = (int*)(mla_smem + 2 * MLA_STAGEB + 4 * MLA_XS_FLOATS);  // [stage][key]
-    const u32 sbase = (u32)__cvta_generic_to_shared(mla_smem);
-    const int split = blockIdx.y, t = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const MlaSplit sp = mla_split_of(key_ids, n_ids, pos0, t, split, keys_per_split);
-    init_stage_barriers(full, empty, 2, 8);
-    // Tile it into stage it % 2 (warp 0): lane r copies key r % 16's hi plane (r < 16) or lo
-    // plane into the stage's hi or lo tile.
-    auto fill = [&](int it) {
-        const int slot = it & 1, r = lane & 15, lo = lane >> 4;
-        const int s = mla_key(sp.ids, sp.j_begin + it * MLA_BK + r, sp.j_end, sp.last);
-        if (lane < MLA_BK) vflag[slot * MLA_BK + r] = s >= 0;
-        __syncwarp();  // the flags before the arrival that publishes the stage
-        if (lane == 0) mbar_expect_bytes(&full[slot], MLA_BK * LATENT_ROW_BYTES);
-        __syncwarp();
-        bulk_copy(mla_smem + slot * MLA_STAGEB + lo * MLA_TILEB + r * MLA_ROWB,
-                  cache + (i64)max(s, 0) * LATENT_ROW_BYTES + lo * (LATENT_ROW_BYTES / 2),
-                  LATENT_ROW_BYTES / 2, &full[slot]);
-    };
-    if (warp == 0)
-        for (int it = 0; it < min(2, sp.n_tiles); it++) fill(it);
-    const int ht = warp / W;
-    const int h_tile = blockIdx.x * MLA_HB + 16 * ht;
-    const bool active = h_tile < n_heads;
-    MlaWarp<W> w(warp % W, lane, dr);
-    w.load_q(q_lat, ql_tok, q_pe, qp_tok, qp_head, qp_freq, qp_mscale, t, h_tile, n_heads, dl,
-             dr, sp.last);
-    const u32 qk_off = mla_qk_off(lane), pv_off = mla_pv_off(lane);
-    const float scale2 = scale * MLA_LOG2E;
-    float4* xw = xs + (ht * W) * 2 * 32 + lane;
-    // Head tile ht's turn: barrier 3 + ht, where its 128 threads wait and the other tile's
-    // arrive. Tile 1 lets tile 0 go first, and its last products pass the turn to no one. The
-    // wait before the value products also keeps the next tile's partial scores from
-    // overwriting xw before all of the tile's warps have read them: a tile that skipped its
-    // turns would need a barrier of its own there.
-    const int mine = 3 + ht, theirs = 4 - ht;
-    if (ht == 1 && sp.n_tiles > 0) named_arrive(theirs, 256);
-    for (int it = 0; it < sp.n_tiles; it++) {
-        const int slot = it & 1;
-        const u32 khi = sbase + slot * MLA_STAGEB, klo = khi + MLA_TILEB;
-        mbar_wait(&full[slot], (it >> 1) & 1);
-        const bool any =  // warp-uniform: the stage has a visible key and the tile has heads
-            __any_sync(0xffffffffu, vflag[slot * MLA_BK + (lane & 15)]) && active;
-        named_sync(mine, 256);
-        if (any) w.scores(khi, klo, qk_off, xw);
-        named_arrive(theirs, 256);
-        named_sync(1 + ht, 128);  // the head tile's partial scores
-        if (any) w.softmax(xw, vflag + slot * MLA_BK, scale2);
-        named_sync(mine, 256);
-        if (any) w.values(khi, klo, pv_off);
-        if (ht == 0 || it + 1 < sp.n_tiles) named_arrive(theirs, 256);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot]);  // the stage was read
-        if (warp == 0 && it + 2 < sp.n_tiles) {
-            mbar_wait(&empty[slot], (it >> 1) & 1);
-            fill(it + 2);
-        }
-    }
-    if (active) w.store(h_tile, n_heads, dl, t, split, part_acc, part_ml, out, out_tok);
-#else
-    __trap();  // ops.rs launches it on sm_90 and later only
-#endif
-}
 
 // out[t, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
 // grid (H, T, C), block of at most MLA_COMBINE_THREADS (ops.rs, mla_combine_shape); out row

@@ -1836,26 +1836,6 @@ fn mla_decode_split_over_sequence_matches() {
     mla_decode_case(&g, &mut rng, 512, 64, heads, pos0);
 }
 
-#[test]
-fn mla_decode_pingpong_matches() {
-    let Some(mut g) = gpu() else { return };
-    if !g.bulk_copies {
-        println!(
-            "SKIPPED: mla_decode_pingpong needs sm_90 or later ({})",
-            g.arch
-        );
-        return;
-    }
-    g.mla_pingpong = true; // what MLA_PINGPONG=1 sets
-    let mut rng = Rng::new("mla_decode_pingpong");
-    // 40 and 64 heads over the whole sequence (the 32-head form: its second block's second
-    // tile idle at 40), GLM-5's 64 over DSA keys (split16 for short splits, Gpu::mla_decode_form).
-    assert_eq!(g.mla_decode_form(2203, 64).0, "mla_decode_pingpong");
-    for (dl, dr, heads) in [(512, 64, 40), (512, 64, 64), (128, 32, 40)] {
-        mla_decode_case(&g, &mut rng, dl, dr, heads, 2200);
-    }
-}
-
 fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize, pos0: usize) {
     let tokens = 3;
     let s_len = pos0 + tokens;

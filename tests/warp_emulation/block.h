@@ -243,7 +243,6 @@ inline void named_sync(int id, int count) {
     named(id, count).barrier->arrive_and_wait();
     stagger();
 }
-inline void named_arrive(int id, int count) { (void)named(id, count).barrier->arrive(); }
 template <int WARPS = 8>
 inline void consumers_sync() { named_sync(1, 32 * WARPS); }
 int OR_FLAG;

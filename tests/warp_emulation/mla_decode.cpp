@@ -1,6 +1,6 @@
 // kernels/mla_decode.cu's split kernels and mla_decode_combine, whole, on emulated blocks
 // (block.h), as Gpu::mla_decode_with launches them. Input (Input, in order): the split kernel
-// (i32: 0 mla_decode_split, 1 mla_decode_split16, 2 mla_decode_pingpong), q_lat (buffer), ql_tok (i64), q_pe (buffer),
+// (i32: 0 mla_decode_split, 1 mla_decode_split16), q_lat (buffer), ql_tok (i64), q_pe (buffer),
 // qp_tok (i64), qp_head (i32), qp_freq (buffer), qp_mscale (f32), cache (buffer), dl, dr,
 // n_heads (i32), key_ids (buffer of i32), n_ids, pos0, keys_per_split (i32), scale (f32), out
 // (buffer), out_tok (i64), tokens, splits, heads per block, threads and dynamic shared bytes of
@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
     std::vector<u8> work(4 * (n_acc + (size_t)tokens * splits * n_heads * 2), 0xFF);
     float* acc = (float*)work.data();
     float* ml = acc + n_acc;
-    auto kernel = form == 0 ? mla_decode_split : form == 1 ? mla_decode_split16 : mla_decode_pingpong;
+    auto kernel = form == 0 ? mla_decode_split : mla_decode_split16;
     const Dim3 grid{(unsigned)((n_heads + per_block - 1) / per_block), (unsigned)splits,
                     (unsigned)tokens};
     launch(grid, threads, shared, splits > 1 ? work : out, [&] {

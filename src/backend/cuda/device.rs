@@ -42,11 +42,6 @@ pub struct Gpu {
     /// v_b) take a tile a stage by bulk copies (matvec_tma_items_q4_k, ops.rs): sm_90 and later
     /// with bulk_copies, unless MLA_ITEMS=0 (to measure without).
     pub item_copies: bool,
-    /// Whether MLA decode's 32-head form is mla_decode_pingpong (bulk copies, its two head
-    /// tiles taking turns on the tensor cores; ops.rs) instead of mla_decode_split: sm_90 and
-    /// later with bulk_copies, when MLA_PINGPONG=1. Off until a GPU has timed it: it was
-    /// written and checked without one (tests/warp_emulation.rs).
-    pub mla_pingpong: bool,
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
@@ -98,7 +93,6 @@ impl Gpu {
             dependent_launch,
             bulk_copies,
             item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
-            mla_pingpong: bulk_copies && std::env::var("MLA_PINGPONG").is_ok_and(|v| v == "1"),
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
             multiprocessors,

@@ -62,7 +62,6 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         "mla_decode_split"
         | "mla_decode_split16"
         | "mla_decode_split16x2"
-        | "mla_decode_pingpong"
         | "mla_decode_combine" => "mla_decode",
         "dsa_scores" | "topk_rows" | "keep_mask" => "dsa",
         "moe_router" | "moe_route_f32" | "moe_combine" => "moe",
@@ -101,7 +100,7 @@ pub const MLA_MAX_SPLITS: usize = 1024;
 /// Most threads of mla_decode_combine (groups of threads sum every group-th split).
 pub const MLA_COMBINE_THREADS: u32 = 512;
 
-/// Dynamic shared memory of mla_decode_split (and split16, pingpong): two stages of a hi and a lo bf16
+/// Dynamic shared memory of mla_decode_split (and split16, split16x2): two stages of a hi and a lo bf16
 /// key tile (MLA_BK rows of MLA_DL_MAX + MLA_DR_MAX dims, padded by 8), the partial scores of
 /// the 8 warps (f32 [16 heads, MLA_BK keys] each), and the key flags of both stages.
 pub fn mla_decode_smem_bytes() -> usize {
@@ -167,10 +166,9 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         // heads * dim <= DSA_Q_MAX, dim <= DSA_DIM_MAX: the widest keys make the largest tiles.
         "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX),
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
-        "mla_decode_split"
-        | "mla_decode_split16"
-        | "mla_decode_split16x2"
-        | "mla_decode_pingpong" => mla_decode_smem_bytes(),
+        "mla_decode_split" | "mla_decode_split16" | "mla_decode_split16x2" => {
+            mla_decode_smem_bytes()
+        }
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),
         "matvec_tma_q6_k" => super::ops::tma6_smem_bytes(super::ops::TMA6_K_MAX),

@@ -1361,16 +1361,12 @@ impl Gpu {
     /// mla_decode_split16x2, the same form held to 128 registers, two blocks an SM on the H200:
     /// one tensor-parallel rank's 16 heads (DS3) at 32K 42.4 -> 38.8 us, GLM-5's 8 at 32K
     /// 40.1 -> 35.9, where at 8K it lost (20.8 -> 21.9, 19.0 -> 19.8; bench, the same calls).
-    ///
-    /// With `mla_pingpong` (MLA_PINGPONG=1) the 32-head form is mla_decode_pingpong.
     pub fn mla_decode_form(&self, n_keys: usize, heads: usize) -> (&'static str, usize) {
         let (_, per) = self.splits_of(n_keys, heads, MLA_HB, 1);
         if heads <= 16 && self.splits_of(n_keys, heads, 16, 1).1 >= MLA_X2_KEYS {
             ("mla_decode_split16x2", 16)
         } else if heads <= 16 || per <= 2 * MLA_BK {
             ("mla_decode_split16", 16)
-        } else if self.mla_pingpong {
-            ("mla_decode_pingpong", MLA_HB)
         } else {
             ("mla_decode_split", MLA_HB)
         }
