@@ -811,11 +811,11 @@ typedef TcKquant<true> TcQ5k;
 // (x_block_digits' HALVES), so each sub-block is one m16n8k32 product with the same B
 // columns as TcQ4k's: sub-blocks 2p and 2p + 1 take one B, C lanes t < 2 keep the first's
 // sums and t >= 2 the second's. No minimums; the sums reach 2^26 (f32 rounding).
-// The code book as signed bytes: entry i is byte i % 4 of word i / 4 (IQ4_B<n> ^ 0x80808080).
-#define IQ4_S0 0xBFAD9881u
-#define IQ4_S1 0xF6EADDCFu
-#define IQ4_S2 0x26190D01u
-#define IQ4_S3 0x71594535u
+// The code book as signed bytes: the biased one's with each byte's top bit flipped.
+#define IQ4_S0 (IQ4_B0 ^ 0x80808080u)
+#define IQ4_S1 (IQ4_B1 ^ 0x80808080u)
+#define IQ4_S2 (IQ4_B2 ^ 0x80808080u)
+#define IQ4_S3 (IQ4_B3 ^ 0x80808080u)
 // PTX prmt: byte sel_i (0-7) of the pair (a: 0-3, b: 4-7) for each result byte i, from the
 // selector's low 16 bits. (__byte_perm lets the compiler mask the selectors again each time.)
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {

@@ -86,6 +86,10 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "__device__ __forceinline__ float sum4("),
     Def("matvec.cu", "__device__ __forceinline__ void piece_q2_k("),
     Def("matvec.cu", "__device__ __forceinline__ void piece_q3_k("),
+    Line("matvec.cu", "#define IQ4_B0 "),
+    Line("matvec.cu", "#define IQ4_B1 "),
+    Line("matvec.cu", "#define IQ4_B2 "),
+    Line("matvec.cu", "#define IQ4_B3 "),
     Def(
         "matvec.cu",
         "template <int ELEMS, int BYTES, int PIECES, PieceFn PIECE, bool HALF>\n__device__ void matvec_body(",
@@ -773,7 +777,7 @@ fn bulk_copy_kernels_match_f64() {
 
 /// nb rounded up to whole 16-byte rows of type ty's blocks (the bulk copies').
 fn aligned_blocks(ty: GgmlType, nb: usize) -> usize {
-    nb.next_multiple_of(16 >> ty.type_size().trailing_zeros().min(4))
+    nb.next_multiple_of(tma_tile(ty).unwrap().block_step())
 }
 
 /// A launch of matvec_tma_items_<type>: item i = the matrix ids[i] (MOE_SHARED: sw) times its

@@ -354,6 +354,14 @@ pub struct TmaTile {
     pub k_max: usize,
 }
 
+impl TmaTile {
+    /// The fewest 256-blocks whose bytes are a multiple of 16, a bulk copy's unit: 1, IQ4_XS's
+    /// 136-byte blocks 2, Q6_K's 210-byte ones 8.
+    pub fn block_step(&self) -> usize {
+        16 >> self.bytes.trailing_zeros().min(4)
+    }
+}
+
 pub const TMA_TILE_TYPES: [GgmlType; 4] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
@@ -419,13 +427,11 @@ pub fn tmi_smem_bytes(tile: TmaTile, warps: usize, k: usize) -> usize {
 
 /// The elements of each part of x that a tile type's kernel holds as planes at a time: k, or
 /// beyond the tile's k_max as few equal parts of whole 256-blocks as fit (the last may be
-/// shorter), each a whole number of 16 bytes a row for the bulk copies (IQ4_XS's 136-byte
-/// blocks: an even number; Q6_K's 210: a multiple of 8).
+/// shorter), each a whole number of 16 bytes a row for the bulk copies (block_step).
 pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
     let blocks = k / 256;
     let parts = blocks.div_ceil(tile.k_max / 256);
-    let step = 16 >> tile.bytes.trailing_zeros().min(4); // blocks to a multiple of 16 bytes
-    256 * blocks.div_ceil(parts).next_multiple_of(step)
+    256 * blocks.div_ceil(parts).next_multiple_of(tile.block_step())
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
