@@ -725,71 +725,69 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
     }
     const int nk = kb1 - kb0;
 
-    // X loader: 8 chunks of 16 bytes per row and stage. Grouped: this thread's gathered rows,
-    // found once.
+    // A thread's copies are the same at every k step but for the k offset, so their sources
+    // (byte offsets from the block's first row), destinations and valid flags are found once
+    // here (found at every step, their 64-bit arithmetic took the copies to 176 of the k
+    // step's 465 instructions in matmul_cp_q4_k on sm_90; now 78 of 370). X: 8 chunks of 16 bytes per row and stage; row r of the
+    // tile's chunk ch lands at r * 128 + (ch ^ r % 8) * 16 (T / 8 rows apart from one copy
+    // to the next, a multiple of 8: the same swizzle). W: copy f of the stage lands at
+    // 16 f (Q4_K: f < 2 BN the half f % 2 of row f / 2's qs, then row f - 2 BN's header
+    // into a header slot; Q8_0: piece f % 5 of row f / 5's 80-byte window).
     constexpr int XI = (BM * 8 + T - 1) / T;
-    const u16* xsrc[GROUPED ? XI : 1];
-    if (GROUPED) {
+    constexpr int WI = QT == Q4K_T ? (BN * 3 + T - 1) / T : (BN * 5 + T - 1) / T;
+    static_assert(T % 64 == 0 && 2 * BN % T == 0, "whole rows of swizzle, qs then headers");
+    const u8* xbase = (const u8*)(GROUPED ? xb : xb + (i64)m0 * K);
+    const u8* wbase = w + (i64)n0 * row_bytes;
+    u32 xoff[XI], woff[WI], xok = 0, wok = 0;
 #pragma unroll
-        for (int i = 0; i < XI; i++) {
-            int f = tid + i * T, r = f >> 3;
-            xsrc[i] = nullptr;
-            if (f < BM * 8 && m0 + r < M)
-                xsrc[i] = xb + (row_ids ? (i64)row_ids[m0 + r] : (i64)(m0 + r)) * K + 8 * (f & 7);
-        }
+    for (int i = 0; i < XI; i++) {
+        int f = tid + i * T, r = f >> 3;
+        bool ok = (BM * 8 % T == 0 || f < BM * 8) && m0 + r < M;
+        i64 row = !ok ? 0 : GROUPED && row_ids ? row_ids[m0 + r] : GROUPED ? m0 + r : r;
+        xoff[i] = ok ? (u32)(2 * (row * K + 8 * (f & 7))) : 0u;
+        xok |= (u32)ok << i;
     }
+#pragma unroll
+    for (int i = 0; i < WI; i++) {
+        int f = tid + i * T;
+        int r = QT == Q4K_T ? (f < 2 * BN ? f >> 1 : f - 2 * BN) : f / 5;
+        int col = QT == Q4K_T ? (f < 2 * BN ? 16 + 16 * (f & 1) : 0) : 16 * (f - 5 * r);
+        bool ok = f < (QT == Q4K_T ? 3 : 5) * BN && n0 + r < N;
+        woff[i] = ok ? (u32)(r * row_bytes + col) : 0u;
+        wok |= (u32)ok << i;
+    }
+    const u32 xdst = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
 
     auto load_stage = [&](int slot, int kb) {
-        u32 st = sbase + slot * C::STAGE;
-        int k0 = kb << 6;
+        const u32 st = sbase + slot * C::STAGE;
+        const int k0 = kb << 6;
 #pragma unroll
-        for (int i = 0; i < XI; i++) {
-            int f = tid + i * T;
-            if (BM * 8 % T == 0 || f < BM * 8) {
-                int r = f >> 3, ch = f & 7;
-                u32 dst = st + r * 128 + ((ch ^ (r & 7)) << 4);
-                if (GROUPED) {
-                    cp16(dst, xsrc[i] ? xsrc[i] + k0 : xb, xsrc[i] != nullptr);
-                } else {
-                    bool ok = m0 + r < M;
-                    cp16(dst, xb + (ok ? (i64)(m0 + r) * K + k0 + 8 * ch : 0), ok);
-                }
-            }
-        }
-        u32 wq = st + C::XB;
+        for (int i = 0; i < XI; i++)
+            if (BM * 8 % T == 0 || tid + i * T < BM * 8)
+                cp16(st + xdst + i * T * 16, xbase + xoff[i] + 2 * k0, (xok >> i) & 1);
+        const u32 wq = st + C::XB;
         if (QT == Q4K_T) {
             const int blk = kb >> 2, c = kb & 3;
-            u32 wh = sbase + STAGES * C::STAGE + (blk & 1) * BN * 16;
+            const u8* wk = wbase + blk * 144;
+            const u32 wh = sbase + STAGES * C::STAGE + (blk & 1) * BN * 16;
             // The header of a block comes with its first step (or a split's first step): its
             // slot is read by the decodes of the block's 4 steps, the last of which comes
             // before the block after next is loaded (STAGES - 1 steps ahead, fewer than 6).
-            const int parts = c == 0 || kb == kb0 ? 3 : 2;
+            const bool header = c == 0 || kb == kb0;
 #pragma unroll
-            for (int i = 0; i < (BN * 3 + T - 1) / T; i++) {
-                int f = tid + i * T;
-                if ((BN * 3 % T == 0 || f < BN * 3) && f < BN * parts) {
-                    // f < 2 BN: half f & 1 of row f / 2's qs; else the header of row f - 2 BN.
-                    int r = f < 2 * BN ? f >> 1 : f - 2 * BN;
-                    bool ok = n0 + r < N;
-                    const u8* rb = w + (ok ? (i64)(n0 + r) * row_bytes + blk * 144 : 0);
-                    if (f < 2 * BN)
-                        cp16(wq + r * 32 + ((f & 1) << 4), rb + 16 + 32 * c + 16 * (f & 1), ok);
-                    else
-                        cp16(wh + r * 16, rb, ok);
-                }
+            for (int i = 0; i < WI; i++) {
+                const int f = tid + i * T;
+                if (i < 2 * BN / T)
+                    cp16(wq + 16 * f, wk + woff[i] + 32 * c, (wok >> i) & 1);
+                else if (header && (BN * 3 % T == 0 || f < BN * 3))
+                    cp16(wh + 16 * (f - 2 * BN), wk + woff[i], (wok >> i) & 1);
             }
         } else {
-            const i64 base = (i64)kb * 68 & ~15ll;  // two 34-byte blocks from byte 68 kb
+            const u8* wk = wbase + ((i64)kb * 68 & ~15ll);  // two 34-byte blocks from byte 68 kb
 #pragma unroll
-            for (int i = 0; i < (BN * 5 + T - 1) / T; i++) {
-                int f = tid + i * T;
-                if (BN * 5 % T == 0 || f < BN * 5) {
-                    int r = f / 5, pc = f - 5 * r;
-                    bool ok = n0 + r < N;
-                    const u8* src = w + (ok ? (i64)(n0 + r) * row_bytes + base + 16 * pc : 0);
-                    cp16(wq + r * 80 + 16 * pc, src, ok);
-                }
-            }
+            for (int i = 0; i < WI; i++)
+                if (BN * 5 % T == 0 || tid + i * T < BN * 5)
+                    cp16(wq + 16 * (tid + i * T), wk + woff[i], (wok >> i) & 1);
         }
     };
     // Q4_K: (scale, min) of sub-blocks 2c, 2c + 1 of every row of a landed stage -> buffer buf

@@ -1,4 +1,5 @@
-//! kernels/matvec.cu's integer tensor-core products checked on the CPU: the kernels' own
+//! The tensor-core kernels (kernels/matvec.cu's integer products, kernels/matmul.cu's bf16
+//! prefill products, kernels/mla_decode.cu) checked on the CPU: the kernels' own
 //! source, cut out and compiled for the host, run on emulated warps and thread blocks
 //! (tests/warp_emulation/block.h: every thread a host thread, mma.sync by the PTX ISA's
 //! fragment layouts, mbarriers and bulk copies as the ISA defines them, the copies landing
@@ -8,6 +9,13 @@
 //! - The fragment math (`TcQ4k`, `TcQ5k`, `TcIq4xs`, and `TcQ6k` with `q6_dot`) on one warp
 //!   over random 16-row tiles: a wrong lane, column, offset or scale gives an nmse near 1, the
 //!   kernels' exact integer sums ~1e-14.
+//! - The prefill products (kernels/matmul.cu's `matmul_cp_<type>` and `matmul_cp_spans_<type>`
+//!   for Q4_K and Q8_0, after `matmul_xprep`, with `matmul_splitk_sum`) as ops.rs launches
+//!   them: plain, split over k, rows gathered, grouped spans; against the f64 product of the
+//!   operands as the kernels round them to bf16 (a wrong fragment, scale or k order gives an
+//!   nmse near 1, the f32 sums ~1e-14) and of the exact dequantization (the GPU tests' bound).
+//!   Their cp.async copies land when issued in one run and only at the wait for their group in
+//!   the other: a stage read before its wait gives different bits.
 //! - The bulk-copy kernels whole (`matvec_tma_<type>` and `matvec_tma_items_<type>` for Q4_K,
 //!   Q5_K and IQ4_XS, `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their
 //!   producer and consumer warps, stage barriers, parts of k, shared expert first, items
@@ -29,7 +37,9 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use mla_engine::backend::cuda::kernels::{mla_decode_smem_bytes, MLA_HB, MLA_THREADS};
+use mla_engine::backend::cuda::kernels::{
+    matmul_cp_smem_bytes, mla_decode_smem_bytes, MLA_HB, MLA_THREADS,
+};
 use mla_engine::backend::cuda::ops::{
     latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tma_tile,
     tmi_smem_bytes, MlaDecode, MOE_SHARED, TMA_TILE_TYPES,
@@ -199,11 +209,35 @@ const PIECES: &[Piece] = &[
     Line("mla_decode.cu", "MLA_SPLIT(mla_decode_split,"),
     Line("mla_decode.cu", "MLA_SPLIT(mla_decode_split16,"),
     Kernel("mla_decode.cu", "mla_decode_combine"),
+    Def(
+        "matmul.cu",
+        "template <typename X>\n__device__ __forceinline__ int enter_span(",
+    ),
+    Line("matmul.cu", "#define Q4K_T "),
+    Line("matmul.cu", "#define Q80_T "),
+    Def("matmul.cu", "__device__ __forceinline__ int perm32("),
+    Kernel("matmul.cu", "matmul_xprep"),
+    Kernel("matmul.cu", "matmul_splitk_sum"),
+    Def(
+        "matmul.cu",
+        "template <int QT, int BM, int BN, int WM, int WN, int STAGES>\nstruct CpCfg {",
+    ),
+    Def(
+        "matmul.cu",
+        "template <int QT, bool GROUPED, int BM, int BN, int WM, int WN, int STAGES, bool FAST>\n__device__ __forceinline__ void matmul_cp_body(",
+    ),
+    Line("matmul.cu", "#define MATMUL_CP_KERNEL("),
+    Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_q4_k,"),
+    Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_q8_0,"),
+    Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_spans_q4_k,"),
+    Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_spans_q8_0,"),
 ];
 
-/// The GPU tests' bounds (cuda_kernels): the integer products' F32_OP, MLA decode's.
+/// The GPU tests' bounds (cuda_kernels): the integer products' F32_OP, MLA decode's, the
+/// products of bf16 operands against f64 on the exact values.
 const F32_OP: f64 = 1e-10;
 const MLA_OP: f64 = 1e-9;
+const BF16_MATMUL: f64 = 5e-4;
 
 /// The definition that starts with `head`: up to its matching closing brace (and a `;`).
 fn definition<'a>(src: &'a str, head: &str) -> &'a str {
@@ -428,7 +462,7 @@ impl Drop for Emulation {
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::IQ4_XS => &[0],
+        GgmlType::IQ4_XS | GgmlType::Q8_0 => &[0],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
         GgmlType::Q6_K => &[208],
@@ -1135,4 +1169,165 @@ fn mla_decode_kernels_match_f64() {
         ..case(32, 40, false, true, 32)
     };
     check_mla_decode(&h, split, &narrow, 48);
+}
+
+/// Q4_K sub-block j's 6-bit scale and minimum from a block's 12 scale bytes.
+fn q4_k_scale_min(scales: &[u8], j: usize) -> (f32, f32) {
+    if j < 4 {
+        ((scales[j] & 63) as f32, (scales[j + 4] & 63) as f32)
+    } else {
+        let sc = (scales[j + 4] & 15) | ((scales[j - 4] >> 6) << 4);
+        let mn = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+        (sc as f32, mn as f32)
+    }
+}
+
+fn bf16(v: f32) -> f64 {
+    half::bf16::from_f32(v).to_f64()
+}
+
+/// The weights as the cp.async kernels multiply them, rows of k values in f64: Q4_K rounds
+/// d sc and -dmin mn to bf16 and q d sc - dmin mn once more (fma.rn.bf16x2, kernels/matmul.cu's
+/// FAST); Q8_0 rounds d q (exact in f32) once.
+fn bf16_operands(ty: GgmlType, w: &[u8]) -> Vec<f64> {
+    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    let mut out = Vec::new();
+    for b in w.chunks_exact(ty.type_size()) {
+        if ty == GgmlType::Q4_K {
+            let (d, dmin) = (f16(&b[0..]), f16(&b[2..]));
+            for j in 0..8 {
+                let (sc, mn) = q4_k_scale_min(&b[4..16], j);
+                let (dl, ml) = (bf16(d * sc) as f32, bf16(-(dmin * mn)) as f32);
+                for l in 0..32 {
+                    let q = (b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+                    out.push(bf16(q as f32 * dl + ml));
+                }
+            }
+        } else {
+            let d = f16(&b[0..]);
+            out.extend(b[2..34].iter().map(|&q| bf16(d * q as i8 as f32)));
+        }
+    }
+    out
+}
+
+/// One prefill product on the cp.async kernels (and matmul_xprep, matmul_splitk_sum) as
+/// ops.rs launches it: y (rows of n) against the f64 product of the operands as the kernel
+/// rounds them to bf16 (the f32 sums' bound) and of the engine's dequantization (the GPU
+/// tests' bf16 bound). Grouped: spans (expert, first row, count) of matrices n x k apart.
+#[allow(clippy::too_many_arguments)]
+fn check_matmul_cp(
+    h: &Emulation,
+    ty: GgmlType,
+    (m, n, k): (usize, usize, usize),
+    splits: usize,
+    row_ids: Option<&[i32]>,
+    spans: Option<&[(usize, usize, usize)]>,
+    seed: u64,
+) {
+    let mut rng = Rng::new(seed);
+    let experts = spans.map_or(1, |s| s.iter().map(|s| s.0 + 1).max().unwrap());
+    let row_bytes = ty.row_bytes(k).unwrap();
+    let w = random_rows(ty, experts * n, k / ty.block_size(), &mut rng);
+    let x_rows = 320;
+    let x: Vec<f32> = (0..x_rows * k)
+        .map(|i| signed(&mut rng) * if i % 7 == 0 { 30.0 } else { 1.0 })
+        .collect();
+    let (wq, xq) = (
+        bf16_operands(ty, &w),
+        x.iter().map(|&v| bf16(v)).collect::<Vec<_>>(),
+    );
+    let mut wf = vec![0f32; w.len() / ty.type_size() * ty.block_size()];
+    quant::dequantize(ty, &w, &mut wf).unwrap();
+    // Output rows: every span's rows (grouped) or m.
+    let rows = spans.map_or(m, |s| s.iter().map(|s| s.1 + s.2).max().unwrap());
+    let (mut tight, mut exact) = (Vec::new(), Vec::new());
+    for r in 0..rows {
+        let ex = spans.map_or(0, |s| {
+            s.iter().find(|s| r >= s.1 && r < s.1 + s.2).unwrap().0
+        });
+        let src = row_ids.map_or(r, |ids| ids[r] as usize);
+        for j in 0..n {
+            let (wr, xr) = ((ex * n + j) * k, src * k);
+            tight.push(Some((0..k).map(|i| wq[wr + i] * xq[xr + i]).sum::<f64>()));
+            exact.push(Some(
+                (0..k)
+                    .map(|i| wf[wr + i] as f64 * x[xr + i] as f64)
+                    .sum::<f64>(),
+            ));
+        }
+    }
+    let grouped = spans.is_some();
+    let q4 = ty == GgmlType::Q4_K;
+    let (name, code, threads, bn) = match (grouped, q4) {
+        (false, true) => ("matmul_cp_q4_k", 0, 256, 128),
+        (false, false) => ("matmul_cp_q8_0", 1, 256, 128),
+        (true, true) => ("matmul_cp_spans_q4_k", 2, 128, 128),
+        (true, false) => ("matmul_cp_spans_q8_0", 3, 256, 256),
+    };
+    let big_m = spans.map_or(m, |s| s.iter().map(|s| s.2).max().unwrap());
+    let ksteps = (k / 64).div_ceil(splits);
+    let table: Vec<i32> = spans
+        .unwrap_or(&[])
+        .iter()
+        .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
+        .collect();
+    let args = Args::default()
+        .i32(code)
+        .bytes(&w)
+        .i64(row_bytes as i64)
+        .floats(&x)
+        .i32(x_rows as i32)
+        .ints(row_ids.unwrap_or(&[]))
+        .floats(&vec![UNWRITTEN; rows * n])
+        .i64(n as i64)
+        .i32(big_m as i32)
+        .i32(n as i32)
+        .i32(k as i32)
+        .ints(&table)
+        .i32(spans.map_or(0, |s| s.len()) as i32)
+        .i64((n * row_bytes) as i64)
+        .i32(m.div_ceil(128) as i32)
+        .i32(ksteps as i32)
+        .i32((k / 64).div_ceil(ksteps) as i32)
+        .i32(threads)
+        .i32(bn)
+        .i32(matmul_cp_smem_bytes(name) as i32);
+    let what = format!(
+        "{name} {rows} x {n} x {k}{}{}",
+        if splits > 1 {
+            format!(", {splits} splits of {ksteps} steps")
+        } else {
+            String::new()
+        },
+        if row_ids.is_some() {
+            ", rows gathered"
+        } else {
+            ""
+        }
+    );
+    let got = h.run(args);
+    check_outputs_within(&format!("{what} (bf16 operands)"), &got, &tight, F32_OP);
+    check_outputs_within(&format!("{what} (dequantized)"), &got, &exact, BF16_MATMUL);
+}
+
+#[test]
+fn prefill_products_match_f64() {
+    let Some(h) = Emulation::build("matmul_cp") else {
+        return;
+    };
+    let mut rng = Rng::new(50);
+    let ids: Vec<i32> = (0..320).map(|_| (rng.next_f64() * 320.0) as i32).collect();
+    // 200 x 264: 2 x 3 tiles of 128, partial in both; 16 k steps, in 3 splits of 6 (a split
+    // starts inside a Q4_K block: its header comes with its first step). Grouped: spans of
+    // 40 + 1 + 75 rows (two and three 32-row tiles), gathered and consecutive.
+    let spans: &[(usize, usize, usize)] = &[(2, 0, 40), (0, 40, 1), (1, 41, 75)];
+    for (i, ty) in [GgmlType::Q4_K, GgmlType::Q8_0].into_iter().enumerate() {
+        let seed = 60 + 10 * i as u64;
+        check_matmul_cp(&h, ty, (200, 264, 1024), 1, None, None, seed);
+        check_matmul_cp(&h, ty, (200, 264, 1024), 3, None, None, seed + 1);
+        check_matmul_cp(&h, ty, (150, 264, 1024), 1, Some(&ids), None, seed + 2);
+        check_matmul_cp(&h, ty, (0, 264, 1024), 1, Some(&ids), Some(spans), seed + 3);
+        check_matmul_cp(&h, ty, (0, 264, 1024), 1, None, Some(spans), seed + 4);
+    }
 }

@@ -1,10 +1,11 @@
-// One CUDA thread block on the host, for checking kernels/matvec.cu's tensor-core kernels
-// without a GPU (tests/warp_emulation.rs): device functions and whole kernels, cut out of the
-// source, run unchanged. Every thread is a host thread; the lanes of a warp meet at every warp
-// collective (a shuffle, a vote, an mma.sync, __syncwarp), whose fragment layouts (mma.sync
-// m16n8k32, 8-bit operands) are the PTX ISA's. The bulk-copy kernels' machinery is here as
-// the ISA defines it: mbarriers (arrival counts, transaction bytes, phases), bulk copies that
-// land at once or as late as they may (bulk_copy), named barriers. An mbarrier wait
+// One CUDA thread block on the host, for checking the tensor-core kernels without a GPU
+// (tests/warp_emulation.rs): device functions and whole kernels, cut out of the source, run
+// unchanged. Every thread is a host thread; the lanes of a warp meet at every warp collective
+// (a shuffle, a vote, an mma.sync, ldmatrix, __syncwarp), whose fragment layouts (mma.sync
+// m16n8k32 with 8-bit operands, m16n8k16 bf16) are the PTX ISA's. The copy machinery is here
+// as the ISA defines it: mbarriers (arrival counts, transaction bytes, phases), bulk copies
+// and cp.async copies that land at once or as late as they may (bulk_copy, cp16), named
+// barriers. An mbarrier wait
 // that never ends stops the run with a message (the test kills a run that hangs elsewhere).
 // Only what the kernels use is here.
 #include <atomic>
@@ -269,15 +270,39 @@ inline u8* shared_ptr(u32 a, u32 bytes) {
     return DYNAMIC_SHARED + (a - SHARED_AT);
 }
 
-// cp.async of 16 bytes (or zeros): done when issued.
+// cp.async of 16 bytes (or zeros, src-size 0): with LATE_COPIES it lands only when the
+// issuing thread waits for its group (cp.async.wait_group N: all but the newest N committed
+// groups), else when issued.
+struct CpCopy {
+    u8* dst;
+    const void* src;
+    bool pred;
+    void land() const {
+        if (pred) std::memcpy(dst, src, 16);
+        else std::memset(dst, 0, 16);
+    }
+};
+thread_local std::vector<CpCopy> CP_OPEN;                  // not committed yet
+thread_local std::vector<std::vector<CpCopy>> CP_GROUPS;  // committed, oldest first
 inline void cp16(u32 dst, const void* src, bool pred) {
-    u8* d = shared_ptr(dst, 16);
-    if (pred) std::memcpy(d, src, 16);
-    else std::memset(d, 0, 16);
+    const CpCopy c{shared_ptr(dst, 16), src, pred};
+    if (LATE_COPIES) CP_OPEN.push_back(c);
+    else c.land();
 }
-inline void cp_commit() {}
+inline void cp_commit() { CP_GROUPS.push_back(std::move(CP_OPEN)), CP_OPEN.clear(); }
 template <int N>
-inline void cp_wait() {}
+inline void cp_wait() {
+    while (CP_GROUPS.size() > (size_t)N) {
+        for (const CpCopy& c : CP_GROUPS.front()) c.land();
+        CP_GROUPS.erase(CP_GROUPS.begin());
+    }
+}
+// At a thread's end: on a GPU they would land in the next block's shared memory.
+inline void cp_none_pending() {
+    expect(CP_OPEN.empty(), "cp.async copies never committed");
+    for (const auto& g : CP_GROUPS) expect(g.empty(), "cp.async copies no thread waited for");
+    CP_GROUPS.clear();
+}
 
 // ---- bf16 tensor cores (kernels/mla_decode.cu) ----
 
@@ -330,6 +355,26 @@ inline void ldmatrix(u32* r, u32 addr, bool trans) {
 }
 inline void mla_ldsm(u32* r, u32 addr) { ldmatrix(r, addr, false); }
 inline void mla_ldsm_t(u32* r, u32 addr) { ldmatrix(r, addr, true); }
+
+// ---- the prefill products' PTX (kernels/matmul.cu) ----
+
+inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
+inline void mma_bf16_16816(float* c, const u32* a, const u32* b) { mla_mma(c, a, b[0], b[1]); }
+inline void ldsm_x4(u32* r, u32 addr) { ldmatrix(r, addr, false); }
+inline u32 lop_or_and(u32 a, u32 mask, u32 orv) { return (a & mask) | orv; }
+// fma.rn.bf16x2: per half a b + c, rounded once to bf16 (to nearest even; finite values). The
+// product of two bf16 is exact in a double, and so is the sum at the gaps these kernels meet.
+inline u32 bf2_fma(u32 a, u32 b, u32 c) {
+    u32 r = 0;
+    for (int h = 0; h < 2; h++) {
+        const double v = (double)bf16_value(a, h) * bf16_value(b, h) + bf16_value(c, h);
+        int e;
+        const double m = std::frexp(v, &e);  // v = m 2^e, |m| in [0.5, 1): 8 significant bits
+        const float f = (float)std::ldexp(std::nearbyint(std::ldexp(m, 8)), e - 8);
+        r |= (__float_as_uint(f) >> 16) << (16 * h);
+    }
+    return r;
+}
 
 // ---- mbarriers and bulk copies ----
 
@@ -488,6 +533,7 @@ inline void run_grid(Dim3 grid, int threads, size_t shared, const std::function<
                 BARRIERS_PASSED = 0;
                 stagger();
                 thread();
+                cp_none_pending();
                 between.arrive_and_wait();
             }
         });

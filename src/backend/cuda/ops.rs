@@ -819,6 +819,25 @@ const CP_SPANS_BM: usize = 32;
 /// partials than they save).
 const CP_MIN_SPLIT_STEPS: usize = 4;
 
+/// Split-K of a plain product of `tiles` tiles and `steps` k steps where `wave` blocks run at
+/// once: where the tiles leave part of the GPU idle, the splits whose rounds of blocks take the
+/// least time, rounds / splits (each block does 1 / splits of a tile's work), up to the splits
+/// that fill one wave and with CP_MIN_SPLIT_STEPS k steps or more each; the fewest on ties,
+/// since each split adds partials to write and sum. (Rounding the splits up to fill the wave
+/// made a second, near-empty round: kv_a's 20 tiles in 14 splits are 280 blocks for 264.)
+fn cp_splits(tiles: usize, steps: usize, wave: usize) -> usize {
+    let most = (steps / CP_MIN_SPLIT_STEPS).clamp(1, wave.div_ceil(tiles.max(1)));
+    // rounds / s compared as rounds(s) * best < rounds(best) * s: exact integers.
+    let rounds = |s: usize| (tiles * s).div_ceil(wave);
+    (1..=most).fold(1, |best, s| {
+        if rounds(s) * best < rounds(best) * s {
+            s
+        } else {
+            best
+        }
+    })
+}
+
 /// Whether matmul_cp_<type> takes the product (else the first-generation kernels, which take
 /// every type and mode): Q4_K or Q8_0, not transposed, k a multiple of 256, weights 16-byte
 /// aligned (cp.async of raw rows), Y rows 16-byte aligned; grouped, or a single matrix of more
@@ -946,8 +965,6 @@ impl Gpu {
             format!("matmul_cp_{ty}")
         };
         let smem = super::kernels::matmul_cp_smem_bytes(&kernel);
-        // Split-K: enough blocks for one full wave, each split CP_MIN_SPLIT_STEPS k steps or
-        // more; then as few splits as that many steps per split needs.
         let tiles_m = a.m.div_ceil(CP_BM);
         let tiles = tiles_m * a.n.div_ceil(CP_BN);
         let steps = a.k / 64;
@@ -957,12 +974,7 @@ impl Gpu {
                 .function(&kernel)?
                 .occupancy_max_active_blocks_per_multiprocessor(CP_THREADS, smem, None)?;
             let wave = self.multiprocessors * (per_sm as usize).max(1);
-            if tiles < wave {
-                let splits = (steps / CP_MIN_SPLIT_STEPS)
-                    .max(1)
-                    .min(wave.div_ceil(tiles));
-                ksteps = steps.div_ceil(splits);
-            }
+            ksteps = steps.div_ceil(cp_splits(tiles, steps, wave));
         }
         let splits = steps.div_ceil(ksteps);
         // Scratch, like the backend's temporaries: one stream-ordered allocation, freed in
@@ -1734,7 +1746,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::tc8_tiles_per_block;
+    use super::{cp_splits, tc8_tiles_per_block};
 
     #[test]
     fn tc8_tiles_per_block_fills_the_last_wave() {
@@ -1754,6 +1766,34 @@ mod tests {
             tc8_tiles_per_block(128, 18, slots),
             4,
             "gate and up of 9 choices"
+        );
+    }
+
+    #[test]
+    fn cp_splits_fill_whole_rounds() {
+        // An H200: 132 SMs x 2 blocks of matmul_cp_q4_k; 512 prompt tokens (4 tile rows).
+        let wave = 264;
+        assert_eq!(
+            cp_splits(20, 112, wave),
+            13,
+            "kv_a 576 x 7168: 260 blocks, one round"
+        );
+        assert_eq!(cp_splits(48, 112, wave), 5, "q_a 1536 x 7168: 240 blocks");
+        assert_eq!(
+            cp_splits(224, 256, wave),
+            1,
+            "attn_output 7168 x 16384: two rounds of halves gain nothing"
+        );
+        assert_eq!(
+            cp_splits(80, 112, wave),
+            3,
+            "kv_a at 2048 tokens: 240 blocks"
+        );
+        assert_eq!(cp_splits(576, 112, wave), 1, "ffn_up fills the GPU");
+        assert_eq!(
+            cp_splits(20, 8, wave),
+            2,
+            "k of 512: splits of 4 steps or more"
         );
     }
 }
