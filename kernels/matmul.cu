@@ -948,8 +948,13 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 }
 
 // Configurations measured on an H200 (lab: 2048 x 18432 x 7168 q4_k 4.4 -> 2.0 ms, q8_0
-// 5.3 -> 2.2 ms; grouped MoE q8_0 10.2 -> 1.9 ms). Plain: 128 x 128 tiles, 8 warps of 64 x 32,
-// two blocks per SM (Q4_K 4 stages, 92 KiB; Q8_0 3 stages, 78 KiB). Grouped (spans of ~16-32
+// 5.3 -> 2.2 ms; grouped MoE q8_0 10.2 -> 1.9 ms). Plain: 128 x 128 tiles, 4 warps of 128 x 32
+// side by side along N, so that each warp's B fragments (the dequantization) serve 8 m16 tiles
+// (255 registers on sm_90 and sm_120, none spilled; two blocks per SM by registers; Q4_K 4
+// stages, 92 KiB; Q8_0 3 stages, 78 KiB). H200, 2026-12-05, 2048 x 18432 x 7168 Q4_K: 8 warps
+// of 64 x 32 1.81 ms (46.2% of mma.sync; ncu: tensor pipe 48.8% active, a k step 370
+// instructions a warp for 64 mma), 4 of 64 x 64 1.78 ms, 4 of 128 x 32 1.57 ms (53.3%; tensor
+// pipe 57.9%, 472 instructions for 128 mma). Grouped (spans of ~16-32
 // rows): 32-row tiles, warps of 32 x 32 side by side along N (Q4_K 128 columns, 4 stages,
 // 40 KiB, five blocks per SM; Q8_0 256 columns, 3 stages, 72 KiB). Grouped Q4_K lab (H200, DS3
 // gate, 512 tokens x 8 of 256 experts): 3 stages / 4 blocks 1359 us, 256 columns or 64 x 32
@@ -967,7 +972,7 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
             ksteps, part);                                                                     \
     }
 
-MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 64, 32, 4, 2, true)
-MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 64, 32, 3, 2, false)
+MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 128, 32, 4, 2, true)
+MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 128, 32, 3, 2, false)
 MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 4, 5, true)
 MATMUL_CP_KERNEL(matmul_cp_spans_q8_0, Q80_T, true, 32, 256, 32, 32, 3, 2, false)

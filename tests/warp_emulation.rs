@@ -1260,8 +1260,8 @@ fn check_matmul_cp(
     let grouped = spans.is_some();
     let q4 = ty == GgmlType::Q4_K;
     let (name, code, threads, bn) = match (grouped, q4) {
-        (false, true) => ("matmul_cp_q4_k", 0, 256, 128),
-        (false, false) => ("matmul_cp_q8_0", 1, 256, 128),
+        (false, true) => ("matmul_cp_q4_k", 0, 128, 128),
+        (false, false) => ("matmul_cp_q8_0", 1, 128, 128),
         (true, true) => ("matmul_cp_spans_q4_k", 2, 128, 128),
         (true, false) => ("matmul_cp_spans_q8_0", 3, 256, 256),
     };

@@ -809,28 +809,40 @@ impl Matmul {
 }
 
 // Tiles of the cp.async kernels (MATMUL_CP_KERNEL in kernels/matmul.cu): plain products take
-// 128 x 128 tiles of 256 threads; grouped ones 32-row tiles of Q4_K 128 columns (128 threads)
+// 128 x 128 tiles of 128 threads; grouped ones 32-row tiles of Q4_K 128 columns (128 threads)
 // or Q8_0 256 columns (256 threads).
 const CP_BM: usize = 128;
 const CP_BN: usize = 128;
-const CP_THREADS: u32 = 256;
+const CP_THREADS: u32 = 128;
 const CP_SPANS_BM: usize = 32;
 /// Split-K keeps at least this many 64-wide k steps per split (fewer would spend more on the
 /// partials than they save).
 const CP_MIN_SPLIT_STEPS: usize = 4;
 
-/// Split-K of a plain product of `tiles` tiles and `steps` k steps where `wave` blocks run at
-/// once: where the tiles leave part of the GPU idle, the splits whose rounds of blocks take the
-/// least time, rounds / splits (each block does 1 / splits of a tile's work), up to the splits
-/// that fill one wave and with CP_MIN_SPLIT_STEPS k steps or more each; the fewest on ties,
-/// since each split adds partials to write and sum. (Rounding the splits up to fill the wave
-/// made a second, near-empty round: kv_a's 20 tiles in 14 splits are 280 blocks for 264.)
-fn cp_splits(tiles: usize, steps: usize, wave: usize) -> usize {
+/// Split-K of a plain product of `tiles` tiles and `steps` k steps on `sms` multiprocessors that
+/// hold `per_sm` blocks each: where the tiles leave part of the GPU idle, the splits whose
+/// blocks end soonest, up to those that fill one wave and with CP_MIN_SPLIT_STEPS k steps or
+/// more each; the fewest on ties, since each split adds partials to write and sum. Each block
+/// does 1 / splits of a tile's work; a full round of blocks takes 3 units, a last round of at
+/// most one block a multiprocessor 2 (a block alone on one runs faster: H200, 2026-12-05, DS3
+/// q_a 2048 x 1536 x 7168 in 192 blocks 245 us, in 2 x 192 of half the work 221 us with a
+/// kernel 8% slower). Rounding the splits up to fill the wave had made a second, near-empty
+/// round: kv_a's 20 tiles in 14 splits are 280 blocks for 264 places.
+fn cp_splits(tiles: usize, steps: usize, sms: usize, per_sm: usize) -> usize {
+    let wave = sms * per_sm;
     let most = (steps / CP_MIN_SPLIT_STEPS).clamp(1, wave.div_ceil(tiles.max(1)));
-    // rounds / s compared as rounds(s) * best < rounds(best) * s: exact integers.
-    let rounds = |s: usize| (tiles * s).div_ceil(wave);
+    let units = |s: usize| {
+        let blocks = tiles * s;
+        let tail = match blocks % wave {
+            0 => 0,
+            r if r <= sms => 2,
+            _ => 3,
+        };
+        3 * (blocks / wave) + tail
+    };
+    // units(s) / s against the best's, as exact integers.
     (1..=most).fold(1, |best, s| {
-        if rounds(s) * best < rounds(best) * s {
+        if units(s) * best < units(best) * s {
             s
         } else {
             best
@@ -973,8 +985,8 @@ impl Gpu {
             let per_sm = self
                 .function(&kernel)?
                 .occupancy_max_active_blocks_per_multiprocessor(CP_THREADS, smem, None)?;
-            let wave = self.multiprocessors * (per_sm as usize).max(1);
-            ksteps = steps.div_ceil(cp_splits(tiles, steps, wave));
+            let splits = cp_splits(tiles, steps, self.multiprocessors, (per_sm as usize).max(1));
+            ksteps = steps.div_ceil(splits);
         }
         let splits = steps.div_ceil(ksteps);
         // Scratch, like the backend's temporaries: one stream-ordered allocation, freed in
@@ -1771,29 +1783,23 @@ mod tests {
 
     #[test]
     fn cp_splits_fill_whole_rounds() {
-        // An H200: 132 SMs x 2 blocks of matmul_cp_q4_k; 512 prompt tokens (4 tile rows).
-        let wave = 264;
+        // An H200: 132 SMs x 2 blocks of matmul_cp_q4_k. 512 prompt tokens are 4 tile rows.
+        let h200 = |tiles, steps| cp_splits(tiles, steps, 132, 2);
+        assert_eq!(h200(20, 112), 13, "kv_a 576 x 7168: 260 blocks, one round");
+        assert_eq!(h200(48, 112), 5, "q_a 1536 x 7168: 240 blocks");
+        assert_eq!(h200(80, 112), 3, "kv_a at 2048 tokens: 240 blocks");
+        assert_eq!(h200(64, 96), 4, "GLM-5 q_a: 256 blocks");
         assert_eq!(
-            cp_splits(20, 112, wave),
-            13,
-            "kv_a 576 x 7168: 260 blocks, one round"
-        );
-        assert_eq!(cp_splits(48, 112, wave), 5, "q_a 1536 x 7168: 240 blocks");
-        assert_eq!(
-            cp_splits(224, 256, wave),
+            h200(224, 256),
             1,
-            "attn_output 7168 x 16384: two rounds of halves gain nothing"
+            "attn_output 7168 x 16384: two full rounds of halves"
         );
         assert_eq!(
-            cp_splits(80, 112, wave),
-            3,
-            "kv_a at 2048 tokens: 240 blocks"
-        );
-        assert_eq!(cp_splits(576, 112, wave), 1, "ffn_up fills the GPU");
-        assert_eq!(
-            cp_splits(20, 8, wave),
+            h200(192, 192),
             2,
-            "k of 512: splits of 4 steps or more"
+            "attn_output 6144 x 16384: a full and a lone round of halves"
         );
+        assert_eq!(h200(576, 112), 1, "ffn_up fills the GPU");
+        assert_eq!(h200(20, 8), 2, "k of 512: splits of 4 steps or more");
     }
 }
