@@ -727,12 +727,13 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 
     // A thread's copies are the same at every k step but for the k offset, so their sources
     // (byte offsets from the block's first row), destinations and valid flags are found once
-    // here (found at every step, their 64-bit arithmetic took the copies to 176 of the k
-    // step's 465 instructions in matmul_cp_q4_k on sm_90; now 78 of 370). X: 8 chunks of 16 bytes per row and stage; row r of the
-    // tile's chunk ch lands at r * 128 + (ch ^ r % 8) * 16 (T / 8 rows apart from one copy
-    // to the next, a multiple of 8: the same swizzle). W: copy f of the stage lands at
-    // 16 f (Q4_K: f < 2 BN the half f % 2 of row f / 2's qs, then row f - 2 BN's header
-    // into a header slot; Q8_0: piece f % 5 of row f / 5's 80-byte window).
+    // here (found at every step, their 64-bit arithmetic had taken 176 of the 465
+    // instructions of a k step of the 8-warp matmul_cp_q4_k on sm_90; 78 of 370 after).
+    // X: 8 chunks of 16 bytes per row and stage; row r's chunk ch lands at r * 128 +
+    // (ch ^ r % 8) * 16 (T / 8 rows apart from one copy to the next, a multiple of 8: the
+    // same swizzle). W: copy f of the stage lands at 16 f (Q4_K: f < 2 BN the half f % 2 of
+    // row f / 2's qs, then row f - 2 BN's header into a header slot; Q8_0: piece f % 5 of row
+    // f / 5's 80-byte window).
     constexpr int XI = (BM * 8 + T - 1) / T;
     constexpr int WI = QT == Q4K_T ? (BN * 3 + T - 1) / T : (BN * 5 + T - 1) / T;
     static_assert(T % 64 == 0 && 2 * BN % T == 0, "whole rows of swizzle, qs then headers");
@@ -954,9 +955,9 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 // stages, 92 KiB; Q8_0 3 stages, 78 KiB). H200, 2026-12-05, 2048 x 18432 x 7168 Q4_K: 8 warps
 // of 64 x 32 1.81 ms (46.2% of mma.sync; ncu: tensor pipe 48.8% active, a k step 370
 // instructions a warp for 64 mma), 4 of 64 x 64 1.78 ms, 4 of 128 x 32 1.57 ms (53.3%; tensor
-// pipe 57.9%, 472 instructions for 128 mma). Grouped (spans of ~16-32
-// rows): 32-row tiles, warps of 32 x 32 side by side along N (Q4_K 128 columns, 4 stages,
-// 40 KiB, five blocks per SM; Q8_0 256 columns, 3 stages, 72 KiB). Grouped Q4_K lab (H200, DS3
+// pipe 57.9%, 472 instructions for 128 mma). Grouped (spans of ~16-32 rows): 32-row tiles,
+// warps of 32 x 32 side by side along N (Q4_K 128 columns, 4 stages, 40 KiB, five blocks per
+// SM; Q8_0 256 columns, 3 stages, 72 KiB). Grouped Q4_K lab (H200, DS3
 // gate, 512 tokens x 8 of 256 experts): 3 stages / 4 blocks 1359 us, 256 columns or 64 x 32
 // warps 7-15% slower, headers once per block 1251 us, then 4 stages / 5 blocks 1192 us (41%
 // of copy on the experts' weights; ncu: L2 82% busy); an L2::128B prefetch hint: no change.

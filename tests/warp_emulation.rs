@@ -1318,16 +1318,17 @@ fn prefill_products_match_f64() {
     };
     let mut rng = Rng::new(50);
     let ids: Vec<i32> = (0..320).map(|_| (rng.next_f64() * 320.0) as i32).collect();
-    // 200 x 264: 2 x 3 tiles of 128, partial in both; 16 k steps, in 3 splits of 6 (a split
-    // starts inside a Q4_K block: its header comes with its first step). Grouped: spans of
-    // 40 + 1 + 75 rows (two and three 32-row tiles), gathered and consecutive.
+    // 200 x 264: 2 x 3 tiles of 128, partial in both; k 512 (8 steps, two Q4_K blocks), or
+    // 1024 in 3 splits of 6 steps (a split starts inside a Q4_K block: its header comes with
+    // its first step). Grouped: spans of 40 + 1 + 75 rows (two and three 32-row tiles),
+    // gathered and consecutive.
     let spans: &[(usize, usize, usize)] = &[(2, 0, 40), (0, 40, 1), (1, 41, 75)];
     for (i, ty) in [GgmlType::Q4_K, GgmlType::Q8_0].into_iter().enumerate() {
         let seed = 60 + 10 * i as u64;
-        check_matmul_cp(&h, ty, (200, 264, 1024), 1, None, None, seed);
+        check_matmul_cp(&h, ty, (200, 264, 512), 1, None, None, seed);
         check_matmul_cp(&h, ty, (200, 264, 1024), 3, None, None, seed + 1);
-        check_matmul_cp(&h, ty, (150, 264, 1024), 1, Some(&ids), None, seed + 2);
-        check_matmul_cp(&h, ty, (0, 264, 1024), 1, Some(&ids), Some(spans), seed + 3);
-        check_matmul_cp(&h, ty, (0, 264, 1024), 1, None, Some(spans), seed + 4);
+        check_matmul_cp(&h, ty, (150, 264, 512), 1, Some(&ids), None, seed + 2);
+        check_matmul_cp(&h, ty, (0, 264, 512), 1, Some(&ids), Some(spans), seed + 3);
+        check_matmul_cp(&h, ty, (0, 264, 512), 1, None, Some(spans), seed + 4);
     }
 }
