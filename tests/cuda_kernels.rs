@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::roped_q_pe;
+use common::{roped_q_pe, span_table};
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
@@ -195,14 +195,6 @@ fn matmul_poisoned(g: &Gpu, len: usize, a: impl FnOnce(u64) -> Matmul) -> Vec<f3
     let dy = poisoned(g, len);
     g.matmul(&a(g.ptr(&dy, 0))).unwrap();
     g.download(&dy).unwrap()
-}
-
-/// The span table of grouped mode: (expert, first row, count) triples as i32.
-fn span_table(spans: &[(usize, usize, usize)]) -> Vec<i32> {
-    spans
-        .iter()
-        .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
-        .collect()
 }
 
 /// The f64 twin of a (grouped) product on the dequantized matrices `wf` ([n, k] each): row r

@@ -30,7 +30,7 @@
 
 mod common;
 
-use common::roped_q_pe;
+use common::{roped_q_pe, span_table};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -1171,17 +1171,6 @@ fn mla_decode_kernels_match_f64() {
     check_mla_decode(&h, split, &narrow, 48);
 }
 
-/// Q4_K sub-block j's 6-bit scale and minimum from a block's 12 scale bytes.
-fn q4_k_scale_min(scales: &[u8], j: usize) -> (f32, f32) {
-    if j < 4 {
-        ((scales[j] & 63) as f32, (scales[j + 4] & 63) as f32)
-    } else {
-        let sc = (scales[j + 4] & 15) | ((scales[j - 4] >> 6) << 4);
-        let mn = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
-        (sc as f32, mn as f32)
-    }
-}
-
 fn bf16(v: f32) -> f64 {
     half::bf16::from_f32(v).to_f64()
 }
@@ -1195,9 +1184,12 @@ fn bf16_operands(ty: GgmlType, w: &[u8]) -> Vec<f64> {
     for b in w.chunks_exact(ty.type_size()) {
         if ty == GgmlType::Q4_K {
             let (d, dmin) = (f16(&b[0..]), f16(&b[2..]));
+            let (sc, mn) = quant::scale_min_k4(&b[4..16]);
             for j in 0..8 {
-                let (sc, mn) = q4_k_scale_min(&b[4..16], j);
-                let (dl, ml) = (bf16(d * sc) as f32, bf16(-(dmin * mn)) as f32);
+                let (dl, ml) = (
+                    bf16(d * sc[j] as f32) as f32,
+                    bf16(-(dmin * mn[j] as f32)) as f32,
+                );
                 for l in 0..32 {
                     let q = (b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
                     out.push(bf16(q as f32 * dl + ml));
@@ -1267,11 +1259,6 @@ fn check_matmul_cp(
     };
     let big_m = spans.map_or(m, |s| s.iter().map(|s| s.2).max().unwrap());
     let ksteps = (k / 64).div_ceil(splits);
-    let table: Vec<i32> = spans
-        .unwrap_or(&[])
-        .iter()
-        .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
-        .collect();
     let args = Args::default()
         .i32(code)
         .bytes(&w)
@@ -1284,7 +1271,7 @@ fn check_matmul_cp(
         .i32(big_m as i32)
         .i32(n as i32)
         .i32(k as i32)
-        .ints(&table)
+        .ints(&span_table(spans.unwrap_or(&[])))
         .i32(spans.map_or(0, |s| s.len()) as i32)
         .i64((n * row_bytes) as i64)
         .i32(m.div_ceil(128) as i32)

@@ -118,9 +118,9 @@ impl BlockFormat<110, 256, 16> for Q3_K {
     }
 }
 
-/// Q4_K/Q5_K's 8 (scale, min) pairs.
+/// Q4_K/Q5_K's 8 (scale, min) pairs from a block's 12 scale bytes.
 #[inline(always)]
-fn scale_min_k4(b: &[u8]) -> ([i8; 8], [i8; 8]) {
+pub fn scale_min_k4(b: &[u8]) -> ([i8; 8], [i8; 8]) {
     let mut sc = [0i8; 8];
     let mut m = [0i8; 8];
     for s in 0..4 {

@@ -28,6 +28,8 @@ mod iq4;
 mod kquant;
 mod legacy;
 
+pub use kquant::scale_min_k4;
+
 use crate::gguf::ggml_type::GgmlType;
 
 /// The types the engine can compute with, in ggml id order.

@@ -184,3 +184,12 @@ pub fn roped_q_pe(
         })
         .collect()
 }
+
+/// The span table of the grouped products (ops.rs `Matmul::spans`): (expert, first row,
+/// count) triples as i32.
+pub fn span_table(spans: &[(usize, usize, usize)]) -> Vec<i32> {
+    spans
+        .iter()
+        .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
+        .collect()
+}

@@ -40,21 +40,18 @@ int main(int argc, char** argv) {
                    cp(ptr(w), row_bytes, ptr<u16>(xb), ptr<int>(row_ids), ptr<float>(y),
                       y_stride, M, N, K, ptr<int>(spans), mat_stride, 0, 0, nullptr);
                });
-    } else if (splits == 1) {
-        launch(Dim3{(unsigned)(tiles_m * ((N + bn - 1) / bn)), 1, 1}, threads, shared, y, [&] {
-            cp(ptr(w), row_bytes, ptr<u16>(xb), nullptr, ptr<float>(y), y_stride, M, N, K,
-               nullptr, 0, tiles_m, ksteps, nullptr);
-        });
     } else {
-        std::vector<u8> part(4 * (size_t)splits * M * N);
+        // Split over k: f32 partials [split][M][N], summed in split order into y.
+        std::vector<u8> part(splits > 1 ? 4 * (size_t)splits * M * N : 0);
         launch(Dim3{(unsigned)(tiles_m * ((N + bn - 1) / bn)), (unsigned)splits, 1}, threads,
-               shared, part, [&] {
+               shared, splits > 1 ? part : y, [&] {
                    cp(ptr(w), row_bytes, ptr<u16>(xb), nullptr, ptr<float>(y), y_stride, M, N,
                       K, nullptr, 0, tiles_m, ksteps, ptr<float>(part));
                });
-        launch(((i64)M * N / 4 + 255) / 256, 256, 0, y, [&] {
-            matmul_splitk_sum(ptr<float>(part), splits, M, N, ptr<float>(y), y_stride);
-        });
+        if (splits > 1)
+            launch(((i64)M * N / 4 + 255) / 256, 256, 0, y, [&] {
+                matmul_splitk_sum(ptr<float>(part), splits, M, N, ptr<float>(y), y_stride);
+            });
     }
     print_f32(y);
 }
