@@ -605,11 +605,13 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 // k steps and writes f32 partials [split][M][N] into scratch; matmul_splitk_sum adds them in
 // split order into Y (deterministic).
 //
-// FAST (Q4_K): the nibble becomes bf16 by a magic-number OR (0x4300 | q = 128 + q) and
-// fma.rn.bf16x2 subtracts 128 and applies the scale and min, which are rounded to bf16 like
-// the operands; that differs from the f32 dequantization above by ~1e-5 NMSE (rounding of
-// d * scale and dmin * min), well inside the bf16-product tolerance, for ~2 instructions per
-// weight pair less. Q8_0 dequantizes in f32 (d * q exact in f32, then rounded once to bf16).
+// Dequantization in bf16 (fma.rn.bf16x2), ~2 instructions per weight pair fewer than in f32:
+// Q4_K's nibble becomes bf16 128 + q by a magic-number OR (0x4300 | q), then (128 + q) - 128
+// = q exactly and q (d sc) + (-dmin mn), the scale and min rounded to bf16 like the operands;
+// Q8_0's byte q = (q & 127) - 128 (bit 7) becomes 128 + (q & 127) by the same OR and
+// -128 - 128 (bit 7) by another (both exact in bf16), and their sum times d, q d, comes from
+// one fma of the first and d onto the second times d, with d rounded to bf16. Against the f32 dequantization both differ by the rounding
+// of the scales (~1e-6 to 1e-5 NMSE), well inside the bf16 operands' own tolerance.
 
 #define Q4K_T 0
 #define Q80_T 1
@@ -696,7 +698,7 @@ struct CpCfg {
 
 // GROUPED: spans (the X rows gathered through row_ids); else plain mode (part != null:
 // split-K partials, ksteps k steps per split). xb: bf16 X from matmul_xprep, K per row.
-template <int QT, bool GROUPED, int BM, int BN, int WM, int WN, int STAGES, bool FAST>
+template <int QT, bool GROUPED, int BM, int BN, int WM, int WN, int STAGES>
 __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const u16* xb,
                                                const int* row_ids, float* y, i64 y_stride, int M,
                                                int N, int K, const int* spans, i64 mat_stride,
@@ -792,7 +794,7 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         }
     };
     // Q4_K: (scale, min) of sub-blocks 2c, 2c + 1 of every row of a landed stage -> buffer buf
-    // (FAST: bf16x2 (d sc, d sc) and (-dmin mn, -dmin mn); else f32 d sc and dmin mn).
+    // as bf16x2 (d sc, d sc) and (-dmin mn, -dmin mn).
     auto decode = [&](int slot, int kb, int buf) {
         if (QT != Q4K_T) return;
         const u8* wh = smem + STAGES * C::STAGE + ((kb >> 2) & 1) * BN * 16;
@@ -814,15 +816,7 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                 }
                 float dl = f16_to_f32((u16)(hd.x & 0xffff)) * (float)sc;
                 float ml = f16_to_f32((u16)(hd.x >> 16)) * (float)mn;
-                uint2 o;
-                if (FAST) {
-                    o.x = pack_bf16x2(dl, dl);
-                    o.y = pack_bf16x2(-ml, -ml);
-                } else {
-                    o.x = __float_as_uint(dl);
-                    o.y = __float_as_uint(ml);
-                }
-                sb[r * 2 + hh] = o;
+                sb[r * 2 + hh] = make_uint2(pack_bf16x2(dl, dl), pack_bf16x2(-ml, -ml));
             }
         }
     };
@@ -862,24 +856,12 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                     uint2 sc = *(const uint2*)(smem + STAGES * C::STAGE + C::HB + sel * BN * 16 +
                                                r * 16 + 8 * (kk >> 1));
                     if (kk >= 2) wv >>= 4;
-                    if (FAST) {
-                        // bf16 128 + q from the nibble; (128 + q) - 128 = q exactly; q d sc - m.
-                        const u32 ONE = 0x3F803F80u, M128 = 0xC300C300u;
-                        u32 ra = lop_or_and(wv, 0x000F000Fu, 0x43004300u);
-                        u32 rb = lop_or_and(wv >> 8, 0x000F000Fu, 0x43004300u);
-                        b0 = bf2_fma(bf2_fma(ra, ONE, M128), sc.x, sc.y);
-                        b1 = bf2_fma(bf2_fma(rb, ONE, M128), sc.x, sc.y);
-                    } else {
-                        float dl = __uint_as_float(sc.x), ml = __uint_as_float(sc.y);
-                        u32 wl = wv & 0x0F0F0F0Fu;
-                        float q[4];
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            q[e] = __uint_as_float(__byte_perm(wl, 0x4B000000u, 0x7440 | e)) -
-                                   8388608.0f;
-                        b0 = pack_bf16x2(dl * q[0] - ml, dl * q[2] - ml);
-                        b1 = pack_bf16x2(dl * q[1] - ml, dl * q[3] - ml);
-                    }
+                    // bf16 128 + q from the nibble; (128 + q) - 128 = q exactly; q d sc - m.
+                    const u32 ONE = 0x3F803F80u, M128 = 0xC300C300u;
+                    u32 ra = lop_or_and(wv, 0x000F000Fu, 0x43004300u);
+                    u32 rb = lop_or_and(wv >> 8, 0x000F000Fu, 0x43004300u);
+                    b0 = bf2_fma(bf2_fma(ra, ONE, M128), sc.x, sc.y);
+                    b1 = bf2_fma(bf2_fma(rb, ONE, M128), sc.x, sc.y);
                 } else {
                     // Window: block 0 = d at sel, qs at sel + 2; block 1 = d at sel + 34, qs
                     // at sel + 36.
@@ -895,15 +877,13 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                         wv = *(const u32*)(rowp + 36 + 8 * c4 + 4 * (kk - 2));
                         d = f16_to_f32(*(const u16*)(rowp + 34));
                     }
-                    // int8 -> float: bias to unsigned, 2^23 + 128 + q, minus 2^23 + 128.
-                    u32 xv = wv ^ 0x80808080u;
-                    float q[4];
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        q[e] = __uint_as_float(__byte_perm(xv, 0x4B000000u, 0x7440 | e)) -
-                               8388736.0f;
-                    b0 = pack_bf16x2(d * q[0], d * q[2]);
-                    b1 = pack_bf16x2(d * q[1], d * q[3]);
+                    // Bytes (q0, q2) and (q1, q3) in the halves, q = (q & 127) - 128 (bit 7):
+                    // bf16 128 + (q & 127) and -128 - 128 (bit 7), times d, summed in one fma.
+                    const u32 d2 = pack_bf16x2(d, d), NEG0 = 0x80008000u, wb = wv >> 8;
+                    b0 = bf2_fma(lop_or_and(wv, 0x007F007Fu, 0x43004300u), d2,
+                                 bf2_fma(lop_or_and(wv, 0x00800080u, 0xC300C300u), d2, NEG0));
+                    b1 = bf2_fma(lop_or_and(wb, 0x007F007Fu, 0x43004300u), d2,
+                                 bf2_fma(lop_or_and(wb, 0x00800080u, 0xC300C300u), d2, NEG0));
                 }
                 u32 bb[2] = {b0, b1};
 #pragma unroll
@@ -961,19 +941,19 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 // gate, 512 tokens x 8 of 256 experts): 3 stages / 4 blocks 1359 us, 256 columns or 64 x 32
 // warps 7-15% slower, headers once per block 1251 us, then 4 stages / 5 blocks 1192 us (41%
 // of copy on the experts' weights; ncu: L2 82% busy); an L2::128B prefetch hint: no change.
-#define MATMUL_CP_KERNEL(kname, qt, grouped, bm, bn, wm, wn, stages, minb, fast)               \
+#define MATMUL_CP_KERNEL(kname, qt, grouped, bm, bn, wm, wn, stages, minb)                     \
     extern "C" __global__ void __launch_bounds__(                                              \
         CpCfg<qt, bm, bn, wm, wn, stages>::THREADS, minb)                                       \
         kname(const u8* w, i64 row_bytes, const u16* xb, const int* row_ids, float* y,         \
               i64 y_stride, int M, int N, int K, const int* spans, i64 mat_stride,             \
               int tiles_m, int ksteps, float* part) {                                          \
         pdl_enter();                                                                           \
-        matmul_cp_body<qt, grouped, bm, bn, wm, wn, stages, fast>(                             \
+        matmul_cp_body<qt, grouped, bm, bn, wm, wn, stages>(                                   \
             w, row_bytes, xb, row_ids, y, y_stride, M, N, K, spans, mat_stride, tiles_m,       \
             ksteps, part);                                                                     \
     }
 
-MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 128, 32, 4, 2, true)
-MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 128, 32, 3, 2, false)
-MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 4, 5, true)
-MATMUL_CP_KERNEL(matmul_cp_spans_q8_0, Q80_T, true, 32, 256, 32, 32, 3, 2, false)
+MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 128, 32, 4, 2)
+MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 128, 32, 3, 2)
+MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 4, 5)
+MATMUL_CP_KERNEL(matmul_cp_spans_q8_0, Q80_T, true, 32, 256, 32, 32, 3, 2)
