@@ -601,9 +601,10 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 //
 // Dense tiles are numbered with M fastest, so the blocks of one wave share W tiles (each W
 // tile read from DRAM about once) while the bf16 X stays in L2. Split-K (plain mode, when the
-// tiles do not fill the GPU, e.g. the narrow q_a / kv_a products): blockIdx.y takes a range of
-// k steps and writes f32 partials [split][M][N] into scratch; matmul_splitk_sum adds them in
-// split order into Y (deterministic).
+// tiles do not fill the GPU, e.g. the narrow q_a / kv_a products, or for the columns a last
+// round would leave to few blocks: ops.rs, matmul_cp_plan): blockIdx.y takes a range of k steps
+// and writes f32 partials [split][M][N] into scratch; matmul_splitk_sum adds them in split
+// order into Y (deterministic).
 //
 // Dequantization in bf16 (fma.rn.bf16x2), ~2 instructions per weight pair fewer than in f32:
 // Q4_K's nibble becomes bf16 128 + q by a magic-number OR (0x4300 | q), then (128 + q) - 128

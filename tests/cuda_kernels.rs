@@ -1237,6 +1237,35 @@ fn matmul_cp_split_k_and_spans_match_f64() {
 }
 
 #[test]
+fn matmul_cp_whole_then_split_columns_match_f64() {
+    // A plain product whose tiles overflow a wave by a few runs the columns of its full rounds
+    // whole over k, then the rest split over k (`Gpu::matmul_cp_plan`): one tile row (40
+    // rows), the first column count from this GPU's plan that does so, the last tile partial.
+    let Some(g) = gpu() else { return };
+    let (t, m, k) = (GgmlType::Q4_K, 40, 1024);
+    let shape = |n| Matmul::plain(t, 0, (0, k), (0, n), (m, n, k));
+    let (n, plan) = (g.multiprocessors..8 * g.multiprocessors)
+        .map(|tiles| 128 * tiles - 8)
+        .find_map(|n| {
+            let p = g.matmul_cp_plan(&shape(n)).unwrap()?;
+            (p.head > 0 && p.splits > 1).then_some((n, p))
+        })
+        .expect("a product whose last round is split");
+    let what = format!("matmul cp {m} x {n} x {k}, {plan:?}");
+    println!("{what}");
+    let mut rng = Rng::new("matmul cp plan");
+    let w = random_rows(&mut rng, t, n, k);
+    let wf = dequant_rows(t, &w, n, k);
+    let x = rng.normals(m * k);
+    let (dw, dx) = (g.upload(&w).unwrap(), g.upload(&x).unwrap());
+    let y = matmul_poisoned(&g, m * n, |dy| {
+        Matmul::plain(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), k), (dy, n), (m, n, k))
+    });
+    let want = grouped_want(&wf, &x, (m, n, k), None, None);
+    assert_close(&what, &y, &want, BF16_MATMUL);
+}
+
+#[test]
 fn matmul_batched_heads_match_per_head_products() {
     // head_matmul's batched mode: block z multiplies matrix z (w + z * mat_stride) with x
     // columns from z * x_mat_stride (0: every head reads the same x) into y columns from

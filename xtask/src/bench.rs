@@ -808,6 +808,11 @@ impl Bench {
                         };
                         let flops = 2.0 * (m * n * k) as f64;
                         let moved = (bytes + 4 * m * k + 4 * m * n) as f64;
+                        // Columns run whole over k, then the split ones (matmul_cp_plan).
+                        let plan = self
+                            .gpu
+                            .matmul_cp_plan(&Matmul::plain(ty, 0, (0, k), (0, n), (m, n, k)))?
+                            .map(|p| json!({"whole_columns": p.head, "splits": p.splits}));
                         self.push_product(
                             name,
                             flops,
@@ -816,6 +821,7 @@ impl Bench {
                             host,
                             json!({
                                 "type": tname(ty), "m": m, "n": n, "k": k, "family": fam.name,
+                                "plan": plan,
                             }),
                         );
                     }

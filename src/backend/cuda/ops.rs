@@ -819,27 +819,30 @@ const CP_SPANS_BM: usize = 32;
 /// partials than they save).
 const CP_MIN_SPLIT_STEPS: usize = 4;
 
+/// Time of `blocks` equal blocks on `sms` multiprocessors that hold `per_sm` each, in thirds
+/// of a full round: a full round of blocks takes 3, a last round of at most one block a
+/// multiprocessor 2 (a block alone on one runs faster: H200, 2026-12-05, DS3 q_a 2048 x 1536 x
+/// 7168 in 192 blocks 245 us, in 2 x 192 of half the work 221 us with a kernel 8% slower).
+fn cp_rounds(blocks: usize, sms: usize, per_sm: usize) -> usize {
+    let wave = sms * per_sm;
+    let last = match blocks % wave {
+        0 => 0,
+        r if r <= sms => 2,
+        _ => 3,
+    };
+    3 * (blocks / wave) + last
+}
+
 /// Split-K of a plain product of `tiles` tiles and `steps` k steps on `sms` multiprocessors that
 /// hold `per_sm` blocks each: where the tiles leave part of the GPU idle, the splits whose
-/// blocks end soonest, up to those that fill one wave and with CP_MIN_SPLIT_STEPS k steps or
-/// more each; the fewest on ties, since each split adds partials to write and sum. Each block
-/// does 1 / splits of a tile's work; a full round of blocks takes 3 units, a last round of at
-/// most one block a multiprocessor 2 (a block alone on one runs faster: H200, 2026-12-05, DS3
-/// q_a 2048 x 1536 x 7168 in 192 blocks 245 us, in 2 x 192 of half the work 221 us with a
-/// kernel 8% slower). Rounding the splits up to fill the wave had made a second, near-empty
-/// round: kv_a's 20 tiles in 14 splits are 280 blocks for 264 places.
+/// blocks end soonest (`cp_rounds` of 1 / splits of a tile's work each), up to those that fill
+/// one wave and with CP_MIN_SPLIT_STEPS k steps or more each; the fewest on ties, since each
+/// split adds partials to write and sum. Rounding the splits up to fill the wave had made a
+/// second, near-empty round: kv_a's 20 tiles in 14 splits are 280 blocks for 264 places.
 fn cp_splits(tiles: usize, steps: usize, sms: usize, per_sm: usize) -> usize {
     let wave = sms * per_sm;
     let most = (steps / CP_MIN_SPLIT_STEPS).clamp(1, wave.div_ceil(tiles.max(1)));
-    let units = |s: usize| {
-        let blocks = tiles * s;
-        let tail = match blocks % wave {
-            0 => 0,
-            r if r <= sms => 2,
-            _ => 3,
-        };
-        3 * (blocks / wave) + tail
-    };
+    let units = |s: usize| cp_rounds(tiles * s, sms, per_sm);
     // units(s) / s against the best's, as exact integers.
     (1..=most).fold(1, |best, s| {
         if units(s) * best < units(best) * s {
@@ -848,6 +851,44 @@ fn cp_splits(tiles: usize, steps: usize, sms: usize, per_sm: usize) -> usize {
             best
         }
     })
+}
+
+/// How a plain product of `tiles_m` x `tiles_n` tiles runs on matmul_cp_<type>: its first
+/// `head` column tiles whole over k, then the other columns in `splits` k splits (head 0: the
+/// whole product, split or not). A product of more tiles than one wave whose last round would
+/// hold few blocks (H200, 512 tokens of DS3's ffn_up: 576 tiles, two rounds of 264, then 48
+/// blocks alone) runs the columns of its full rounds first and splits the rest over the
+/// whole GPU (48 tiles in 5 splits: 240 blocks of a fifth of the work), where `cp_rounds`
+/// counts 5% or more less time (DS3's 576 tiles: 8 -> 6.6 thirds of a round; GLM-5's 384:
+/// 5 -> 4.5; 2048 tokens of ffn_up, 2304 tiles, 27 -> 26.5, stay whole).
+fn cp_plan(tiles_m: usize, tiles_n: usize, steps: usize, sms: usize, per_sm: usize) -> CpPlan {
+    let (tiles, wave) = (tiles_m * tiles_n, sms * per_sm);
+    let whole = CpPlan {
+        head: 0,
+        splits: cp_splits(tiles, steps, sms, per_sm),
+    };
+    if tiles <= wave {
+        return whole;
+    }
+    let head = tiles / wave * wave / tiles_m;
+    let rest = (tiles_n - head) * tiles_m;
+    let s = cp_splits(rest, steps, sms, per_sm);
+    // Both times in thirds of a round, times s.
+    let split = cp_rounds(head * tiles_m, sms, per_sm) * s + cp_rounds(rest * s, sms, per_sm);
+    if s > 1 && 20 * split <= 19 * s * cp_rounds(tiles, sms, per_sm) {
+        CpPlan { head, splits: s }
+    } else {
+        whole
+    }
+}
+
+/// The launches of a plain product on matmul_cp_<type> (`Gpu::matmul_cp_plan`): columns
+/// [0, head) whole over k, then columns [head, n) in `splits` k splits (partials summed by
+/// matmul_splitk_sum).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpPlan {
+    pub head: usize,
+    pub splits: usize,
 }
 
 /// Whether matmul_cp_<type> takes the product (else the first-generation kernels, which take
@@ -964,10 +1005,38 @@ impl Gpu {
         splits
     }
 
+    /// How `matmul` runs plain product `a` on matmul_cp_<type> (`CpPlan`, columns in elements);
+    /// None where it takes other kernels or `a` is grouped.
+    pub fn matmul_cp_plan(&self, a: &Matmul) -> Result<Option<CpPlan>, CudaError> {
+        let Some(row_bytes) = a.ty.row_bytes(a.k) else {
+            return Ok(None);
+        };
+        if !matmul_cp_takes(a, row_bytes) || a.spans != 0 {
+            return Ok(None);
+        }
+        let kernel = format!("matmul_cp_{}", a.ty.name().to_lowercase());
+        let smem = super::kernels::matmul_cp_smem_bytes(&kernel);
+        let per_sm = self.blocks_per_sm(&kernel, CP_THREADS, smem)?.max(1);
+        let steps = a.k / 64;
+        let tiles_n = a.n.div_ceil(CP_BN);
+        let plan = cp_plan(
+            a.m.div_ceil(CP_BM),
+            tiles_n,
+            steps,
+            self.multiprocessors,
+            per_sm,
+        );
+        Ok(Some(CpPlan {
+            head: (plan.head * CP_BN).min(a.n),
+            // The splits of whole k steps that cover k (9 steps in 4 splits are 3 of 3).
+            splits: steps.div_ceil(steps.div_ceil(plan.splits)),
+        }))
+    }
+
     /// The product on matmul_cp_<type> (see `matmul_cp_takes`): X rounded to bf16 once by
     /// matmul_xprep (plain mode: the rows gathered through row_ids; grouped mode: X's rows as
-    /// they are, gathered by the tiles), then the tiles; plain products split over k when they
-    /// do not fill the GPU (partials summed by matmul_splitk_sum).
+    /// they are, gathered by the tiles), then the tiles; plain products split over k where
+    /// their tiles leave the GPU idle (`matmul_cp_plan`).
     fn matmul_cp(&self, a: &Matmul, row_bytes: usize) -> Result<(), CudaError> {
         let ty = a.ty.name().to_lowercase();
         let grouped = a.spans != 0;
@@ -977,21 +1046,13 @@ impl Gpu {
             format!("matmul_cp_{ty}")
         };
         let smem = super::kernels::matmul_cp_smem_bytes(&kernel);
-        let tiles_m = a.m.div_ceil(CP_BM);
-        let tiles = tiles_m * a.n.div_ceil(CP_BN);
-        let steps = a.k / 64;
-        let mut ksteps = steps;
-        if !grouped {
-            let per_sm = self
-                .function(&kernel)?
-                .occupancy_max_active_blocks_per_multiprocessor(CP_THREADS, smem, None)?;
-            let splits = cp_splits(tiles, steps, self.multiprocessors, (per_sm as usize).max(1));
-            ksteps = steps.div_ceil(splits);
-        }
-        let splits = steps.div_ceil(ksteps);
+        let plan = self
+            .matmul_cp_plan(a)?
+            .unwrap_or(CpPlan { head: 0, splits: 1 });
         // Scratch, like the backend's temporaries: one stream-ordered allocation, freed in
         // stream order (after the kernels below) when it drops at the end of this function.
-        // bf16 X [rows, k], then the partials [splits, m, n] f32 from a 256-byte boundary.
+        // bf16 X [rows, k], then the split columns' partials [splits, m, n - head] f32 from a
+        // 256-byte boundary.
         let (x_rows, gather) = if grouped {
             check(a.x_rows > 0, "matmul", || {
                 "grouped mode needs x_rows".into()
@@ -1001,14 +1062,13 @@ impl Gpu {
             (a.m, a.row_ids)
         };
         let xb_floats = (x_rows * a.k / 2).next_multiple_of(64);
-        let part_floats = if splits > 1 { splits * a.m * a.n } else { 0 };
-        let scratch = self.empty(xb_floats + part_floats)?;
-        let xb = self.ptr(&scratch, 0);
-        let part = if splits > 1 {
-            self.ptr(&scratch, xb_floats)
+        let part_floats = if plan.splits > 1 {
+            plan.splits * a.m * (a.n - plan.head)
         } else {
             0
         };
+        let scratch = self.empty(xb_floats + part_floats)?;
+        let xb = self.ptr(&scratch, 0);
         launch!(self, "matmul_xprep", (grid1(x_rows * a.k / 32, 256), 1, 1), 256, 0;
             a.x, a.x_stride as i64, gather, x_rows as i32, a.k as i32, xb);
         if grouped {
@@ -1023,13 +1083,30 @@ impl Gpu {
                 a.n as i32, a.k as i32, a.spans, a.mat_stride as i64, 0i32, 0i32, 0u64);
             return Ok(());
         }
-        launch!(self, kernel, (tiles as u32, splits as u32, 1), CP_THREADS, smem as u32;
-            a.w, row_bytes as i64, xb, 0u64, a.y, a.y_stride as i64, a.m as i32,
-            a.n as i32, a.k as i32, 0u64, 0i64, tiles_m as i32, ksteps as i32, part);
-        if splits > 1 {
-            return self.matmul_splitk_sum(a, part, splits);
+        let cols = |n0: usize, n1: usize, splits: usize, part: Ptr| {
+            // Columns n0 .. n1: W's rows n0 .., Y's columns n0 ...
+            let (w, y, n) = (a.w + (n0 * row_bytes) as u64, a.y + 4 * n0 as u64, n1 - n0);
+            let tiles_m = a.m.div_ceil(CP_BM);
+            let tiles = tiles_m * n.div_ceil(CP_BN);
+            let ksteps = (a.k / 64).div_ceil(splits);
+            launch!(self, &kernel, (tiles as u32, splits as u32, 1), CP_THREADS, smem as u32;
+                w, row_bytes as i64, xb, 0u64, y, a.y_stride as i64, a.m as i32, n as i32,
+                a.k as i32, 0u64, 0i64, tiles_m as i32, ksteps as i32, part);
+            if splits > 1 {
+                launch!(self, "matmul_splitk_sum", (grid1(a.m * n / 4, 256), 1, 1), 256, 0;
+                    part, splits as i32, a.m as i32, n as i32, y, a.y_stride as i64);
+            }
+            Ok::<(), CudaError>(())
+        };
+        if plan.head > 0 {
+            cols(0, plan.head, 1, 0)?;
         }
-        Ok(())
+        let part = if plan.splits > 1 {
+            self.ptr(&scratch, xb_floats)
+        } else {
+            0
+        };
+        cols(plan.head, a.n, plan.splits, part)
     }
 
     /// Y of `a` = the sum of `splits` partials [splits, m, n] at `part`, in split order
@@ -1758,7 +1835,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{cp_splits, tc8_tiles_per_block};
+    use super::{cp_plan, cp_splits, tc8_tiles_per_block, CpPlan};
 
     #[test]
     fn tc8_tiles_per_block_fills_the_last_wave() {
@@ -1801,5 +1878,38 @@ mod tests {
         );
         assert_eq!(h200(576, 112), 1, "ffn_up fills the GPU");
         assert_eq!(h200(20, 8), 2, "k of 512: splits of 4 steps or more");
+    }
+
+    #[test]
+    fn cp_plan_splits_a_last_round_of_lone_blocks() {
+        // H200 (132 SMs x 2 blocks); tiles_m x tiles_n tiles of 128 x 128, k steps of 64.
+        let h200 = |tiles_m, tiles_n, steps| cp_plan(tiles_m, tiles_n, steps, 132, 2);
+        let plan = |head, splits| CpPlan { head, splits };
+        assert_eq!(
+            h200(4, 144, 112),
+            plan(132, 5),
+            "DS3 ffn_up at 512 tokens: 2 rounds of 528 tiles, then 48 in 5 splits"
+        );
+        assert_eq!(
+            h200(4, 96, 96),
+            plan(66, 2),
+            "GLM-5 ffn_up at 512 tokens: a round, then 120 tiles in 2 splits"
+        );
+        assert_eq!(
+            h200(16, 144, 112),
+            plan(0, 1),
+            "2048 tokens: 27 -> 26.5 thirds"
+        );
+        assert_eq!(
+            h200(4, 192, 24),
+            plan(0, 1),
+            "DS3 q_b: the rest would not split"
+        );
+        assert_eq!(
+            h200(4, 12, 112),
+            plan(0, 5),
+            "q_a: one wave, split as before"
+        );
+        assert_eq!(h200(4, 132, 112), plan(0, 1), "two full rounds");
     }
 }
