@@ -697,6 +697,14 @@ struct CpCfg {
     static_assert(STAGES >= 3, "one barrier per step needs 3 stages");
 };
 
+// How many of a warp's m16 tiles hold rows, as a type: the compute step is unrolled for it,
+// without a test per MMA (a test per MMA, though warp-uniform, made ptxas put a WARPSYNC
+// before each: 41 of a grouped k step's 388 instructions on sm_90).
+template <int N>
+struct LiveTiles {
+    static constexpr int n = N;
+};
+
 // GROUPED: spans (the X rows gathered through row_ids); else plain mode (part != null:
 // split-K partials, ksteps k steps per split). xb: bf16 X from matmul_xprep, K per row.
 template <int QT, bool GROUPED, int BM, int BN, int WM, int WN, int STAGES>
@@ -837,17 +845,18 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
     const int a_row = wm + (lane & 15);
     const int a_sw = a_row & 7, a_hi = lane >> 4;
 
-    // One k step from slot; sel = Q4_K: scale buffer, Q8_0: the window's offset 68 kb % 16.
-    auto compute = [&](int slot, int sel) {
+    // One k step from slot on the first `live` m16 tiles (LiveTiles); sel = Q4_K: scale
+    // buffer, Q8_0: the window's offset 68 kb % 16.
+    auto compute = [&](int slot, int sel, auto live) {
+        constexpr int LIVE = decltype(live)::n;
         const u32 xs = sbase + slot * C::STAGE;
         const u8* wq = smem + slot * C::STAGE + C::XB;
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             u32 a[MI][4];
 #pragma unroll
-            for (int i = 0; i < MI; i++)
-                if (!GROUPED || m0 + wm + 16 * i < M)
-                    ldsm_x4(a[i], xs + (a_row + 16 * i) * 128 + (((2 * kk + a_hi) ^ a_sw) << 4));
+            for (int i = 0; i < LIVE; i++)
+                ldsm_x4(a[i], xs + (a_row + 16 * i) * 128 + (((2 * kk + a_hi) ^ a_sw) << 4));
 #pragma unroll
             for (int j = 0; j < NJ; j++) {
                 const int r = wn + 8 * j + g;
@@ -888,11 +897,15 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                 }
                 u32 bb[2] = {b0, b1};
 #pragma unroll
-                for (int i = 0; i < MI; i++)
-                    if (!GROUPED || m0 + wm + 16 * i < M) mma_bf16_16816(acc[i][j], a[i], bb);
+                for (int i = 0; i < LIVE; i++) mma_bf16_16816(acc[i][j], a[i], bb);
             }
         }
     };
+
+    // Grouped: a warp's first m16 tile holds rows (m0 < M, one warp row: wm = 0), its second
+    // (32-row tiles) only where the span has more than m0 + 16.
+    static_assert(!GROUPED || (MI <= 2 && WM == BM), "grouped: one warp row of 1 or 2 m16 tiles");
+    const bool all_live = !GROUPED || m0 + 16 * (MI - 1) < M;
 
     // Pipeline: STAGES - 1 steps in flight at the start; scales decoded one step ahead.
 #pragma unroll
@@ -910,7 +923,11 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         if (tn < nk) load_stage(tn % STAGES, kb0 + tn);
         cp_commit();  // possibly empty: keeps the group count per step fixed for cp_wait
         if (t + 1 < nk) decode((t + 1) % STAGES, kb0 + t + 1, (t + 1) & 1);
-        compute(t % STAGES, QT == Q4K_T ? (t & 1) : (int)(((i64)(kb0 + t) * 68) & 15));
+        const int sel = QT == Q4K_T ? (t & 1) : (int)(((i64)(kb0 + t) * 68) & 15);
+        if (all_live)
+            compute(t % STAGES, sel, LiveTiles<MI>{});
+        else
+            compute(t % STAGES, sel, LiveTiles<1>{});
     }
     cp_wait<0>();
 

@@ -222,6 +222,7 @@ const PIECES: &[Piece] = &[
         "matmul.cu",
         "template <int QT, int BM, int BN, int WM, int WN, int STAGES>\nstruct CpCfg {",
     ),
+    Def("matmul.cu", "template <int N>\nstruct LiveTiles {"),
     Def(
         "matmul.cu",
         "template <int QT, bool GROUPED, int BM, int BN, int WM, int WN, int STAGES>\n__device__ __forceinline__ void matmul_cp_body(",
