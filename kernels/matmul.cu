@@ -803,29 +803,33 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         }
     };
     // Q4_K: (scale, min) of sub-blocks 2c, 2c + 1 of every row of a landed stage -> buffer buf
-    // as bf16x2 (d sc, d sc) and (-dmin mn, -dmin mn).
+    // as bf16x2 (d sc, d sc) and (-dmin mn, -dmin mn), each, a row a thread (one header read,
+    // one d and dmin for both; a sub-block a thread had cost 60 of a k step's instructions).
     auto decode = [&](int slot, int kb, int buf) {
         if (QT != Q4K_T) return;
         const u8* wh = smem + STAGES * C::STAGE + ((kb >> 2) & 1) * BN * 16;
-        uint2* sb = (uint2*)(smem + STAGES * C::STAGE + C::HB + buf * BN * 16);
-        const int c = kb & 3;
+        uint4* sb = (uint4*)(smem + STAGES * C::STAGE + C::HB + buf * BN * 16);
+        // kquant_scale_min on the header words, both sub-blocks at once: theirs are bytes
+        // (2c) % 4 and + 1 of the words, from bit b.
+        const int c = kb & 3, b = 16 * (c & 1);
 #pragma unroll
-        for (int i = 0; i < (2 * BN + T - 1) / T; i++) {
-            int f = tid + i * T;
-            if (2 * BN % T == 0 || f < 2 * BN) {
-                int r = f >> 1, hh = f & 1, s = 2 * c + hh, j = s & 3;
+        for (int i = 0; i < (BN + T - 1) / T; i++) {
+            int r = tid + i * T;
+            if (BN % T == 0 || r < BN) {
                 uint4 hd = *(const uint4*)(wh + r * 16);
-                int sc, mn;  // kquant_scale_min on the header words
-                if (s < 4) {
-                    sc = (hd.y >> (8 * j)) & 63;
-                    mn = (hd.z >> (8 * j)) & 63;
+                u32 sc, mn;  // sub-block 2c's in bits 0-7, 2c + 1's in bits 8-15
+                if (c < 2) {
+                    sc = (hd.y >> b) & 0x3F3Fu;
+                    mn = (hd.z >> b) & 0x3F3Fu;
                 } else {
-                    sc = ((hd.w >> (8 * j)) & 15) | (((hd.y >> (8 * j + 6)) & 3) << 4);
-                    mn = ((hd.w >> (8 * j + 4)) & 15) | (((hd.z >> (8 * j + 6)) & 3) << 4);
+                    sc = ((hd.w >> b) & 0x0F0Fu) | (((hd.y >> (b + 6)) & 0x0303u) << 4);
+                    mn = ((hd.w >> (b + 4)) & 0x0F0Fu) | (((hd.z >> (b + 6)) & 0x0303u) << 4);
                 }
-                float dl = f16_to_f32((u16)(hd.x & 0xffff)) * (float)sc;
-                float ml = f16_to_f32((u16)(hd.x >> 16)) * (float)mn;
-                sb[r * 2 + hh] = make_uint2(pack_bf16x2(dl, dl), pack_bf16x2(-ml, -ml));
+                float d = f16_to_f32((u16)(hd.x & 0xffff)), dm = f16_to_f32((u16)(hd.x >> 16));
+                float dl0 = d * (float)(sc & 0xff), ml0 = dm * (float)(mn & 0xff);
+                float dl1 = d * (float)(sc >> 8), ml1 = dm * (float)(mn >> 8);
+                sb[r] = make_uint4(pack_bf16x2(dl0, dl0), pack_bf16x2(-ml0, -ml0),
+                                   pack_bf16x2(dl1, dl1), pack_bf16x2(-ml1, -ml1));
             }
         }
     };
