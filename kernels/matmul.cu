@@ -610,9 +610,10 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 // Q4_K's nibble becomes bf16 128 + q by a magic-number OR (0x4300 | q), then (128 + q) - 128
 // = q exactly and q (d sc) + (-dmin mn), the scale and min rounded to bf16 like the operands;
 // Q8_0's byte q = (q & 127) - 128 (bit 7) becomes 128 + (q & 127) by the same OR and
-// -128 - 128 (bit 7) by another (both exact in bf16), and their sum times d, q d, comes from
-// one fma of the first and d onto the second times d, with d rounded to bf16. Against the f32 dequantization both differ by the rounding
-// of the scales (~1e-6 to 1e-5 NMSE), well inside the bf16 operands' own tolerance.
+// -128 - 128 (bit 7) by another (both exact in bf16), and q d comes from one fma of the first
+// and d onto the second times d (exact), with d rounded to bf16. Against the exact
+// dequantization both differ by the rounding of the scales (~1e-6 to 1e-5 NMSE), well inside
+// the bf16 operands' own tolerance.
 
 #define Q4K_T 0
 #define Q80_T 1
