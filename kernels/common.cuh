@@ -118,6 +118,36 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// 2^x by the special function unit (relative error ~2^-22; -inf -> 0): the softmaxes of MLA
+// decode and the tensor-core attention, which work in base 2.
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// c += a b on the tensor cores: m16n8k16, bf16 A (4 registers) and B (2), f32 C (4).
+__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four 8x8 bf16 matrices from shared memory; lane l gives the address of row l % 8 of matrix
+// l / 8. _trans: each matrix transposed (B fragments from a [k][n] tile).
+__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 // The MLA latent cache format: one row per position of LATENT_DIMS bf16 values x_hi = bf16(x),
 // then LATENT_DIMS values x_lo = bf16(x - x_hi), where dim d < LATENT_ROPE_AT is c_kv's d and
 // LATENT_ROPE_AT + j is k_pe's j; dims past either part's width stay zero. x_hi + x_lo carries

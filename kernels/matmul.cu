@@ -49,14 +49,6 @@
 #define MM_THREADS 256
 #define MM_PAD 8  // bf16 of padding per shared row: ldmatrix's 8 row addresses hit 32 banks
 
-__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // Four 8x8 bf16 matrices; lane l gives the shared address of row l % 8 of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
     u32 a = (u32)__cvta_generic_to_shared(p);
@@ -618,11 +610,6 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 #define Q4K_T 0
 #define Q80_T 1
 
-__device__ __forceinline__ void ldsm_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
 __device__ __forceinline__ u32 bf2_fma(u32 a, u32 b, u32 c) {
     u32 d;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));

@@ -70,11 +70,6 @@ static_assert(MLA_DL_MAX == LATENT_ROPE_AT && MLA_DL_MAX + MLA_DR_MAX == LATENT_
 #define MLA_LOG2E 1.4426950408889634f
 #define MLA_LN2 0.6931471805599453f
 
-__device__ __forceinline__ float mla_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 __device__ __forceinline__ void mla_split2(float x0, float x1, u32& hi, u32& lo) {
     hi = pack_bf16x2(x0, x1);
@@ -277,14 +272,14 @@ struct MlaWarp {
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             float mn = fmaxf(m[r], mx);
-            float alpha = (mn == NEG_INF || m[r] == mn) ? 1.0f : mla_ex2(m[r] - mn);
+            float alpha = (mn == NEG_INF || m[r] == mn) ? 1.0f : ex2_approx(m[r] - mn);
             float base = mn == NEG_INF ? 0.0f : mn;
             float sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < 2; n++)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; e++) {
-                    sc[n][e] = mla_ex2(sc[n][e] - base);  // -inf -> 0
+                    sc[n][e] = ex2_approx(sc[n][e] - base);  // -inf -> 0
                     sum += sc[n][e];
                 }
             m[r] = mn;

@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::{roped_q_pe, span_table};
+use common::{
+    attend, attention_want, keep_mask, roped_q_pe, span_table, visible_keys, AttentionShape,
+};
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
@@ -1704,38 +1706,7 @@ fn elementwise_ops_match() {
 
 // ----- attention -------------------------------------------------------------------------------
 
-/// Causal softmax attention of one query over the visible keys, in f64.
-fn attend(scores: &[(usize, f64)], value: impl Fn(usize, usize) -> f64, dv: usize) -> Vec<f64> {
-    let mx = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-    let mut out = vec![0f64; dv];
-    let mut sum = 0.0;
-    for &(s, sc) in scores {
-        let p = (sc - mx).exp();
-        sum += p;
-        for (d, o) in out.iter_mut().enumerate() {
-            *o += p * value(s, d);
-        }
-    }
-    if sum > 0.0 {
-        out.iter_mut().for_each(|o| *o /= sum);
-    }
-    out
-}
-
 /// Random DSA selections: per query, `k` distinct visible positions, ascending, -1 padded.
-/// The keys query t (at position pos0 + t) sees: its row of `keep` (n_ids positions, -1
-/// skipped), or all causal keys without a selection.
-fn visible_keys(keep: Option<&[i32]>, t: usize, n_ids: usize, pos0: usize) -> Vec<usize> {
-    match keep {
-        Some(keep) => keep[t * n_ids..][..n_ids]
-            .iter()
-            .filter(|&&s| s >= 0)
-            .map(|&s| s as usize)
-            .collect(),
-        None => (0..=pos0 + t).collect(),
-    }
-}
-
 fn random_keep(rng: &mut Rng, tokens: usize, pos0: usize, k: usize) -> Vec<i32> {
     let mut keep = Vec::new();
     for t in 0..tokens {
@@ -1750,9 +1721,11 @@ fn random_keep(rng: &mut Rng, tokens: usize, pos0: usize, k: usize) -> Vec<i32> 
 
 #[test]
 fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
+    // attention_prefill (f32) and its tensor-core forms (bf16 operands: the products' bound),
+    // one form each: DeepSeek's 192 / 128, GLM-5's 256 / 256, the golden models' 48 / 32.
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("attention_prefill");
-    for (dn, dr, dv) in [(128, 64, 128), (192, 64, 256)] {
+    for (dn, dr, dv) in [(128, 64, 128), (192, 64, 256), (32, 16, 32)] {
         for masked in [false, true] {
             let (tokens, heads, pos0) = (37, 3, 20);
             let s_len = pos0 + tokens;
@@ -1764,14 +1737,7 @@ fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
             let top_k = 24;
             let keep = random_keep(&mut rng, tokens, pos0, top_k);
             let words = s_len.div_ceil(32);
-            let mut mask = vec![0u32; tokens * words];
-            for t in 0..tokens {
-                for &s in &keep[t * top_k..][..top_k] {
-                    if s >= 0 {
-                        mask[t * words + s as usize / 32] |= 1 << (s % 32);
-                    }
-                }
-            }
+            let mask = keep_mask(&keep, top_k, words);
             let scale = 1.0 / (dqk as f32).sqrt();
             let (dq, dk, dp, dvv, dm) = (
                 g.upload(&q).unwrap(),
@@ -1780,63 +1746,57 @@ fn attention_prefill_matches_for_deepseek_and_glm5_heads() {
                 g.upload(&v).unwrap(),
                 g.upload(&mask).unwrap(),
             );
-            let dout = poisoned(&g, tokens * heads * dv);
-            g.attention_prefill(&AttentionPrefill {
-                q: g.ptr(&dq, 0),
-                q_tok: heads * dqk,
-                q_head: dqk,
-                ka: g.ptr(&dk, 0),
-                ka_tok: heads * dn,
-                ka_head: dn,
-                dka: dn,
-                kb: g.ptr(&dp, 0),
-                kb_tok: dr,
-                kb_head: 0,
-                dkb: dr,
-                v: g.ptr(&dvv, 0),
-                v_tok: heads * dv,
-                v_head: dv,
+            let shape = AttentionShape {
+                dn,
+                dr,
                 dv,
-                out: g.ptr(&dout, 0),
-                o_tok: heads * dv,
-                o_head: dv,
-                mask: if masked { g.ptr(&dm, 0) } else { 0 },
-                mask_words: words,
-                tokens,
                 heads,
+                tokens,
                 pos0,
-                scale,
-            })
-            .unwrap();
-            let got = g.download(&dout).unwrap();
-            let mut want = Vec::new();
-            for t in 0..tokens {
-                for h in 0..heads {
-                    let qr = &q[(t * heads + h) * dqk..][..dqk];
-                    let visible = visible_keys(masked.then_some(&keep[..]), t, top_k, pos0);
-                    let scores: Vec<(usize, f64)> = visible
-                        .iter()
-                        .map(|&s| {
-                            let kn = &k_nope[(s * heads + h) * dn..][..dn];
-                            let kp = &k_pe[s * dr..][..dr];
-                            (
-                                s,
-                                (dot64(&qr[..dn], kn) + dot64(&qr[dn..], kp)) * scale as f64,
-                            )
-                        })
-                        .collect();
-                    want.extend(attend(
-                        &scores,
-                        |s, d| v[(s * heads + h) * dv + d] as f64,
-                        dv,
-                    ));
+            };
+            let keep = masked.then_some((&keep[..], top_k));
+            let want = attention_want(&q, &k_nope, &k_pe, &v, shape, keep, scale);
+            for mma in [false, true] {
+                let dout = poisoned(&g, tokens * heads * dv);
+                let a = AttentionPrefill {
+                    q: g.ptr(&dq, 0),
+                    q_tok: heads * dqk,
+                    q_head: dqk,
+                    ka: g.ptr(&dk, 0),
+                    ka_tok: heads * dn,
+                    ka_head: dn,
+                    dka: dn,
+                    kb: g.ptr(&dp, 0),
+                    kb_tok: dr,
+                    kb_head: 0,
+                    dkb: dr,
+                    v: g.ptr(&dvv, 0),
+                    v_tok: heads * dv,
+                    v_head: dv,
+                    dv,
+                    out: g.ptr(&dout, 0),
+                    o_tok: heads * dv,
+                    o_head: dv,
+                    mask: if masked { g.ptr(&dm, 0) } else { 0 },
+                    mask_words: words,
+                    tokens,
+                    heads,
+                    pos0,
+                    scale,
+                };
+                if mma {
+                    assert!(g.attention_prefill_mma(&a).unwrap(), "a tensor-core form");
+                } else {
+                    g.attention_prefill(&a).unwrap();
                 }
+                let got = g.download(&dout).unwrap();
+                let what = format!(
+                    "attention_prefill{} {dn}+{dr}/{dv}{}",
+                    if mma { "_mma" } else { "" },
+                    if masked { " dsa" } else { "" }
+                );
+                assert_close(&what, &got, &want, if mma { BF16_MATMUL } else { 1e-9 });
             }
-            let what = format!(
-                "attention_prefill {dn}+{dr}/{dv}{}",
-                if masked { " dsa" } else { "" }
-            );
-            assert_close(&what, &got, &want, 1e-9);
         }
     }
 }

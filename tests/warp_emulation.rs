@@ -1,6 +1,7 @@
 //! The tensor-core kernels (kernels/matvec.cu's integer products, kernels/matmul.cu's bf16
-//! prefill products, kernels/mla_decode.cu) checked on the CPU: the kernels' own
-//! source, cut out and compiled for the host, run on emulated warps and thread blocks
+//! prefill products, kernels/attention.cu's prefill attention, kernels/mla_decode.cu) checked
+//! on the CPU: the kernels' own source, cut out and compiled for the host, run on emulated
+//! warps and thread blocks
 //! (tests/warp_emulation/block.h: every thread a host thread, mma.sync by the PTX ISA's
 //! fragment layouts, mbarriers and bulk copies as the ISA defines them, the copies landing
 //! some random time after they are issued), against the engine's dequantization (bit for bit
@@ -16,6 +17,9 @@
 //!   nmse near 1, the f32 sums ~1e-14) and of the exact dequantization (the GPU tests' bound).
 //!   Their cp.async copies land when issued in one run and only at the wait for their group in
 //!   the other: a stage read before its wait gives different bits.
+//! - The prefill attention on the tensor cores (kernels/attention.cu's `attention_bf16` and
+//!   `attention_mma_<DQK>_<DV>`, every form, causal and DSA-masked) against the f64 attention
+//!   of the f32 inputs (the bf16 products' bound).
 //! - The bulk-copy kernels whole (`matvec_tma_<type>` and `matvec_tma_items_<type>` for Q4_K,
 //!   Q5_K and IQ4_XS, `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their
 //!   producer and consumer warps, stage barriers, parts of k, shared expert first, items
@@ -30,7 +34,7 @@
 
 mod common;
 
-use common::{roped_q_pe, span_table};
+use common::{attention_want, keep_mask, roped_q_pe, span_table, AttentionShape};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -232,6 +236,22 @@ const PIECES: &[Piece] = &[
     Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_q8_0,"),
     Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_spans_q4_k,"),
     Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_spans_q8_0,"),
+    Line("attention.cu", "#define ATT_MMA_BQ "),
+    Line("attention.cu", "#define ATT_MMA_THREADS "),
+    Kernel("attention.cu", "attention_bf16"),
+    Def("attention.cu", "struct AttMmaArgs {"),
+    Def(
+        "attention.cu",
+        "template <int D, int BK>\n__device__ __forceinline__ void att_copy_rows(",
+    ),
+    Def(
+        "attention.cu",
+        "template <int DQK, int DV, int BK>\n__device__ __forceinline__ void attention_mma_body(",
+    ),
+    Line("attention.cu", "#define ATTENTION_MMA("),
+    Line("attention.cu", "ATTENTION_MMA(64, 64, 64)"),
+    Line("attention.cu", "ATTENTION_MMA(192, 128, 64)"),
+    Line("attention.cu", "ATTENTION_MMA(256, 256, 32)"),
 ];
 
 /// The GPU tests' bounds (cuda_kernels): the integer products' F32_OP, MLA decode's, the
@@ -1319,4 +1339,90 @@ fn prefill_products_match_f64() {
         check_matmul_cp(&h, ty, (0, 264, 512), 1, Some(&ids), Some(spans), seed + 3);
         check_matmul_cp(&h, ty, (0, 264, 512), 1, None, Some(spans), seed + 4);
     }
+}
+
+/// One prefill attention on the tensor cores (attention_bf16, then attention_mma_<form>) as
+/// Gpu::attention_prefill_mma launches it, against the f64 attention of the f32 inputs (the
+/// GPU tests' bf16 bound): a wrong fragment, key, mask bit or softmax step gives an nmse near 1.
+fn check_attention(h: &Emulation, form: i32, a: AttentionShape, top_k: Option<usize>, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let s_len = a.pos0 + a.tokens;
+    let dqk = a.dn + a.dr;
+    let mut normals = |n: usize| (0..n).map(|_| 2.0 * signed(&mut rng)).collect::<Vec<f32>>();
+    let (q, k_nope, k_pe, v) = (
+        normals(a.tokens * a.heads * dqk),
+        normals(s_len * a.heads * a.dn),
+        normals(s_len * a.dr),
+        normals(s_len * a.heads * a.dv),
+    );
+    // A selection: every other visible key, then -1 (DSA's rows, shorter than causal).
+    let keep: Vec<i32> = top_k.map_or(Vec::new(), |k| {
+        (0..a.tokens)
+            .flat_map(|t| {
+                let mut row: Vec<i32> = (0..=(a.pos0 + t) as i32).step_by(2).take(k).collect();
+                row.resize(k, -1);
+                row
+            })
+            .collect()
+    });
+    let mask = top_k.map_or(Vec::new(), |k| keep_mask(&keep, k, s_len.div_ceil(32)));
+    let scale = 1.0 / (dqk as f32).sqrt();
+    let want = attention_want(
+        &q,
+        &k_nope,
+        &k_pe,
+        &v,
+        a,
+        top_k.map(|k| (&keep[..], k)),
+        scale,
+    );
+    let mask_i: Vec<i32> = mask.iter().map(|&w| w as i32).collect();
+    let args = Args::default()
+        .i32(form)
+        .floats(&q)
+        .floats(&k_nope)
+        .floats(&k_pe)
+        .floats(&v)
+        .ints(&mask_i)
+        .i32(a.dn as i32)
+        .i32(a.dr as i32)
+        .i32(a.dv as i32)
+        .i32(a.heads as i32)
+        .i32(a.tokens as i32)
+        .i32(a.pos0 as i32)
+        .f32(scale)
+        .floats(&vec![UNWRITTEN; a.tokens * a.heads * a.dv]);
+    let got = h.run(args);
+    let want: Vec<Option<f64>> = want.into_iter().map(Some).collect();
+    let what = format!(
+        "attention form {form}, {}+{}/{}, {} tokens after {}{}",
+        a.dn,
+        a.dr,
+        a.dv,
+        a.tokens,
+        a.pos0,
+        if top_k.is_some() { ", DSA" } else { "" }
+    );
+    check_outputs_within(&what, &got, &want, BF16_MATMUL);
+}
+
+#[test]
+fn prefill_attention_on_tensor_cores_matches_f64() {
+    let Some(h) = Emulation::build("attention") else {
+        return;
+    };
+    let shape = |dn, dr, dv, tokens, pos0| AttentionShape {
+        dn,
+        dr,
+        dv,
+        heads: 2,
+        tokens,
+        pos0,
+    };
+    // The golden models' heads (64 / 64 form, padded dims) over two query tiles and a
+    // prefix; with a DSA mask; DeepSeek's 192 / 128 and GLM-5's 256 / 256 (32-key tiles).
+    check_attention(&h, 0, shape(32, 16, 32, 70, 9), None, 80);
+    check_attention(&h, 0, shape(48, 16, 64, 40, 50), Some(24), 81);
+    check_attention(&h, 1, shape(128, 64, 128, 20, 100), None, 82);
+    check_attention(&h, 2, shape(192, 64, 256, 20, 40), Some(16), 83);
 }

@@ -193,3 +193,101 @@ pub fn span_table(spans: &[(usize, usize, usize)]) -> Vec<i32> {
         .flat_map(|&(e, r0, c)| [e as i32, r0 as i32, c as i32])
         .collect()
 }
+
+/// Causal softmax attention of one query over the visible keys, in f64.
+pub fn attend(scores: &[(usize, f64)], value: impl Fn(usize, usize) -> f64, dv: usize) -> Vec<f64> {
+    let mx = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    let mut out = vec![0f64; dv];
+    let mut sum = 0.0;
+    for &(s, sc) in scores {
+        let p = (sc - mx).exp();
+        sum += p;
+        for (d, o) in out.iter_mut().enumerate() {
+            *o += p * value(s, d);
+        }
+    }
+    if sum > 0.0 {
+        out.iter_mut().for_each(|o| *o /= sum);
+    }
+    out
+}
+
+/// The keys query t (at position pos0 + t) sees: its row of `keep` (n_ids positions, -1
+/// skipped), or all causal keys without a selection.
+pub fn visible_keys(keep: Option<&[i32]>, t: usize, n_ids: usize, pos0: usize) -> Vec<usize> {
+    match keep {
+        Some(keep) => keep[t * n_ids..][..n_ids]
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as usize)
+            .collect(),
+        None => (0..=pos0 + t).collect(),
+    }
+}
+
+/// DSA selections (rows of n_ids positions, -1 padded) as attention_prefill's key bit mask,
+/// [rows][words] u32.
+pub fn keep_mask(keep: &[i32], n_ids: usize, words: usize) -> Vec<u32> {
+    let mut mask = vec![0u32; keep.len() / n_ids * words];
+    for (t, row) in keep.chunks(n_ids).enumerate() {
+        for &s in row.iter().filter(|&&s| s >= 0) {
+            mask[t * words + s as usize / 32] |= 1 << (s % 32);
+        }
+    }
+    mask
+}
+
+/// The prefill attention's sizes (ops.rs `AttentionPrefill`, laid out as the tests upload it:
+/// q [tokens][heads][dn + dr], k_nope [S][heads][dn], k_pe [S][dr] for every head, v
+/// [S][heads][dv], S = pos0 + tokens).
+#[derive(Clone, Copy)]
+pub struct AttentionShape {
+    pub dn: usize,
+    pub dr: usize,
+    pub dv: usize,
+    pub heads: usize,
+    pub tokens: usize,
+    pub pos0: usize,
+}
+
+/// The prefill attention in f64, [tokens][heads][dv]: each query over its causal keys, or
+/// over its row of `keep` (DSA selections of n_ids positions).
+pub fn attention_want(
+    q: &[f32],
+    k_nope: &[f32],
+    k_pe: &[f32],
+    v: &[f32],
+    a: AttentionShape,
+    keep: Option<(&[i32], usize)>,
+    scale: f32,
+) -> Vec<f64> {
+    let dot = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(&x, &y)| x as f64 * y as f64)
+            .sum::<f64>()
+    };
+    let (dn, dr, dv, heads) = (a.dn, a.dr, a.dv, a.heads);
+    let dqk = dn + dr;
+    let mut want = Vec::new();
+    for t in 0..a.tokens {
+        for h in 0..heads {
+            let qr = &q[(t * heads + h) * dqk..][..dqk];
+            let visible = visible_keys(keep.map(|k| k.0), t, keep.map_or(0, |k| k.1), a.pos0);
+            let scores: Vec<(usize, f64)> = visible
+                .iter()
+                .map(|&s| {
+                    let kn = &k_nope[(s * heads + h) * dn..][..dn];
+                    let kp = &k_pe[s * dr..][..dr];
+                    (s, (dot(&qr[..dn], kn) + dot(&qr[dn..], kp)) * scale as f64)
+                })
+                .collect();
+            want.extend(attend(
+                &scores,
+                |s, d| v[(s * heads + h) * dv + d] as f64,
+                dv,
+            ));
+        }
+    }
+    want
+}

@@ -312,7 +312,7 @@ inline u16 bf16_rne(float f) {  // finite values
 }
 inline u32 pack_bf16x2(float lo, float hi) { return bf16_rne(lo) | ((u32)bf16_rne(hi) << 16); }
 inline float bf16_value(u32 w, int half) { return __uint_as_float((half ? w >> 16 : w & 0xFFFFu) << 16); }
-inline float mla_ex2(float x) { return std::exp2(x); }
+inline float ex2_approx(float x) { return std::exp2(x); }
 
 // D += A B, A 16 x 16 (rows), B 16 x 8 (columns), bf16, f32 sums. Lane (g, t) holds A rows g
 // (a0, a2) and g + 8 (a1, a3), k = 2t, 2t + 1 (a0, a1) and 8 + 2t .. (a2, a3); B column g,
@@ -356,11 +356,12 @@ inline void ldmatrix(u32* r, u32 addr, bool trans) {
 inline void mla_ldsm(u32* r, u32 addr) { ldmatrix(r, addr, false); }
 inline void mla_ldsm_t(u32* r, u32 addr) { ldmatrix(r, addr, true); }
 
-// ---- the prefill products' PTX (kernels/matmul.cu) ----
+// ---- the bf16 tensor-core PTX of kernels/common.cuh (prefill products, attention) ----
 
 inline uint4 make_uint4(u32 x, u32 y, u32 z, u32 w) { return {x, y, z, w}; }
 inline void mma_bf16_16816(float* c, const u32* a, const u32* b) { mla_mma(c, a, b[0], b[1]); }
 inline void ldsm_x4(u32* r, u32 addr) { ldmatrix(r, addr, false); }
+inline void ldsm_x4_trans(u32* r, u32 addr) { ldmatrix(r, addr, true); }
 inline u32 lop_or_and(u32 a, u32 mask, u32 orv) { return (a & mask) | orv; }
 // fma.rn.bf16x2: per half a b + c, rounded once to bf16 (to nearest even; finite values). The
 // product of two bf16 is exact in a double, and so is the sum at the gaps these kernels meet.

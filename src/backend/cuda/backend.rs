@@ -766,7 +766,11 @@ impl Backend for Cuda {
             pos0,
             scale,
         };
-        ok(self.gpu.attention_prefill(&a), "attention");
+        // The bf16 path (as the products: MATMUL_MIN_ROWS rows or more) on the tensor cores.
+        let mma = n >= MATMUL_MIN_ROWS && ok(self.gpu.attention_prefill_mma(&a), "attention");
+        if !mma {
+            ok(self.gpu.attention_prefill(&a), "attention");
+        }
         out
     }
 

@@ -58,7 +58,8 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         "rmsnorm" | "layernorm" | "add_rmsnorm" | "latent_norm_rope" | "latent_rows" => "norm",
         "rope_pairs" => "rope",
         "silu_mul" | "add_inplace" | "copy_block" => "elementwise",
-        "attention_prefill" => "attention",
+        "attention_prefill" | "attention_bf16" => "attention",
+        k if k.starts_with("attention_mma_") => "attention",
         "mla_decode_split"
         | "mla_decode_split16"
         | "mla_decode_split16x2"
@@ -115,6 +116,23 @@ pub fn attention_smem_bytes(dqk: usize, dv: usize) -> usize {
     4 * ((ATT_BQ + ATT_BK) * (dqk + 4) + ATT_BK * vw)
 }
 
+/// The tensor-core forms of attention_prefill (kernels/attention.cu, ATTENTION_MMA): kernel,
+/// padded query/key and value head dims, keys per shared tile.
+pub const ATT_MMA_FORMS: &[(&str, usize, usize, usize)] = &[
+    ("attention_mma_64_64", 64, 64, 64),
+    ("attention_mma_192_128", 192, 128, 64),
+    ("attention_mma_256_256", 256, 256, 32),
+];
+/// Queries per block and threads of the tensor-core forms.
+pub const ATT_MMA_BQ: usize = 64;
+pub const ATT_MMA_THREADS: u32 = 128;
+
+/// Dynamic shared memory of a tensor-core attention form: two stages of bk key rows and bk
+/// value rows, bf16, each row padded by 8.
+pub fn attention_mma_smem_bytes(dqk: usize, dv: usize, bk: usize) -> usize {
+    2 * 2 * bk * (dqk + 8 + dv + 8)
+}
+
 /// Largest key width of dsa_scores, and its largest query tile (heads x dim floats).
 pub const DSA_DIM_MAX: usize = 256;
 pub const DSA_Q_MAX: usize = 8192;
@@ -163,6 +181,10 @@ pub fn dependent_launch_helps(kernel: &str) -> bool {
 pub fn max_dynamic_smem(kernel: &str) -> usize {
     match kernel {
         "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
+        k if k.starts_with("attention_mma_") => ATT_MMA_FORMS
+            .iter()
+            .find(|f| f.0 == k)
+            .map_or(0, |&(_, dqk, dv, bk)| attention_mma_smem_bytes(dqk, dv, bk)),
         // heads * dim <= DSA_Q_MAX, dim <= DSA_DIM_MAX: the widest keys make the largest tiles.
         "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX),
         "topk_rows" => 4 * TOPK_CACHE_KEYS,

@@ -8,9 +8,9 @@ use crate::gguf::ggml_type::GgmlType;
 use super::device::{launch, DevicePtrRaw as Ptr, Gpu};
 use super::error::{check, CudaError};
 use super::kernels::{
-    attention_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX, ATT_DV_MAX, ATT_THREADS,
-    DSA_DIM_MAX, DSA_Q_MAX, LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS,
-    TOPK_THREADS,
+    attention_mma_smem_bytes, attention_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX,
+    ATT_DV_MAX, ATT_MMA_BQ, ATT_MMA_FORMS, ATT_MMA_THREADS, ATT_THREADS, DSA_DIM_MAX, DSA_Q_MAX,
+    LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS, TOPK_THREADS,
 };
 
 /// The ggml types the matvec, matmul and embedding kernels read: every type the CPU reference
@@ -1370,6 +1370,52 @@ impl Gpu {
             a.out, a.o_tok as i64, a.o_head as i64, a.mask, a.mask_words as i32,
             a.tokens as i32, a.pos0 as i32, a.scale);
         Ok(())
+    }
+
+    /// `attention_prefill` on the tensor cores (bf16 operands, f32 accumulation: the bf16 path
+    /// of prompts of 16 rows or more), in the smallest form (ATT_MMA_FORMS) whose padded head
+    /// dims hold these; false where none does (attention_prefill then). q, the keys and v are
+    /// rounded to bf16 first (attention_bf16, head-major, into scratch).
+    pub fn attention_prefill_mma(&self, a: &AttentionPrefill) -> Result<bool, CudaError> {
+        let dqk = a.dka + a.dkb;
+        let Some(&(kernel, dq, dvp, bk)) = ATT_MMA_FORMS.iter().find(|f| dqk <= f.1 && a.dv <= f.2)
+        else {
+            return Ok(false);
+        };
+        let keys = a.pos0 + a.tokens;
+        // Scratch (bf16, freed in stream order when it drops): q [heads][T][dq], keys
+        // [heads][S][dq], values [heads][S][dvp]; dq and dvp multiples of 16, so every part
+        // starts 32-byte aligned.
+        let (qn, kn, vn) = (
+            a.heads * a.tokens * dq,
+            a.heads * keys * dq,
+            a.heads * keys * dvp,
+        );
+        let scratch = self.empty((qn + kn + vn) / 2)?;
+        let (qb, kb, vb) = (
+            self.ptr(&scratch, 0),
+            self.ptr(&scratch, qn / 2),
+            self.ptr(&scratch, (qn + kn) / 2),
+        );
+        let parts = [
+            (a.q, a.q_tok, a.q_head, dqk, 0, 0, 0, 0, a.tokens, dq, qb),
+            (
+                a.ka, a.ka_tok, a.ka_head, a.dka, a.kb, a.kb_tok, a.kb_head, a.dkb, keys, dq, kb,
+            ),
+            (a.v, a.v_tok, a.v_head, a.dv, 0, 0, 0, 0, keys, dvp, vb),
+        ];
+        for (x, x_tok, x_head, dx, y, y_tok, y_head, dy, rows, d, out) in parts {
+            launch!(self, "attention_bf16", (grid1(a.heads * rows * d / 8, 256), 1, 1), 256, 0;
+                x, x_tok as i64, x_head as i64, dx as i32, y, y_tok as i64, y_head as i64,
+                dy as i32, rows as i32, a.heads as i32, d as i32, out);
+        }
+        let grid = (a.heads as u32, grid1(a.tokens, ATT_MMA_BQ), 1);
+        let smem = attention_mma_smem_bytes(dq, dvp, bk) as u32;
+        launch!(self, kernel, grid, ATT_MMA_THREADS, smem;
+            qb, kb, vb, a.out, a.o_tok as i64, a.o_head as i64, a.dv as i32, a.mask,
+            a.mask_words as i32, a.tokens as i32, keys as i32, a.pos0 as i32,
+            a.scale * std::f32::consts::LOG2_E);
+        Ok(true)
     }
 }
 
