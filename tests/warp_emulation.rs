@@ -1,11 +1,10 @@
 //! The tensor-core kernels (kernels/matvec.cu's integer products, kernels/matmul.cu's bf16
 //! prefill products, kernels/attention.cu's prefill attention, kernels/mla_decode.cu) checked
 //! on the CPU: the kernels' own source, cut out and compiled for the host, run on emulated
-//! warps and thread blocks
-//! (tests/warp_emulation/block.h: every thread a host thread, mma.sync by the PTX ISA's
-//! fragment layouts, mbarriers and bulk copies as the ISA defines them, the copies landing
-//! some random time after they are issued), against the engine's dequantization (bit for bit
-//! gguf-py's, tests/quant.rs) and an f64 dot product.
+//! warps and thread blocks (tests/warp_emulation/block.h: every thread a host thread,
+//! mma.sync by the PTX ISA's fragment layouts, mbarriers and bulk copies as the ISA defines
+//! them, the copies landing some random time after they are issued), against the engine's
+//! dequantization (bit for bit gguf-py's, tests/quant.rs) and an f64 dot product.
 //!
 //! - The fragment math (`TcQ4k`, `TcQ5k`, `TcIq4xs`, and `TcQ6k` with `q6_dot`) on one warp
 //!   over random 16-row tiles: a wrong lane, column, offset or scale gives an nmse near 1, the
