@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
-use mla_engine::backend::cuda::ops::{Matmul, Matvec, MlaDecode};
+use mla_engine::backend::cuda::ops::{AttentionPrefill, Matmul, Matvec, MlaDecode};
 use mla_engine::backend::cuda::{Cuda, Gpu};
 use mla_engine::backend::Backend;
 use mla_engine::config::ModelConfig;
@@ -922,7 +922,76 @@ impl Bench {
         self.dsa(&arena, y)?;
         self.prefill(&arena, x, y)?;
         self.moe_prefill(&arena, x, y)?;
+        self.attention(x, y)?;
         self.argmax(y)?;
+        Ok(())
+    }
+
+    /// The prefill's causal attention over T tokens of one layer (every head), on the f32
+    /// kernel and on the tensor cores (`attention_prefill_mma`, with its bf16 rounding of q, k
+    /// and v): FLOPs 2 (dqk + dv) per head and causal pair. Inputs overlap in `xbuf` (read only).
+    fn attention(&mut self, xbuf: u64, ybuf: u64) -> Result<()> {
+        // (family, heads, nope, rope, v)
+        for (fam, heads, dn, dr, dv) in [("ds3", 128, 128, 64, 128), ("glm5", 64, 192, 64, 256)] {
+            for &t in PREFILL_TOKENS {
+                for mma in [false, true] {
+                    let kind = if mma { "mma" } else { "f32" };
+                    let name = format!("attention {kind} {fam} {t} tokens");
+                    if !self.wanted(&name) {
+                        continue;
+                    }
+                    let dqk = dn + dr;
+                    let a = AttentionPrefill {
+                        q: xbuf,
+                        q_tok: heads * dqk,
+                        q_head: dqk,
+                        ka: xbuf + (4 * t * heads * dn / 2) as u64,
+                        ka_tok: heads * dn,
+                        ka_head: dn,
+                        dka: dn,
+                        kb: xbuf,
+                        kb_tok: dr,
+                        kb_head: 0,
+                        dkb: dr,
+                        v: xbuf + (4 * t * heads * dqk / 2) as u64,
+                        v_tok: heads * dv,
+                        v_head: dv,
+                        dv,
+                        out: ybuf,
+                        o_tok: heads * dv,
+                        o_head: dv,
+                        mask: 0,
+                        mask_words: 0,
+                        tokens: t,
+                        heads,
+                        pos0: 0,
+                        scale: 1.0 / (dqk as f32).sqrt(),
+                    };
+                    let gpu = self.gpu.clone();
+                    let timed = self.time(|_| {
+                        if mma {
+                            anyhow::ensure!(gpu.attention_prefill_mma(&a)?, "no tensor-core form");
+                        } else {
+                            gpu.attention_prefill(&a)?;
+                        }
+                        Ok(())
+                    });
+                    let Some((secs, host)) = self.ok_or_report("prefill", &name, timed) else {
+                        continue;
+                    };
+                    let flops = 2.0 * ((dqk + dv) * heads * t * (t + 1) / 2) as f64;
+                    let moved = (4 * t * heads * (dqk + dn + 2 * dv) + 4 * t * dr) as f64;
+                    self.push_product(
+                        name,
+                        flops,
+                        moved,
+                        secs,
+                        host,
+                        json!({"family": fam, "tokens": t, "heads": heads, "kernel": kind}),
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
