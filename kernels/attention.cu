@@ -421,8 +421,10 @@ __device__ __forceinline__ void attention_mma_body(const AttMmaArgs& a) {
                     }
             }
         }
-        // Online softmax in base 2 (m: the running max of score * scale2, per row).
-        float base[2];
+        // Online softmax in base 2 (m: the running max of score * scale2, per row). O is
+        // rescaled only when a row of the warp has a new max (alpha exactly 1 for the others).
+        float base[2], alpha[2];
+        bool moved = false;
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
             float mx = NEG_INF;
@@ -433,14 +435,16 @@ __device__ __forceinline__ void attention_mma_body(const AttMmaArgs& a) {
             const float mt = fmaxf(m[hh], mx * a.scale2);  // scale2 > 0: -inf stays -inf
             // Nothing visible yet: every exponent -inf (p = 0) rather than NaN.
             base[hh] = mt == NEG_INF ? 0.0f : mt;
-            const float alpha = ex2_approx(m[hh] - base[hh]);
+            alpha[hh] = mt == m[hh] ? 1.0f : ex2_approx(m[hh] - base[hh]);
+            moved |= mt != m[hh];
             m[hh] = mt;
-            l[hh] *= alpha;
+            l[hh] *= alpha[hh];
+        }
+        if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-            for (int n = 0; n < NV; n++) {
-                o[n][2 * hh] *= alpha;
-                o[n][2 * hh + 1] *= alpha;
-            }
+            for (int n = 0; n < NV; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) o[n][e] *= alpha[e >> 1];
         }
 #pragma unroll
         for (int j = 0; j < NT; j++)
