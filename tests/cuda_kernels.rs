@@ -1244,7 +1244,7 @@ fn matmul_cp_whole_then_split_columns_match_f64() {
     // whole over k, then the rest split over k (`Gpu::matmul_cp_plan`): one tile row (40
     // rows), the first column count from this GPU's plan that does so, the last tile partial.
     let Some(g) = gpu() else { return };
-    let (t, m, k) = (GgmlType::Q4_K, 40, 1024);
+    let (t, m, k) = (GgmlType::Q4_K, 40, 512);
     let shape = |n| Matmul::plain(t, 0, (0, k), (0, n), (m, n, k));
     let (n, plan) = (g.multiprocessors..8 * g.multiprocessors)
         .map(|tiles| 128 * tiles - 8)
