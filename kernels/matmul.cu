@@ -894,10 +894,10 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         }
     };
 
-    // Grouped: a warp's first m16 tile holds rows (m0 < M, one warp row: wm = 0), its second
-    // (32-row tiles) only where the span has more than m0 + 16.
-    static_assert(!GROUPED || (MI <= 2 && WM == BM), "grouped: one warp row of 1 or 2 m16 tiles");
-    const bool all_live = !GROUPED || m0 + 16 * (MI - 1) < M;
+    // Grouped: one warp row (wm = 0), whose m16 tile i holds rows where the span has more
+    // than m0 + 16 i (m0 < M: the first always).
+    static_assert(!GROUPED || (WM == BM && MI <= 4), "grouped: one warp row of 1 to 4 m16 tiles");
+    const int live = GROUPED ? min(MI, (M - m0 + 15) / 16) : MI;
 
     // Pipeline: STAGES - 1 steps in flight at the start; scales decoded one step ahead.
 #pragma unroll
@@ -916,8 +916,12 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
         cp_commit();  // possibly empty: keeps the group count per step fixed for cp_wait
         if (t + 1 < nk) decode((t + 1) % STAGES, kb0 + t + 1, (t + 1) & 1);
         const int sel = QT == Q4K_T ? (t & 1) : (int)(((i64)(kb0 + t) * 68) & 15);
-        if (all_live)
+        if (live >= MI)
             compute(t % STAGES, sel, LiveTiles<MI>{});
+        else if (MI > 3 && live == 3)
+            compute(t % STAGES, sel, LiveTiles<(MI > 3 ? 3 : 1)>{});
+        else if (MI > 2 && live == 2)
+            compute(t % STAGES, sel, LiveTiles<(MI > 2 ? 2 : 1)>{});
         else
             compute(t % STAGES, sel, LiveTiles<1>{});
     }
@@ -951,6 +955,9 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 // gate, 512 tokens x 8 of 256 experts): 3 stages / 4 blocks 1359 us, 256 columns or 64 x 32
 // warps 7-15% slower, headers once per block 1251 us, then 4 stages / 5 blocks 1192 us (41%
 // of copy on the experts' weights; ncu: L2 82% busy); an L2::128B prefetch hint: no change.
+// Spans of 48 rows or more on average (2048 prompt tokens and more: ~64 an expert), Q4_K:
+// 64-row tiles, 4 warps of 64 x 32 (each weight tile read once for 64 rows, not twice for 32;
+// 186 registers with two blocks an SM, where three spilled; not timed yet).
 #define MATMUL_CP_KERNEL(kname, qt, grouped, bm, bn, wm, wn, stages, minb)                     \
     extern "C" __global__ void __launch_bounds__(                                              \
         CpCfg<qt, bm, bn, wm, wn, stages>::THREADS, minb)                                       \
@@ -966,4 +973,5 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
 MATMUL_CP_KERNEL(matmul_cp_q4_k, Q4K_T, false, 128, 128, 128, 32, 4, 2)
 MATMUL_CP_KERNEL(matmul_cp_q8_0, Q80_T, false, 128, 128, 128, 32, 3, 2)
 MATMUL_CP_KERNEL(matmul_cp_spans_q4_k, Q4K_T, true, 32, 128, 32, 32, 4, 5)
+MATMUL_CP_KERNEL(matmul_cp_spans64_q4_k, Q4K_T, true, 64, 128, 64, 32, 4, 2)
 MATMUL_CP_KERNEL(matmul_cp_spans_q8_0, Q80_T, true, 32, 256, 32, 32, 3, 2)

@@ -1193,12 +1193,14 @@ fn matmul_cp_split_k_and_spans_match_f64() {
     // The cp.async kernels (Q4_K, Q8_0; Q6_K takes the first-generation ones, as a control) on
     // prefill-like shapes: plain 200 x 264 x 2048 is 2 x 3 tiles of 128, far from a full wave,
     // so it splits k (32 steps of 64) and sums partials; plain 300 rows gathered by row_ids;
-    // grouped spans of 40 + 1 + 75 rows (two and three 32-row tiles) over 264 columns (a full
-    // and a partial tile of 128 and 256), gathered and consecutive.
+    // grouped spans of 40 + 1 + 75 rows (two and three 32-row tiles) and of 70 + 100 + 25 rows
+    // (65 on average: Q4_K's 64-row tiles with 1, 4 and 3, and 2 m16 tiles of rows) over 264
+    // columns (a full and a partial tile of 128 and 256), gathered and consecutive.
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matmul cp");
     let (n_exp, n, k) = (3, 264, 2048);
-    let spans: &[(usize, usize, usize)] = &[(2, 0, 40), (0, 40, 1), (1, 41, 75)];
+    let narrow: &[(usize, usize, usize)] = &[(2, 0, 40), (0, 40, 1), (1, 41, 75)];
+    let wide: &[(usize, usize, usize)] = &[(2, 0, 70), (0, 70, 100), (1, 170, 25)];
     for t in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q6_K] {
         let mat_stride = n * t.row_bytes(k).unwrap();
         let w = random_rows(&mut rng, t, n_exp * n, k);
@@ -1207,20 +1209,24 @@ fn matmul_cp_split_k_and_spans_match_f64() {
         let (dw, dx) = (g.upload(&w).unwrap(), g.upload(&x).unwrap());
         let row_ids: Vec<i32> = (0..320).map(|_| rng.below(320) as i32).collect();
         let dr = g.upload(&row_ids).unwrap();
-        let ds = g.upload(&span_table(spans)).unwrap();
-        // (rows, gathered, grouped)
-        for (m, gathered, grouped) in [
-            (200, false, false),
-            (300, true, false),
-            (116, true, true),
-            (116, false, true),
+        let tables = [narrow, wide].map(|sp| g.upload(&span_table(sp)).unwrap());
+        // (rows, gathered, span set: none for a plain product)
+        for (m, gathered, set) in [
+            (200, false, None),
+            (300, true, None),
+            (116, true, Some(0)),
+            (116, false, Some(0)),
+            (195, true, Some(1)),
+            (195, false, Some(1)),
         ] {
-            let rows_m = if grouped { 75 } else { m };
+            let spans = set.map(|i| [narrow, wide][i]);
+            let rows_m = spans.map_or(m, |sp| sp.iter().map(|s| s.2).max().unwrap());
             let y = matmul_poisoned(&g, m * n, |dy| Matmul {
                 row_ids: if gathered { g.ptr(&dr, 0) } else { 0 },
                 x_rows: 320,
-                spans: if grouped { g.ptr(&ds, 0) } else { 0 },
-                n_spans: if grouped { spans.len() } else { 1 },
+                spans: set.map_or(0, |i| g.ptr(&tables[i], 0)),
+                n_spans: spans.map_or(1, |sp| sp.len()),
+                span_rows: if spans.is_some() { m } else { 0 },
                 mat_stride,
                 ..Matmul::plain(
                     t,
@@ -1230,9 +1236,8 @@ fn matmul_cp_split_k_and_spans_match_f64() {
                     (rows_m, n, k),
                 )
             });
-            let (sp, ids) = (grouped.then_some(spans), gathered.then_some(&row_ids[..]));
-            let want = grouped_want(&wf, &x, (m, n, k), sp, ids);
-            let what = format!("matmul cp {t} m {m} gathered {gathered} grouped {grouped}");
+            let want = grouped_want(&wf, &x, (m, n, k), spans, gathered.then_some(&row_ids[..]));
+            let what = format!("matmul cp {t} m {m} gathered {gathered} spans {set:?}");
             assert_close(&what, &y, &want, BF16_MATMUL);
         }
     }

@@ -235,6 +235,7 @@ const PIECES: &[Piece] = &[
     Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_q8_0,"),
     Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_spans_q4_k,"),
     Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_spans_q8_0,"),
+    Line("matmul.cu", "MATMUL_CP_KERNEL(matmul_cp_spans64_q4_k,"),
     Line("attention.cu", "#define ATT_MMA_BQ "),
     Line("attention.cu", "#define ATT_MMA_THREADS "),
     Kernel("attention.cu", "attention_bf16"),
@@ -1269,9 +1270,10 @@ fn check_matmul_cp(
             ));
         }
     }
-    let grouped = spans.is_some();
-    let q4 = ty == GgmlType::Q4_K;
-    let (name, code, threads, bn) = match (grouped, q4) {
+    // ops.rs's choice: Q4_K spans of 48 rows or more on average take 64-row tiles.
+    let wide = ty == GgmlType::Q4_K && spans.is_some_and(|s| rows >= 48 * s.len());
+    let (name, code, threads, bn) = match (spans.is_some(), ty == GgmlType::Q4_K) {
+        (true, true) if wide => ("matmul_cp_spans64_q4_k", 4, 128, 128),
         (false, true) => ("matmul_cp_q4_k", 0, 128, 128),
         (false, false) => ("matmul_cp_q8_0", 1, 128, 128),
         (true, true) => ("matmul_cp_spans_q4_k", 2, 128, 128),
@@ -1338,6 +1340,18 @@ fn prefill_products_match_f64() {
         check_matmul_cp(&h, ty, (0, 264, 512), 1, Some(&ids), Some(spans), seed + 3);
         check_matmul_cp(&h, ty, (0, 264, 512), 1, None, Some(spans), seed + 4);
     }
+    // Spans of 65 rows on average: Q4_K's 64-row tiles, with 1, 4, 3 and 2 m16 tiles of rows.
+    let wide: &[(usize, usize, usize)] = &[(2, 0, 70), (0, 70, 100), (1, 170, 25)];
+    check_matmul_cp(
+        &h,
+        GgmlType::Q4_K,
+        (0, 264, 512),
+        1,
+        Some(&ids),
+        Some(wide),
+        90,
+    );
+    check_matmul_cp(&h, GgmlType::Q4_K, (0, 264, 512), 1, None, Some(wide), 91);
 }
 
 /// One prefill attention on the tensor cores (attention_bf16, then attention_mma_<form>) as

@@ -873,6 +873,7 @@ impl Bench {
                         x_rows: m,
                         spans: self.gpu.ptr(&dspans, 0),
                         n_spans: used,
+                        span_rows: tokens.len(),
                         mat_stride,
                         ..Matmul::plain(ty, base, (xbuf, e), (ybuf, f), (largest, f, e))
                     };

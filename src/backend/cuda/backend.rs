@@ -930,6 +930,7 @@ impl Backend for Cuda {
                 x_rows,
                 spans: self.gpu.ptr(&dspans, 0),
                 n_spans: spans.len(),
+                span_rows: rows,
                 mat_stride: bytes,
                 ..Matmul::plain(
                     w.ty,

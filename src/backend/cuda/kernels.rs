@@ -159,6 +159,7 @@ pub fn matmul_cp_smem_bytes(kernel: &str) -> usize {
         "matmul_cp_q4_k" => (128, 128, 4, true),
         "matmul_cp_q8_0" => (128, 128, 3, false),
         "matmul_cp_spans_q4_k" => (32, 128, 4, true),
+        "matmul_cp_spans64_q4_k" => (64, 128, 4, true),
         "matmul_cp_spans_q8_0" => (32, 256, 3, false),
         _ => return 0,
     };

@@ -769,6 +769,10 @@ pub struct Matmul {
     /// [n_spans, 3] i32 (expert, first row, count) or 0.
     pub spans: Ptr,
     pub n_spans: usize,
+    /// Grouped mode: the spans' rows in all (their counts' sum), or 0 where not known; Q4_K
+    /// spans of CP_SPANS64_ROWS rows or more on average take 64-row tiles (each weight tile
+    /// read once for up to 64 rows instead of once per 32).
+    pub span_rows: usize,
     /// Bytes between consecutive matrices (experts in grouped mode, heads in batched mode).
     pub mat_stride: usize,
     /// Batched mode: f32 elements between consecutive matrices' X and Y.
@@ -801,6 +805,7 @@ impl Matmul {
             k,
             spans: 0,
             n_spans: 1,
+            span_rows: 0,
             mat_stride: 0,
             x_mat_stride: 0,
             y_mat_stride: 0,
@@ -815,6 +820,11 @@ const CP_BM: usize = 128;
 const CP_BN: usize = 128;
 const CP_THREADS: u32 = 128;
 const CP_SPANS_BM: usize = 32;
+/// Average rows per span from which grouped Q4_K products take 64-row tiles
+/// (matmul_cp_spans64_q4_k: 4 warps of 64 x 32, two blocks an SM): at 2048 prompt tokens a
+/// token's 8 of 256 experts give ~64 rows an expert, which 32-row tiles read the weights of
+/// twice.
+const CP_SPANS64_ROWS: usize = 48;
 /// Split-K keeps at least this many 64-wide k steps per split (fewer would spend more on the
 /// partials than they save).
 const CP_MIN_SPLIT_STEPS: usize = 4;
@@ -1040,10 +1050,12 @@ impl Gpu {
     fn matmul_cp(&self, a: &Matmul, row_bytes: usize) -> Result<(), CudaError> {
         let ty = a.ty.name().to_lowercase();
         let grouped = a.spans != 0;
-        let kernel = if grouped {
-            format!("matmul_cp_spans_{ty}")
-        } else {
-            format!("matmul_cp_{ty}")
+        let wide =
+            grouped && a.ty == GgmlType::Q4_K && a.span_rows >= CP_SPANS64_ROWS * a.n_spans.max(1);
+        let kernel = match (grouped, wide) {
+            (true, true) => "matmul_cp_spans64_q4_k".to_string(),
+            (true, false) => format!("matmul_cp_spans_{ty}"),
+            _ => format!("matmul_cp_{ty}"),
         };
         let smem = super::kernels::matmul_cp_smem_bytes(&kernel);
         let plan = self
@@ -1077,7 +1089,8 @@ impl Gpu {
             } else {
                 (256, 256)
             };
-            let grid = (grid1(a.n, bn), grid1(a.m, CP_SPANS_BM), a.n_spans as u32);
+            let bm = if wide { 2 * CP_SPANS_BM } else { CP_SPANS_BM };
+            let grid = (grid1(a.n, bn), grid1(a.m, bm), a.n_spans as u32);
             launch!(self, kernel, grid, threads, smem as u32;
                 a.w, row_bytes as i64, xb, a.row_ids, a.y, a.y_stride as i64, a.m as i32,
                 a.n as i32, a.k as i32, a.spans, a.mat_stride as i64, 0i32, 0i32, 0u64);
