@@ -12,6 +12,7 @@ use super::kernels::{
     ATT_DV_MAX, ATT_MMA_BQ, ATT_MMA_FORMS, ATT_MMA_THREADS, ATT_THREADS, DSA_DIM_MAX, DSA_Q_MAX,
     LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS, TOPK_THREADS,
 };
+use cudarc::driver::sys::CUresult;
 
 /// The ggml types the matvec, matmul and embedding kernels read: every type the CPU reference
 /// reads, so any file the CPU runs, the GPU runs (tests/nvrtc_compile.rs checks the kernels).
@@ -1387,8 +1388,8 @@ impl Gpu {
 
     /// `attention_prefill` on the tensor cores (bf16 operands, f32 accumulation: the bf16 path
     /// of prompts of 16 rows or more), in the smallest form (ATT_MMA_FORMS) whose padded head
-    /// dims hold these; false where none does (attention_prefill then). q, the keys and v are
-    /// rounded to bf16 first (attention_bf16, head-major, into scratch).
+    /// dims hold these; false where none does, or where the GPU has no room for its bf16 copies
+    /// of q, the keys and v (attention_bf16, head-major, into scratch): attention_prefill then.
     pub fn attention_prefill_mma(&self, a: &AttentionPrefill) -> Result<bool, CudaError> {
         let dqk = a.dka + a.dkb;
         let Some(&(kernel, dq, dvp, bk)) = ATT_MMA_FORMS.iter().find(|f| dqk <= f.1 && a.dv <= f.2)
@@ -1404,7 +1405,14 @@ impl Gpu {
             a.heads * keys * dq,
             a.heads * keys * dvp,
         );
-        let scratch = self.empty((qn + kn + vn) / 2)?;
+        let scratch = match self.empty((qn + kn + vn) / 2) {
+            Ok(scratch) => scratch,
+            // No room for the copies (a long prompt): the f32 kernel needs none.
+            Err(CudaError::Driver(e)) if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                return Ok(false)
+            }
+            Err(e) => return Err(e),
+        };
         let (qb, kb, vb) = (
             self.ptr(&scratch, 0),
             self.ptr(&scratch, qn / 2),
