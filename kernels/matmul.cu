@@ -9,11 +9,11 @@
 // shared memory (or, in the cp.async kernels, into mma fragments).
 //
 // Two generations of kernels live here; ops.rs (Gpu::matmul) picks one per call:
-// - matmul_cp_<q4_k|q8_0> and matmul_cp_spans_<q4_k|q8_0> (end of the file): the prefill
-//   path for the types real models store their big matrices in. Raw weight bytes through a
-//   cp.async ring, X pre-rounded to bf16 once per product (matmul_xprep, scratch), split-K
-//   for narrow products (matmul_splitk_sum). Plain and grouped mode; K % 256 == 0 and
-//   16-byte aligned weights. 2-8x faster than the kernels below on an H200.
+// - matmul_cp_<q4_k|q8_0>, matmul_cp_spans_<q4_k|q8_0> and matmul_cp_spans64_q4_k (end of the
+//   file): the prefill path for the types real models store their big matrices in. Raw weight
+//   bytes through a cp.async ring, X pre-rounded to bf16 once per product (matmul_xprep,
+//   scratch), split-K for narrow products (matmul_splitk_sum). Plain and grouped mode;
+//   K % 256 == 0 and 16-byte aligned weights. 2-8x faster than the kernels below on an H200.
 // - The kernels below, for every type and every mode: transposed (matmul_t_*), batched heads
 //   (gridDim.z matrices), few rows (matmul_s16 / matmul_s32), and any call matmul_cp cannot
 //   take (other types, misaligned weights, K not a multiple of 256).
@@ -562,7 +562,8 @@ __device__ __forceinline__ void matmul_small_body(const u8* w, i64 row_bytes, co
 FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 
 // ---------------------------------------------------------------------------------------------
-// matmul_cp_<type> / matmul_cp_spans_<type> (Q4_K and Q8_0, the types of real prefill weights):
+// matmul_cp_<type> / matmul_cp_spans_<type> (Q4_K and Q8_0, the types of real prefill weights;
+// matmul_cp_spans64_q4_k: 64-row tiles for spans of 48 rows or more on average):
 // raw weight bytes staged by cp.async and dequantized straight into mma B fragments. Plain
 // (one matrix, gridDim.z == 1) and grouped mode; not transposed. K % 256 == 0, W, its rows
 // and matrices 16-byte aligned, Y rows 16-byte aligned (ops.rs checks; else the kernels above).
