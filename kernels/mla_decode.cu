@@ -70,7 +70,6 @@ static_assert(MLA_DL_MAX == LATENT_ROPE_AT && MLA_DL_MAX + MLA_DR_MAX == LATENT_
 #define MLA_LOG2E 1.4426950408889634f
 #define MLA_LN2 0.6931471805599453f
 
-
 __device__ __forceinline__ void mla_split2(float x0, float x1, u32& hi, u32& lo) {
     hi = pack_bf16x2(x0, x1);
     lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));

@@ -10,7 +10,7 @@
 mod common;
 
 use common::{
-    attend, attention_want, keep_mask, roped_q_pe, span_table, visible_keys, AttentionShape,
+    attend, attention_want, dot64, keep_mask, roped_q_pe, span_table, visible_keys, AttentionShape,
 };
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
@@ -186,10 +186,6 @@ fn dequant_rows(t: GgmlType, bytes: &[u8], rows: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0f32; rows * k];
     quant::dequantize(t, bytes, &mut out).unwrap();
     out
-}
-
-fn dot64(a: &[f32], b: &[f32]) -> f64 {
-    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 
 /// y = the product `a(y)` run into a NaN-poisoned y of `len` floats.
@@ -2054,11 +2050,11 @@ fn dsa_scores_and_topk_match() {
     let dbits = g.upload(&vec![0u32; tokens * words]).unwrap();
     g.keep_mask(g.ptr(&dout, 0), (tokens, k), s_len, words, g.ptr(&dbits, 0))
         .unwrap();
-    let mut bits = vec![0u32; tokens * words];
-    for (i, &s) in got.iter().enumerate().filter(|(_, &s)| s >= 0) {
-        bits[i / k * words + s as usize / 32] |= 1 << (s % 32);
-    }
-    assert_eq!(g.download(&dbits).unwrap(), bits, "keep_mask");
+    assert_eq!(
+        g.download(&dbits).unwrap(),
+        keep_mask(&got, k, words),
+        "keep_mask"
+    );
     // Fewer keys than k: all of them, then -1.
     let dout = poisoned_i32(&g, 2 * k);
     g.topk_rows(g.ptr(&drows, 0), s_len, 2, 10, k, g.ptr(&dout, 0))

@@ -41,11 +41,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use mla_engine::backend::cuda::kernels::{
-    matmul_cp_smem_bytes, mla_decode_smem_bytes, MLA_HB, MLA_THREADS,
+    attention_mma_smem_bytes, matmul_cp_smem_bytes, mla_decode_smem_bytes, ATT_MMA_FORMS, MLA_HB,
+    MLA_THREADS,
 };
 use mla_engine::backend::cuda::ops::{
     latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tma_tile,
-    tmi_smem_bytes, MlaDecode, MOE_SHARED, TMA_TILE_TYPES,
+    tmi_smem_bytes, MlaDecode, CP_SPANS64_ROWS, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
@@ -1270,8 +1271,8 @@ fn check_matmul_cp(
             ));
         }
     }
-    // ops.rs's choice: Q4_K spans of 48 rows or more on average take 64-row tiles.
-    let wide = ty == GgmlType::Q4_K && spans.is_some_and(|s| rows >= 48 * s.len());
+    // ops.rs's choice: Q4_K spans of CP_SPANS64_ROWS rows or more on average take 64-row tiles.
+    let wide = ty == GgmlType::Q4_K && spans.is_some_and(|s| rows >= CP_SPANS64_ROWS * s.len());
     let (name, code, threads, bn) = match (spans.is_some(), ty == GgmlType::Q4_K) {
         (true, true) if wide => ("matmul_cp_spans64_q4_k", 4, 128, 128),
         (false, true) => ("matmul_cp_q4_k", 0, 128, 128),
@@ -1357,7 +1358,7 @@ fn prefill_products_match_f64() {
 /// One prefill attention on the tensor cores (attention_bf16, then attention_mma_<form>) as
 /// Gpu::attention_prefill_mma launches it, against the f64 attention of the f32 inputs (the
 /// GPU tests' bf16 bound): a wrong fragment, key, mask bit or softmax step gives an nmse near 1.
-fn check_attention(h: &Emulation, form: i32, a: AttentionShape, top_k: Option<usize>, seed: u64) {
+fn check_attention(h: &Emulation, a: AttentionShape, top_k: Option<usize>, seed: u64) {
     let mut rng = Rng::new(seed);
     let s_len = a.pos0 + a.tokens;
     let dqk = a.dn + a.dr;
@@ -1390,8 +1391,17 @@ fn check_attention(h: &Emulation, form: i32, a: AttentionShape, top_k: Option<us
         scale,
     );
     let mask_i: Vec<i32> = mask.iter().map(|&w| w as i32).collect();
+    // The form ops.rs takes: the smallest whose padded dims hold these.
+    let form = ATT_MMA_FORMS
+        .iter()
+        .position(|f| dqk <= f.1 && a.dv <= f.2)
+        .unwrap();
+    let (_, dq, dvp, bk) = ATT_MMA_FORMS[form];
     let args = Args::default()
-        .i32(form)
+        .i32(form as i32)
+        .i32(dq as i32)
+        .i32(dvp as i32)
+        .i32(attention_mma_smem_bytes(dq, dvp, bk) as i32)
         .floats(&q)
         .floats(&k_nope)
         .floats(&k_pe)
@@ -1403,12 +1413,13 @@ fn check_attention(h: &Emulation, form: i32, a: AttentionShape, top_k: Option<us
         .i32(a.heads as i32)
         .i32(a.tokens as i32)
         .i32(a.pos0 as i32)
-        .f32(scale)
+        .f32(scale * std::f32::consts::LOG2_E)
         .floats(&vec![UNWRITTEN; a.tokens * a.heads * a.dv]);
     let got = h.run(args);
     let want: Vec<Option<f64>> = want.into_iter().map(Some).collect();
     let what = format!(
-        "attention form {form}, {}+{}/{}, {} tokens after {}{}",
+        "{}, {}+{}/{}, {} tokens after {}{}",
+        ATT_MMA_FORMS[form].0,
         a.dn,
         a.dr,
         a.dv,
@@ -1434,8 +1445,8 @@ fn prefill_attention_on_tensor_cores_matches_f64() {
     };
     // The golden models' heads (64 / 64 form, padded dims) over two query tiles and a
     // prefix; with a DSA mask; DeepSeek's 192 / 128 and GLM-5's 256 / 256 (32-key tiles).
-    check_attention(&h, 0, shape(32, 16, 32, 70, 9), None, 80);
-    check_attention(&h, 0, shape(48, 16, 64, 40, 50), Some(24), 81);
-    check_attention(&h, 1, shape(128, 64, 128, 20, 100), None, 82);
-    check_attention(&h, 2, shape(192, 64, 256, 20, 40), Some(16), 83);
+    check_attention(&h, shape(32, 16, 32, 70, 9), None, 80);
+    check_attention(&h, shape(48, 16, 64, 40, 50), Some(24), 81);
+    check_attention(&h, shape(128, 64, 128, 20, 100), None, 82);
+    check_attention(&h, shape(192, 64, 256, 20, 40), Some(16), 83);
 }

@@ -194,6 +194,11 @@ pub fn span_table(spans: &[(usize, usize, usize)]) -> Vec<i32> {
         .collect()
 }
 
+/// The dot product of two f32 rows in f64.
+pub fn dot64(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
 /// Causal softmax attention of one query over the visible keys, in f64.
 pub fn attend(scores: &[(usize, f64)], value: impl Fn(usize, usize) -> f64, dv: usize) -> Vec<f64> {
     let mx = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
@@ -261,12 +266,6 @@ pub fn attention_want(
     keep: Option<(&[i32], usize)>,
     scale: f32,
 ) -> Vec<f64> {
-    let dot = |x: &[f32], y: &[f32]| {
-        x.iter()
-            .zip(y)
-            .map(|(&x, &y)| x as f64 * y as f64)
-            .sum::<f64>()
-    };
     let (dn, dr, dv, heads) = (a.dn, a.dr, a.dv, a.heads);
     let dqk = dn + dr;
     let mut want = Vec::new();
@@ -279,7 +278,10 @@ pub fn attention_want(
                 .map(|&s| {
                     let kn = &k_nope[(s * heads + h) * dn..][..dn];
                     let kp = &k_pe[s * dr..][..dr];
-                    (s, (dot(&qr[..dn], kn) + dot(&qr[dn..], kp)) * scale as f64)
+                    (
+                        s,
+                        (dot64(&qr[..dn], kn) + dot64(&qr[dn..], kp)) * scale as f64,
+                    )
                 })
                 .collect();
             want.extend(attend(

@@ -1,21 +1,20 @@
 // kernels/attention.cu's tensor-core attention, whole, on emulated blocks (block.h), as
 // Gpu::attention_prefill_mma launches it: attention_bf16 for q, the keys and v, then
-// attention_mma_<DQK>_<DV>. Input (Input, in order): the form (i32: 0 attention_mma_64_64,
-// 1 attention_mma_192_128, 2 attention_mma_256_256), q [T][heads][dn + dr], k_nope
-// [S][heads][dn], k_pe [S][dr] (every head's), v [S][heads][dv] (buffers of f32), mask (buffer
-// of u32 [T][words] or empty), dn, dr, dv, heads, tokens, pos0 (i32), scale (f32), out
-// (buffer, [T][heads][dv]); prints out.
+// attention_mma_<DQK>_<DV>. Input (Input, in order): the form (i32: its index in ATT_MMA_FORMS,
+// kernels.rs), its padded dims dq and dvp and dynamic shared bytes (i32), q [T][heads][dn +
+// dr], k_nope [S][heads][dn], k_pe [S][dr] (every head's), v [S][heads][dv] (buffers of f32),
+// mask (buffer of u32 [T][words] or empty), dn, dr, dv, heads, tokens, pos0 (i32), scale *
+// log2 e (f32), out (buffer, [T][heads][dv]); prints out.
 int main(int argc, char** argv) {
     Input in(argv[1]);
-    const int form = in.i32();
+    const int form = in.i32(), dq = in.i32(), dvp = in.i32(), shared = in.i32();
     auto q = in.buffer(), k_nope = in.buffer(), k_pe = in.buffer(), v = in.buffer();
     auto mask = in.buffer();
     const int dn = in.i32(), dr = in.i32(), dv = in.i32(), heads = in.i32(), tokens = in.i32(),
               pos0 = in.i32();
-    const float scale = in.f32();
+    const float scale2 = in.f32();
     auto out = in.buffer();
-    const int dq = form == 0 ? 64 : form == 1 ? 192 : 256, dvp = form == 0 ? 64 : form == 1 ? 128 : 256;
-    const int bk = form == 2 ? 32 : 64, keys = pos0 + tokens, dqk = dn + dr;
+    const int keys = pos0 + tokens, dqk = dn + dr;
     const int words = (keys + 31) / 32;
     std::vector<u8> qb(2 * (size_t)heads * tokens * dq), kb(2 * (size_t)heads * keys * dq),
         vb(2 * (size_t)heads * keys * dvp);
@@ -32,10 +31,10 @@ int main(int argc, char** argv) {
     bf16(vb, ptr<float>(v), (i64)heads * dv, dv, dv, nullptr, 0, 0, 0, keys, dvp);
     auto kernel = form == 0 ? attention_mma_64_64 : form == 1 ? attention_mma_192_128
                                                               : attention_mma_256_256;
-    const size_t shared = 2 * 2 * (size_t)bk * (dq + 8 + dvp + 8);
-    launch(Dim3{(unsigned)heads, (unsigned)((tokens + 63) / 64), 1}, 128, shared, out, [&] {
+    const Dim3 grid{(unsigned)heads, (unsigned)((tokens + ATT_MMA_BQ - 1) / ATT_MMA_BQ), 1};
+    launch(grid, ATT_MMA_THREADS, shared, out, [&] {
         kernel(ptr<u16>(qb), ptr<u16>(kb), ptr<u16>(vb), ptr<float>(out), (i64)heads * dv, dv, dv,
-               ptr<u32>(mask), words, tokens, keys, pos0, scale * 1.4426950408889634f);
+               ptr<u32>(mask), words, tokens, keys, pos0, scale2);
     });
     print_f32(out);
 }

@@ -825,7 +825,7 @@ const CP_SPANS_BM: usize = 32;
 /// (matmul_cp_spans64_q4_k: 4 warps of 64 x 32, two blocks an SM): at 2048 prompt tokens a
 /// token's 8 of 256 experts give ~64 rows an expert, which 32-row tiles read the weights of
 /// twice.
-const CP_SPANS64_ROWS: usize = 48;
+pub const CP_SPANS64_ROWS: usize = 48;
 /// Split-K keeps at least this many 64-wide k steps per split (fewer would spend more on the
 /// partials than they save).
 const CP_MIN_SPLIT_STEPS: usize = 4;
@@ -990,7 +990,7 @@ impl Gpu {
                 a.w, row_bytes as i64, a.x, a.x_stride as i64, a.row_ids, pp, a.n as i64,
                 a.m as i32, a.n as i32, chunk as i32, 0u64,
                 a.ty.row_bytes(chunk).unwrap() as i64, chunk as i64, (a.m * a.n) as i64);
-            return self.matmul_splitk_sum(a, pp, splits);
+            return self.matmul_splitk_sum(pp, splits, (a.m, a.n), (a.y, a.y_stride));
         }
         launch!(self, kernel, (grid_x, grid_y, z as u32), 256, 0;
             a.w, row_bytes as i64, a.x, a.x_stride as i64, a.row_ids, a.y,
@@ -1107,8 +1107,7 @@ impl Gpu {
                 w, row_bytes as i64, xb, 0u64, y, a.y_stride as i64, a.m as i32, n as i32,
                 a.k as i32, 0u64, 0i64, tiles_m as i32, ksteps as i32, part);
             if splits > 1 {
-                launch!(self, "matmul_splitk_sum", (grid1(a.m * n / 4, 256), 1, 1), 256, 0;
-                    part, splits as i32, a.m as i32, n as i32, y, a.y_stride as i64);
+                self.matmul_splitk_sum(part, splits, (a.m, n), (y, a.y_stride))?;
             }
             Ok::<(), CudaError>(())
         };
@@ -1123,11 +1122,17 @@ impl Gpu {
         cols(plan.head, a.n, plan.splits, part)
     }
 
-    /// Y of `a` = the sum of `splits` partials [splits, m, n] at `part`, in split order
-    /// (float4 stores: Y rows 16-byte aligned).
-    fn matmul_splitk_sum(&self, a: &Matmul, part: Ptr, splits: usize) -> Result<(), CudaError> {
-        launch!(self, "matmul_splitk_sum", (grid1(a.m * a.n / 4, 256), 1, 1), 256, 0;
-            part, splits as i32, a.m as i32, a.n as i32, a.y, a.y_stride as i64);
+    /// Y [m, n] (rows y_stride apart) = the sum of `splits` partials [splits, m, n] at `part`,
+    /// in split order (float4 stores: Y rows 16-byte aligned).
+    fn matmul_splitk_sum(
+        &self,
+        part: Ptr,
+        splits: usize,
+        (m, n): (usize, usize),
+        (y, y_stride): (Ptr, usize),
+    ) -> Result<(), CudaError> {
+        launch!(self, "matmul_splitk_sum", (grid1(m * n / 4, 256), 1, 1), 256, 0;
+            part, splits as i32, m as i32, n as i32, y, y_stride as i64);
         Ok(())
     }
 
