@@ -1650,10 +1650,10 @@ fn rope_rotates_adjacent_pairs_only_in_its_columns() {
     let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     for t in 0..tokens {
         for h in 0..heads {
-            for i in 0..dims / 2 {
+            for (i, &freq) in inv_freq[..dims / 2].iter().enumerate() {
                 let o = t * heads * head_dim + h * head_dim + col0 + 2 * i;
                 // The angle is an f32 product in both (the kernel's contract).
-                let angle = ((pos0 + t) as f32 * inv_freq[i]) as f64;
+                let angle = ((pos0 + t) as f32 * freq) as f64;
                 let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
                 let (x0, x1) = (x[o] as f64, x[o + 1] as f64);
                 want[o] = x0 * c - x1 * s;

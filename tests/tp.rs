@@ -771,7 +771,7 @@ fn a_failing_rank_stops_the_group_with_its_message() {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             m.forward(&mut cache, &tokens, None)
         }));
-        let payload = outcome.err().expect("the forward must fail");
+        let payload = outcome.expect_err("the forward must fail");
         let text = payload
             .downcast_ref::<String>()
             .cloned()

@@ -177,7 +177,7 @@ impl Cuda {
         y: DevicePtrRaw,
         y_stride: usize,
     ) {
-        if n >= MATMUL_MIN_ROWS && k % 32 == 0 && rows % 8 == 0 {
+        if n >= MATMUL_MIN_ROWS && k.is_multiple_of(32) && rows.is_multiple_of(8) {
             let a = Matmul::plain(ty, w, (x, x_stride), (y, y_stride), (n, rows, k));
             ok(self.gpu.matmul(&a), "matmul");
         } else {
@@ -226,7 +226,7 @@ impl Backend for Cuda {
                     backend: "cuda",
                 });
             }
-            if t.ne[0] % 8 != 0 {
+            if !t.ne[0].is_multiple_of(8) {
                 return Err(BackendError::BadWeight {
                     tensor: t.name.clone(),
                     reason: format!(
@@ -698,7 +698,7 @@ impl Backend for Cuda {
         );
         // The kernels read x rows as float4: in place when each head's slice is 16-byte
         // aligned, else through a copy.
-        if d % 4 != 0 || cols.start % 4 != 0 {
+        if !d.is_multiple_of(4) || !cols.start.is_multiple_of(4) {
             return self.head_matmul(&self.head_columns(x, heads, cols.clone()), w, transpose);
         }
         let din = if transpose { w.dim(1) } else { w.ne[0] };

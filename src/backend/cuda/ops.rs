@@ -29,7 +29,7 @@ fn typed_kernel(prefix: &str, ty: GgmlType) -> Result<String, CudaError> {
 /// type's blocks (and of 8: the kernels' unit walk).
 fn typed_rows(prefix: &str, ty: GgmlType, k: usize) -> Result<(String, usize), CudaError> {
     let kernel = typed_kernel(prefix, ty)?;
-    let row_bytes = ty.row_bytes(k).filter(|_| k % 8 == 0);
+    let row_bytes = ty.row_bytes(k).filter(|_| k.is_multiple_of(8));
     check(row_bytes.is_some(), prefix, || {
         format!("rows of {k} values are not a whole number of {ty} blocks")
     })?;
@@ -257,8 +257,8 @@ fn tensor_core_shape(a: &Matvec, row_bytes: usize) -> bool {
     };
     !a.transposed
         && shape_pays
-        && (a.w | a.pair | a.shared.0 | a.shared.1) % 16 == 0
-        && (a.mat_stride | row_bytes) % 16 == 0
+        && (a.w | a.pair | a.shared.0 | a.shared.1).is_multiple_of(16)
+        && (a.mat_stride | row_bytes).is_multiple_of(16)
 }
 
 /// matvec_int_q6_k (x as digit planes, dp4a; kernels/matvec.cu) takes a single Q6_K matrix of
@@ -471,7 +471,7 @@ impl Gpu {
 
     /// Whether `matvec` takes `a` with a `pair` (the tensor-core kernels, an even batch).
     pub fn takes_pair(&self, a: &Matvec) -> bool {
-        a.batch % 2 == 0 && self.on_tensor_cores(a)
+        a.batch.is_multiple_of(2) && self.on_tensor_cores(a)
     }
 
     /// Whether the tensor-core product `a` goes to matvec_tma_<type> (glu: k within the tile
@@ -508,9 +508,11 @@ impl Gpu {
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
         let prefix = if a.transposed { "matvec_t" } else { "matvec" };
         let (kernel, row_bytes) = typed_rows(prefix, a.ty, a.k)?;
-        check(a.x % 16 == 0 && a.x_stride % 4 == 0, "matvec", || {
-            "x rows must be 16-byte aligned".into()
-        })?;
+        check(
+            a.x.is_multiple_of(16) && a.x_stride.is_multiple_of(4),
+            "matvec",
+            || "x rows must be 16-byte aligned".into(),
+        )?;
         check(a.x_group > 0 && a.batch > 0, "matvec", || {
             "empty batch".into()
         })?;
@@ -521,8 +523,9 @@ impl Gpu {
             "glu: the gate and up products of a pair".into()
         })?;
         check(
-            a.combine
-                .is_none_or(|c| c.choices > 0 && a.batch % c.choices == 0 && self.takes_combine(a)),
+            a.combine.is_none_or(|c| {
+                c.choices > 0 && a.batch.is_multiple_of(c.choices) && self.takes_combine(a)
+            }),
             "matvec",
             || "combine: the tensor-core kernel, ids, whole tokens of choices".into(),
         )?;
@@ -604,7 +607,10 @@ impl Gpu {
             return Ok(());
         }
         if uses_int_q6_k(a) {
-            if self.bulk_copies && (TMA6_K_MIN..=TMA6_K_MAX).contains(&a.k) && a.w % 16 == 0 {
+            if self.bulk_copies
+                && (TMA6_K_MIN..=TMA6_K_MAX).contains(&a.k)
+                && a.w.is_multiple_of(16)
+            {
                 return self.matvec_tma_q6_k(a, row_bytes);
             }
             return self.matvec_int_q6_k(a, row_bytes);
@@ -642,7 +648,7 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         let (_, rb) = typed_rows("matvec", ty, k)?;
         check(
-            (2..=3).contains(&parts.len()) && x % 16 == 0,
+            (2..=3).contains(&parts.len()) && x.is_multiple_of(16),
             "matvec_parts",
             || format!("{} parts (2 or 3), x 16-byte aligned", parts.len()),
         )?;
@@ -910,12 +916,12 @@ pub struct CpPlan {
 fn matmul_cp_takes(a: &Matmul, row_bytes: usize) -> bool {
     matches!(a.ty, GgmlType::Q4_K | GgmlType::Q8_0)
         && !a.transposed
-        && a.k % 256 == 0
-        && a.w % 16 == 0
-        && row_bytes % 16 == 0
-        && a.mat_stride % 16 == 0
-        && a.y % 16 == 0
-        && a.y_stride % 4 == 0
+        && a.k.is_multiple_of(256)
+        && a.w.is_multiple_of(16)
+        && row_bytes.is_multiple_of(16)
+        && a.mat_stride.is_multiple_of(16)
+        && a.y.is_multiple_of(16)
+        && a.y_stride.is_multiple_of(4)
         && (a.spans != 0 || (a.n_spans <= 1 && a.m > 32))
 }
 
@@ -926,7 +932,7 @@ impl Gpu {
     pub fn matmul(&self, a: &Matmul) -> Result<(), CudaError> {
         let row_bytes = a.ty.row_bytes(if a.transposed { a.n } else { a.k });
         check(
-            row_bytes.is_some() && a.k % 32 == 0 && a.n % 8 == 0,
+            row_bytes.is_some() && a.k.is_multiple_of(32) && a.n.is_multiple_of(8),
             "matmul",
             || {
                 format!(
@@ -937,7 +943,9 @@ impl Gpu {
         )?;
         let row_bytes = row_bytes.unwrap();
         check(
-            a.x % 16 == 0 && a.x_stride % 4 == 0 && a.x_mat_stride % 4 == 0,
+            a.x.is_multiple_of(16)
+                && a.x_stride.is_multiple_of(4)
+                && a.x_mat_stride.is_multiple_of(4),
             "matmul",
             || "x rows must be 16-byte aligned".into(),
         )?;
@@ -961,7 +969,7 @@ impl Gpu {
         // count, while the typical span is far smaller (~16 tokens per expert in a 512-token
         // prefill, a few experts with 2-6x that): the few large spans take several 32-row
         // tiles (re-reading their expert's weights) rather than every span a 64-row one.
-        let small = !a.transposed && a.k % 64 == 0;
+        let small = !a.transposed && a.k.is_multiple_of(64);
         let bm = match (small, a.spans != 0) {
             (true, _) if a.m <= 16 => 16,
             (true, true) if a.m <= 128 => 32,
@@ -1005,12 +1013,16 @@ impl Gpu {
     /// 16-byte aligned rows (matmul_splitk_sum stores float4).
     fn first_generation_splits(&self, a: &Matmul, blocks: usize) -> usize {
         let plain = a.spans == 0 && a.n_spans <= 1 && !a.transposed;
-        if !plain || a.k % FG_SPLIT_MIN_K != 0 || a.y % 16 != 0 || a.y_stride % 4 != 0 {
+        if !plain
+            || !a.k.is_multiple_of(FG_SPLIT_MIN_K)
+            || !a.y.is_multiple_of(16)
+            || !a.y_stride.is_multiple_of(4)
+        {
             return 1;
         }
         let most = a.k / FG_SPLIT_MIN_K;
         let mut splits = self.multiprocessors.div_ceil(blocks).min(most);
-        while a.k % (splits * FG_SPLIT_MIN_K) != 0 {
+        while !a.k.is_multiple_of(splits * FG_SPLIT_MIN_K) {
             splits -= 1;
         }
         splits
@@ -1196,7 +1208,7 @@ impl Gpu {
         let dq = query.map_or(0, |q| q.width);
         let block = norm_block(dl.max(dq), "latent_norm_rope")?;
         check(
-            dr % 2 == 0 && pos0 + rows <= i32::MAX as usize,
+            dr.is_multiple_of(2) && pos0 + rows <= i32::MAX as usize,
             "latent_norm_rope",
             || format!("rope width {dr}, positions up to {}", pos0 + rows),
         )?;
@@ -1255,7 +1267,7 @@ impl Gpu {
             inv_freq: 0,
             mscale: 1.0,
         });
-        check(r.dims % 2 == 0 && r.dims <= n, "layernorm", || {
+        check(r.dims.is_multiple_of(2) && r.dims <= n, "layernorm", || {
             format!("rope width {} of rows of {n}", r.dims)
         })?;
         launch!(self, "layernorm", (rows as u32, 1, 1), block, 0;
@@ -1282,7 +1294,7 @@ impl Gpu {
         mscale: f32,
         copy: (Ptr, usize),
     ) -> Result<(), CudaError> {
-        check(dims % 2 == 0 && dims <= 2048, "rope_pairs", || {
+        check(dims.is_multiple_of(2) && dims <= 2048, "rope_pairs", || {
             format!("rope width {dims}")
         })?;
         // Up to 256 threads per block: whole heads of `lanes` threads each.
@@ -1374,7 +1386,7 @@ impl Gpu {
             || format!("head dims {dqk}/{} over {ATT_DQK_MAX}/{ATT_DV_MAX}", a.dv),
         )?;
         // The kernel reads q and k rows from shared memory as float4.
-        check(dqk % 4 == 0, "attention_prefill", || {
+        check(dqk.is_multiple_of(4), "attention_prefill", || {
             format!("query/key head dim {dqk} not a multiple of 4")
         })?;
         let smem = attention_smem_bytes(dqk, a.dv) as u32;
@@ -1603,7 +1615,7 @@ impl Gpu {
     /// splits; the engine's choice is `mla_decode_splits`), so tests can pick the split count.
     pub fn mla_decode_with(&self, a: &MlaDecode, per: usize) -> Result<(), CudaError> {
         check(
-            a.dl % 32 == 0 && a.dl <= MLA_DL_MAX && a.dr <= MLA_DR_MAX,
+            a.dl.is_multiple_of(32) && a.dl <= MLA_DL_MAX && a.dr <= MLA_DR_MAX,
             "mla_decode_split",
             || {
                 format!(
@@ -1614,7 +1626,7 @@ impl Gpu {
         )?;
         // mla_decode_combine writes float4 rows.
         check(
-            a.out % 16 == 0 && a.out_tok % 4 == 0,
+            a.out.is_multiple_of(16) && a.out_tok.is_multiple_of(4),
             "mla_decode_combine",
             || {
                 format!(
@@ -1697,13 +1709,15 @@ impl Gpu {
         s_stride: usize,
     ) -> Result<(), CudaError> {
         check(
-            heads * dim <= DSA_Q_MAX && heads <= 64 && dim % 4 == 0 && dim <= DSA_DIM_MAX,
+            heads * dim <= DSA_Q_MAX && heads <= 64 && dim.is_multiple_of(4) && dim <= DSA_DIM_MAX,
             "dsa_scores",
             || format!("{heads} heads x {dim}: dim % 4 == 0, dim <= {DSA_DIM_MAX}, <= 64 heads"),
         )?;
-        check(q % 16 == 0 && k % 16 == 0, "dsa_scores", || {
-            "q and k must be 16-byte aligned".into()
-        })?;
+        check(
+            q.is_multiple_of(16) && k.is_multiple_of(16),
+            "dsa_scores",
+            || "q and k must be 16-byte aligned".into(),
+        )?;
         if keys == 0 || tokens == 0 {
             return Ok(());
         }
@@ -1778,7 +1792,7 @@ pub struct RowsNorm {
 /// Whether `Gpu::moe_route_f32` takes router rows of `dim` floats at `w` and x rows at `x`
 /// (float4 rows).
 pub fn route_f32_takes(dim: usize, x: Ptr, w: Ptr) -> bool {
-    dim % 4 == 0 && (x | w) % 16 == 0
+    dim.is_multiple_of(4) && (x | w).is_multiple_of(16)
 }
 
 /// The MoE router's choice for T tokens (see kernels/moe.cu).
@@ -1845,7 +1859,7 @@ impl Gpu {
                 && a.k <= 32
                 && a.k <= a.n_exp
                 && a.n_group <= 32
-                && (a.n_group <= 1 || a.n_exp % a.n_group == 0),
+                && (a.n_group <= 1 || a.n_exp.is_multiple_of(a.n_group)),
             "moe_router",
             || format!("{} experts, top {}, {} groups", a.n_exp, a.k, a.n_group),
         )?;
@@ -1856,6 +1870,7 @@ impl Gpu {
 
     /// out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] ([T, k] slots and weights; slots
     /// 0: row t k + j).
+    #[allow(clippy::too_many_arguments)]
     pub fn moe_combine(
         &self,
         rows: Ptr,
