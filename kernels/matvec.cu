@@ -687,6 +687,7 @@ struct TcKquant {
     static const int ROW = Q5 ? 1424 : 1168;  // a bulk-copy stage's row (matvec_tma_body)
     static const int STAGES = 3;               // bulk-copy stages
     static const int ZEROS = 0;                // bytes of zeros B reads (TcQ6kTile)
+    static const bool ANY_ROW_START = false;   // stage rows start 16-byte aligned
     static const int QS = Q5 ? 48 : 16;        // where the qs bytes start
     static const bool HALVES = false;          // x's planes in x_block_digits' plain order
     uint4 h_lo, h_hi;
@@ -828,6 +829,7 @@ struct TcIq4xs {
     static const int ROW = 1104;  // a bulk-copy stage's row (matvec_tma_body)
     static const int STAGES = 3;
     static const int ZEROS = 0;
+    static const bool ANY_ROW_START = false;
     static const bool HALVES = true;
     uint2 h_lo, h_hi;      // d | scales_h << 16, scales_l
     u32 q_lo[8], q_hi[8];  // qs word t of sub-block j
@@ -1188,17 +1190,20 @@ __device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u
     acc_hi += f16_to_f32((u16)hi.d) * s * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
 }
 
-// Q6_K on the same tiles where its rows are 16-byte aligned (a multiple of 8 blocks: the
-// downs, attn_output; TcQ6kTile, the bulk-copy kernels only): TcQ6k for rows g and g + 8 and
-// q6_dot (matvec_tma_q6_k's, below), whose B is zeros where a lane's columns are not its k
-// values' sub-block (ZEROS bytes of them after x's planes). Its stage row keeps 8 blocks and
-// the bytes TcQ6k::load reads past the last; two stages beside x's planes (k parts up to
-// 10240) fit SM120's 99 KiB.
+// Q6_K on the same tiles (TcQ6kTile, the bulk-copy kernels only): TcQ6k for rows g and g + 8
+// and q6_dot (matvec_tma_q6_k's, below), whose B is zeros where a lane's columns are not its k
+// values' sub-block (ZEROS bytes of them after x's planes). A row of 210-byte blocks starts
+// anywhere (even) modulo 16 (DeepSeek-V3's 7168 values: 5880 bytes, every other row 8 off), so
+// a stage row is copied from the 16-byte boundary below it (ANY_ROW_START, bulk_copy_from_any)
+// and TcQ6k::load reads it 2-byte aligned: its stage row keeps up to 14 bytes before the
+// segment, 8 blocks rounded up to 16, and the bytes TcQ6k::load reads past the last block.
+// Two stages beside x's planes (k parts up to 10240) fit SM120's 99 KiB.
 struct TcQ6kTile {
     static const int BYTES = 210;
-    static const int ROW = 1712;  // 8 x 210 and slack, an odd multiple of 16
+    static const int ROW = 1712;  // 14 + 8 x 210 rounded up, slack; an odd multiple of 16
     static const int STAGES = 2;
     static const int ZEROS = 256;
+    static const bool ANY_ROW_START = true;
     static const bool HALVES = false;
     TcQ6k lo, hi;
 
@@ -1253,13 +1258,40 @@ struct TcQ6kTile {
 // routed group. (H200, one call: decode DS3 1,143-1,144 -> 1,163-1,167 tokens/s, GLM-5
 // 1,228-1,230 -> 1,251; docs/performance.md, twenty-second look.)
 //
-// Q5_K, IQ4_XS and Q6_K (rows of a multiple of 8 blocks) take the same kernels with their
-// tiles (TcQ5k, TcIq4xs, TcQ6kTile): matvec_tma_q5_k, matvec_tma_iq4_xs,
-// matvec_tma_aligned_q6_k, and their items forms below. A stage row is a tile type's ROW
-// bytes, 8 blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1104 for
-// IQ4_XS, 1712 for Q6_K), so that the 8 rows of a warp's lanes start on distinct 16-byte bank
-// groups; Tile::STAGES of them (3, Q6_K's 2) follow x's planes and Tile::ZEROS bytes of zeros.
+// Q5_K, IQ4_XS (rows of an even number of blocks) and Q6_K (any rows: TcQ6kTile's
+// ANY_ROW_START) take the same kernels with their tiles (TcQ5k, TcIq4xs, TcQ6kTile):
+// matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, and the items forms below (not
+// Q6_K's). A stage row is a tile type's ROW bytes, 8 blocks padded to an odd multiple of 16
+// (1168 for Q4_K, 1424 for Q5_K, 1104 for IQ4_XS, 1712 for Q6_K), so that the 8 rows of a
+// warp's lanes start on distinct 16-byte bank groups; Tile::STAGES of them (3, Q6_K's 2)
+// follow x's planes and Tile::ZEROS bytes of zeros.
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
+
+// A warp's copies of one stage of rows that start anywhere (even) modulo 16 (Q6_K's): lane's
+// len bytes at src (copies: false for none) into its stage row dst (16-byte aligned), copied
+// from the 16-byte boundary below src and rounded up to 16 bytes, counted on bar (lane 0
+// expects the warp's bytes in all). A copy that would read past `end` (the matrix's end, even,
+// the same for the warp; at most one lane's copy reaches it) stops at end's 16-byte boundary,
+// and the lanes store the bytes after it, 2 each, so that nothing past the matrix is read.
+__device__ __forceinline__ void bulk_copy_from_any(u8* dst, const u8* src, u32 len, bool copies,
+                                                   const u8* end, u64* bar) {
+    const int lane = threadIdx.x & 31;
+    const u8* from = (const u8*)((unsigned long long)src & ~15ull);
+    const u8* end16 = (const u8*)((unsigned long long)end & ~15ull);
+    u32 bytes = copies ? ((u32)((unsigned long long)src & 15) + len + 15) & ~15u : 0u;
+    const bool at_end = copies && from + bytes > end;
+    if (at_end) bytes = (u32)(end16 - from);
+    const u32 ends = __ballot_sync(0xffffffffu, at_end);
+    if (ends) {
+        u8* to = (u8*)__shfl_sync(0xffffffffu, (unsigned long long)(dst + bytes), __ffs(ends) - 1);
+        if (2 * lane < (int)(end - end16)) *(u16*)(to + 2 * lane) = ld_nc16(end16 + 2 * lane);
+    }
+    const u32 total = __reduce_add_sync(0xffffffffu, bytes);
+    __syncwarp();  // the tail's stores before the arrival that publishes the stage
+    if (lane == 0) mbar_expect_bytes(bar, total);
+    __syncwarp();
+    if (copies && bytes > 0) bulk_copy(dst, from, bytes, bar);
+}
 
 // The WARPS consumer warps only (the producer warp has left).
 template <int WARPS = 8>
@@ -1275,6 +1307,8 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                                                 i64 y_stride, int glu) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
+    static_assert(TMA_BLOCKS * BYTES % 16 == 0,
+                  "a row's segments all lie as its first does modulo 16 (ANY_ROW_START)");
     extern __shared__ __align__(128) u8 tma_sm[];
     __shared__ u64 full[STAGES], empty[STAGES];
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
@@ -1331,17 +1365,23 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                  grp = next_group(grp + gridDim.x, false)) {
                 int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
                 for (int m = 0; m < mats; m++) {
-                    const u8* mat = item_of(grp, m).mat + (i64)r0 * row_bytes +
-                                    (i64)p * part_blocks * BYTES;
+                    const u8* base = item_of(grp, m).mat;
+                    const u8* mat = base + (i64)r0 * row_bytes + (i64)p * part_blocks * BYTES;
                     for (int st = 0; st < steps; st++, n++) {
                         int slot = n % STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
                         if (n >= STAGES) mbar_wait(&empty[slot], (n / STAGES - 1) & 1);
-                        if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * cnt * BYTES));
-                        __syncwarp();
-                        if (lane < nr)
-                            bulk_copy(stages + slot * STAGE + lane * ROW,
-                                      mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * BYTES,
-                                      cnt * BYTES, &full[slot]);
+                        u8* dst = stages + slot * STAGE + lane * ROW;
+                        const u8* src =
+                            mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * BYTES;
+                        if (Tile::ANY_ROW_START) {
+                            bulk_copy_from_any(dst, src, cnt * BYTES, lane < nr,
+                                               base + (i64)rows * row_bytes, &full[slot]);
+                        } else {
+                            if (lane == 0)
+                                mbar_expect_bytes(&full[slot], (u32)(nr * cnt * BYTES));
+                            __syncwarp();
+                            if (lane < nr) bulk_copy(dst, src, cnt * BYTES, &full[slot]);
+                        }
                     }
                 }
             }
@@ -1369,14 +1409,24 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
             const int tile = grp % tiles;
             for (int m = 0; m < mats; m++) {
+                // Where rows g and g + 8's block c lies in a stage; ANY_ROW_START: after the
+                // row's bytes before its 16-byte boundary (the same in every stage).
+                int at_lo = g * ROW + BYTES * c, at_hi = at_lo + 8 * ROW;
+                if (Tile::ANY_ROW_START) {
+                    const u8* r = item_of(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
+                                  (i64)p * part_blocks * BYTES;
+                    at_lo += (int)((unsigned long long)r & 15);
+                    at_hi += (int)((unsigned long long)(r + 8 * row_bytes) & 15);
+                }
                 float acc_lo = 0.0f, acc_hi = 0.0f;
                 for (int st = 0; st < steps; st++, n++) {
                     int slot = n % STAGES, kb = st * TMA_BLOCKS + c;
                     mbar_wait(&full[slot], (n / STAGES) & 1);
                     Tile q;
                     if (kb < pnb) {
-                        const u8* blo = stages + slot * STAGE + g * ROW + BYTES * c;
-                        q.load_stage(blo, blo + 8 * ROW, t);
+                        const u8* blo = stages + slot * STAGE + at_lo;
+                        q.load_stage(blo, Tile::ANY_ROW_START ? blo + (at_hi - at_lo) : blo + 8 * ROW,
+                                     t);
                     }
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
@@ -1422,7 +1472,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
 DEFINE_MATVEC_TMA(matvec_tma_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, TcIq4xs)
-DEFINE_MATVEC_TMA(matvec_tma_aligned_q6_k, TcQ6kTile)
+DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, TcQ6kTile)
 
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //
@@ -1763,7 +1813,8 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // from the 16-byte boundary below it (up to 14 bytes of the row before), the second after the
 // first's bytes rounded up to 16, and consumers read 2-byte aligned words through funnel
 // shifts (lds_words). The matrix may end 2-byte aligned: its last bytes past a 16-byte
-// boundary are stored by the producer's lanes from registers, so that no copy reads past it.
+// boundary are stored by the producer's lanes (bulk_copy_from_any), so that no copy reads past
+// it.
 //
 // Each m16n8k32 product takes a 32-value quarter of a half (Q6_K's quarter j of half h: low
 // 4 bits in the low (j < 2) or high nibble of ql[64h + 32 (j & 1) + l], high 2 bits at bits
@@ -1806,7 +1857,6 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     const int mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
     const int nst = (mine * nb + TMA_BLOCKS - 1) / TMA_BLOCKS;
     const u8* end = w + (i64)rows * row_bytes;
-    const u8* end16 = (const u8*)((unsigned long long)end & ~15ull);
     init_stage_barriers(full, empty, TMA6_STAGES, TMA_BLOCKS);
     // The first row of the block's tile i, and row r of it from block b.
     auto first_row = [&](int i) { return 16 * ((int)blockIdx.x + i * (int)gridDim.x); };
@@ -1816,33 +1866,17 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     // Stage n starts at block a of the block's tile i0 (both advanced stage by stage) and takes
     // cnt0 = min(8, nb - a) blocks of it, then 8 - cnt0 of tile i0 + 1.
     if (warp == TMA_BLOCKS) {
-        // Producer: lane seg * 16 + r copies row r's segment seg. Lanes 0 .. 6 hold the
-        // matrix's last bytes past end16, 2 each.
-        const int tail = (int)(end - end16), seg = lane >> 4, r = lane & 15;
-        const u16 tail_v = 2 * lane < tail ? ld_nc16(end16 + 2 * lane) : 0;
+        // Producer: lane seg * 16 + r copies row r's segment seg.
+        const int seg = lane >> 4, r = lane & 15;
         for (int n = 0, i0 = 0, a = 0; n < nst; n++) {
             const int slot = n % TMA6_STAGES, cnt0 = min(TMA_BLOCKS, nb - a);
             const int i = i0 + seg, cnt = seg ? TMA_BLOCKS - cnt0 : cnt0;
             if (n >= TMA6_STAGES) mbar_wait(&empty[slot], (n / TMA6_STAGES - 1) & 1);
             const bool copies = cnt > 0 && i < mine && first_row(i) + r < rows;
-            const u8* src = row_at(copies ? i : 0, r, seg ? 0 : a);
-            const u8* from = (const u8*)((unsigned long long)src & ~15ull);
             u8* dst = stages + slot * TMA6_STAGE + r * TMA6_ROW +
                       (seg ? q6_segment_bytes((u32)(unsigned long long)row_at(i0, r, a), cnt0) : 0);
-            u32 bytes = copies ? q6_segment_bytes((u32)(unsigned long long)src, cnt) : 0;
-            const bool at_end = copies && from + bytes > end;  // the matrix's last row
-            if (at_end) bytes = (u32)(end16 - from);
-            const u32 ends = __ballot_sync(0xffffffffu, at_end);
-            if (ends) {
-                u8* to = (u8*)__shfl_sync(0xffffffffu, (unsigned long long)(dst + bytes),
-                                          __ffs(ends) - 1);
-                if (2 * lane < tail) *(u16*)(to + 2 * lane) = tail_v;
-            }
-            const u32 total = __reduce_add_sync(0xffffffffu, bytes);
-            __syncwarp();  // the tail's stores before the arrival that publishes the stage
-            if (lane == 0) mbar_expect_bytes(&full[slot], total);
-            __syncwarp();
-            if (copies) bulk_copy(dst, from, bytes, &full[slot]);
+            bulk_copy_from_any(dst, row_at(copies ? i : 0, r, seg ? 0 : a), 210 * cnt, copies, end,
+                               &full[slot]);
             a += TMA_BLOCKS;
             if (a >= nb) a -= nb, i0++;
         }

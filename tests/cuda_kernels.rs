@@ -398,20 +398,22 @@ fn for_each_bulk_copy_form(
 /// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long); the
 /// bulk-copy kernel's rows in parts beyond 9216 (12288: two of 24 256-blocks; 9472: of 19 and
 /// 18, each ending in a partial stage). Q5_K, IQ4_XS and Q6_K the same on their bulk-copy
-/// kernels (their parts: Q5_K's beyond 7168, IQ4_XS's and Q6_K's beyond 10240); rows that are
-/// no multiple of 16 bytes (IQ4_XS's of an odd number of 256-blocks, Q6_K's of other than a
-/// multiple of 8: here only k = 4096 and 12288 are) stay on the CUDA cores.
+/// kernels (their parts: Q5_K's beyond 7168, IQ4_XS's and Q6_K's beyond 10240); IQ4_XS's rows
+/// of an odd number of 256-blocks (no multiple of 16 bytes) stay on the CUDA cores, Q6_K's rows
+/// start anywhere modulo 16 (DeepSeek-V3's k = 7168: 8 bytes off every other row, and 8201 of
+/// them end the matrix off 16).
 #[test]
 fn matvec_tensor_core_types_match_dequantized_dot() {
     let Some(mut g) = gpu() else { return };
     for t in TMA_TILE_TYPES {
         for_each_tile_type_kernel(&mut g, t, |g| {
             let mut rng = Rng::new("matvec_tc");
-            let cases: [(usize, usize, usize, &[i32]); 7] = [
+            let cases: [(usize, usize, usize, &[i32]); 8] = [
                 (2100, 1536, 3, &[2, 0, -1, 1, 1]),
                 (2048, 4608, 2, &[1, 0, -1, 1]),
                 (8200, 4352, 1, &[0]),
                 (8200, 4096, 1, &[0]),
+                (8201, 7168, 1, &[0]),
                 (7200, 9216, 1, &[0]),
                 (6150, 12288, 1, &[0]),
                 (6144, 9472, 1, &[0]),

@@ -145,13 +145,17 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "#define TMA_BLOCKS "),
     Def(
         "matvec.cu",
+        "__device__ __forceinline__ void bulk_copy_from_any(",
+    ),
+    Def(
+        "matvec.cu",
         "template <class Tile>\n__device__ __forceinline__ void matvec_tma_body(",
     ),
     Line("matvec.cu", "#define DEFINE_MATVEC_TMA("),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q4_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_iq4_xs,"),
-    Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_aligned_q6_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k,"),
     Def(
         "matvec.cu",
         "template <class Tile, int TMI_WARPS>\n__device__ __forceinline__ void matvec_tma_items_body(",
@@ -782,9 +786,10 @@ fn moe_pair(
     }
 }
 
-/// Q4_K's, Q5_K's, IQ4_XS's and Q6_K's kernels over the same launches, but where a type's rows
-/// and parts must be a multiple of 2 (IQ4_XS's 136-byte blocks) or 8 blocks (Q6_K's 210) for
-/// the bulk copies' 16 bytes: there a few blocks more.
+/// Q4_K's, Q5_K's, IQ4_XS's and Q6_K's kernels over the same launches, but where IQ4_XS's rows
+/// and parts must be a multiple of 2 blocks (136 bytes each) for the bulk copies' 16 bytes:
+/// there a block more. Q6_K's rows of 210-byte blocks start anywhere (even) modulo 16, and
+/// some of its matrices end off 16 (the copies must not read past them: the sanitizer).
 #[test]
 fn bulk_copy_kernels_match_f64() {
     let Some(h) = Emulation::build("tma") else {
@@ -795,13 +800,28 @@ fn bulk_copy_kernels_match_f64() {
         let cases = [
             one_matrix("40 x 2048, 2 blocks", 40, 8, None, 2),
             one_matrix(
-                "a row of 19 256-blocks (IQ4_XS 20, Q6_K 24) in parts of 10 (Q6_K 16), 3 blocks",
+                "a row of 19 256-blocks (IQ4_XS 20) in parts of 10, 3 blocks",
                 24,
                 even(19),
                 Some(even(10)),
                 3,
             ),
             one_matrix("20 x 18432 in parts (ops.rs), 1 block", 20, 72, None, 1),
+            one_matrix(
+                "17 x 7168 (DeepSeek-V3's rows: Q6_K's 8 bytes off 16 every other row), 2 blocks",
+                17,
+                28,
+                None,
+                2,
+            ),
+            moe_pair(
+                "MoE gate-up glu of 3 choices of 7168 values, 2 blocks",
+                21,
+                28,
+                vec![1, 3, MOE_SHARED],
+                true,
+                2,
+            ),
             moe_pair(
                 "MoE gate-up glu of 4 choices (one another rank's, the shared expert's last), 3 blocks",
                 24,
@@ -831,9 +851,14 @@ fn bulk_copy_kernels_match_f64() {
     }
 }
 
-/// nb rounded up to whole 16-byte rows of type ty's blocks (the bulk copies').
+/// nb rounded up to whole 16-byte rows of type ty's blocks where its kernels need them (the
+/// bulk copies').
 fn aligned_blocks(ty: GgmlType, nb: usize) -> usize {
-    nb.next_multiple_of(tma_tile(ty).unwrap().block_step())
+    let tile = tma_tile(ty).unwrap();
+    match tile.any_row_start {
+        true => nb,
+        false => nb.next_multiple_of(tile.block_step()),
+    }
 }
 
 /// A launch of matvec_tma_items_<type>: item i = the matrix ids[i] (MOE_SHARED: sw) times its

@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
     const i64 y_stride = in.i64_();
     const int glu = in.i32(), grid = in.i32(), shared = in.i32();
     auto kernel = type == 0   ? matvec_tma_q4_k
-                  : type == 1 ? matvec_tma_aligned_q6_k
+                  : type == 1 ? matvec_tma_groups_q6_k
                   : type == 2 ? matvec_tma_q5_k
                               : matvec_tma_iq4_xs;
     launch(grid, 288, shared, y, [&] {

@@ -247,7 +247,9 @@ const TC_K_MAX: usize = 8192;
 const TC_LONG_MIN_ROWS: usize = 6144;
 pub(super) const TC_LONG_K_MAX: usize = 20480;
 
-/// Whether `a`'s shape and alignment suit the tensor-core kernels (of any tile type).
+/// Whether `a`'s shape and alignment suit the tensor-core kernels (of any tile type): the
+/// matrices 16-byte aligned, and their rows too unless the tile type takes rows that start
+/// anywhere (Q6_K's).
 fn tensor_core_shape(a: &Matvec, row_bytes: usize) -> bool {
     let rows = a.rows * a.batch;
     let shape_pays = if a.k <= TC_K_MAX {
@@ -258,7 +260,8 @@ fn tensor_core_shape(a: &Matvec, row_bytes: usize) -> bool {
     !a.transposed
         && shape_pays
         && (a.w | a.pair | a.shared.0 | a.shared.1).is_multiple_of(16)
-        && (a.mat_stride | row_bytes).is_multiple_of(16)
+        && ((a.mat_stride | row_bytes).is_multiple_of(16)
+            || tma_tile(a.ty).is_some_and(|t| t.any_row_start))
 }
 
 /// matvec_int_q6_k (x as digit planes, dp4a; kernels/matvec.cu) takes a single Q6_K matrix of
@@ -350,6 +353,10 @@ pub struct TmaTile {
     /// Stages of kernel's ring (Tile::STAGES), and bytes of zeros before them (Tile::ZEROS).
     pub stages: usize,
     pub zeros: usize,
+    /// Whether `kernel` takes rows that start anywhere modulo 16 (Tile::ANY_ROW_START: Q6_K's
+    /// rows of 210-byte blocks, each copied from the 16-byte boundary below it); the other
+    /// types' rows are a multiple of 16 bytes.
+    pub any_row_start: bool,
     /// The longest part of k whose x planes fit beside the stages in SM120's 99 KiB with the
     /// kernel's static shared memory (longer rows go in parts, tma_part_k).
     pub k_max: usize,
@@ -379,6 +386,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
             row,
             stages,
             zeros: if ty == GgmlType::Q6_K { 256 } else { 0 },
+            any_row_start: ty == GgmlType::Q6_K,
             k_max,
         })
     };
@@ -404,7 +412,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
             3,
             10240,
         ),
-        GgmlType::Q6_K => tile("matvec_tma_aligned_q6_k", None, 1712, 2, 10240),
+        GgmlType::Q6_K => tile("matvec_tma_groups_q6_k", None, 1712, 2, 10240),
         _ => None,
     }
 }
