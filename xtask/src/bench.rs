@@ -1036,36 +1036,42 @@ impl Bench {
             .download(&model.forward(&mut cache, &prompt, &mut Taps::none())?);
         // Greedy steps as `generate` takes them: the forward queued on the GPU's pick of the
         // token before (argmax_pick), then that pick read back, so that the GPU runs a step
-        // ahead of the host. A decode time: the median of `tokens` steps after 3 of warm-up.
+        // ahead of the host. A decode time: the median of `tokens` steps after 3 of warm-up;
+        // beside it the host's time to queue a step (its launches and allocations): once that
+        // nears the step, the host and not the GPU sets the pace.
         let mut before: Option<<Cuda as Backend>::Pick> = None;
-        let mut step = |cache: &mut Cache<Cuda>| -> Result<f64> {
+        let mut step = |cache: &mut Cache<Cuda>| -> Result<(f64, f64)> {
             let t = Instant::now();
             let logits = match &before {
                 Some(pick) => model.forward_pick(cache, pick)?,
                 None => model.forward(cache, &[1], &mut Taps::none())?,
             };
-            if let Some(pick) = before.replace(model.backend.argmax_pick(&logits)) {
+            let picked = before.replace(model.backend.argmax_pick(&logits));
+            let queued = t.elapsed().as_secs_f64();
+            if let Some(pick) = picked {
                 model.backend.pick_id(&pick);
             }
-            Ok(t.elapsed().as_secs_f64())
+            Ok((t.elapsed().as_secs_f64(), queued))
         };
-        let mut decode_secs = |cache: &mut Cache<Cuda>| -> Result<f64> {
+        let mut decode_secs = |cache: &mut Cache<Cuda>| -> Result<(f64, f64)> {
             for _ in 0..3 {
                 step(cache)?;
             }
-            let times = (0..tokens)
+            let (times, queued): (Vec<f64>, Vec<f64>) = (0..tokens)
                 .map(|_| step(cache))
-                .collect::<Result<Vec<_>>>()?;
-            Ok(median(times))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip();
+            Ok((median(times), median(queued)))
         };
-        let secs = decode_secs(&mut cache)?;
+        let (secs, host) = decode_secs(&mut cache)?;
         // The latent cache rows read per token are few here (a short context): left out.
         let bound = per_token / self.copy_bw;
         self.push(json!({
             "section": "model", "name": format!("decode {name}"), "us": secs * 1e6,
             "tok_s": 1.0 / secs, "bytes": per_token, "gb_s": per_token / secs / 1e9,
             "of_copy": bound / secs, "bound_tok_s": 1.0 / bound, "load_s": load_secs,
-            "layers": cfg.n_layer,
+            "layers": cfg.n_layer, "host_us": host * 1e6,
         }));
         // The same after a long prompt; the bytes add what each token reads from the cache.
         let ctx = args.long_context;
@@ -1073,13 +1079,14 @@ impl Bench {
             let ids = token_ids(ctx, cfg.n_vocab);
             let mut cache = model.new_cache(ctx + tokens + 8);
             drop(model.forward_last(&mut cache, &ids)?);
-            let secs = decode_secs(&mut cache)?;
+            let (secs, host) = decode_secs(&mut cache)?;
             let bytes = per_token + cache_bytes_per_token(&cfg, ctx);
             let bound = bytes / self.copy_bw;
             self.push(json!({
                 "section": "model", "name": format!("decode {name} at {ctx} positions"),
                 "us": secs * 1e6, "tok_s": 1.0 / secs, "bytes": bytes, "gb_s": bytes / secs / 1e9,
                 "of_copy": bound / secs, "bound_tok_s": 1.0 / bound, "context": ctx,
+                "host_us": host * 1e6,
             }));
         }
         for &n in prefill {
