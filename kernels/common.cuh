@@ -76,6 +76,11 @@ __device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
         "r"(parity)
         : "memory");
 }
+// Orders this thread's ordinary stores to shared memory before later bulk copies (the async
+// proxy) into the same bytes.
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 // `bytes` (a multiple of 16) from 16-byte aligned global src to shared dst, counted on b.
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
     asm volatile(

@@ -1284,7 +1284,10 @@ __device__ __forceinline__ void bulk_copy_from_any(u8* dst, const u8* src, u32 l
     const u32 ends = __ballot_sync(0xffffffffu, at_end);
     if (ends) {
         u8* to = (u8*)__shfl_sync(0xffffffffu, (unsigned long long)(dst + bytes), __ffs(ends) - 1);
-        if (2 * lane < (int)(end - end16)) *(u16*)(to + 2 * lane) = ld_nc16(end16 + 2 * lane);
+        if (2 * lane < (int)(end - end16)) {
+            *(u16*)(to + 2 * lane) = ld_nc16(end16 + 2 * lane);
+            fence_proxy_async();  // before a later copy into the slot overwrites them
+        }
     }
     const u32 total = __reduce_add_sync(0xffffffffu, bytes);
     __syncwarp();  // the tail's stores before the arrival that publishes the stage

@@ -854,11 +854,7 @@ fn bulk_copy_kernels_match_f64() {
 /// nb rounded up to whole 16-byte rows of type ty's blocks where its kernels need them (the
 /// bulk copies').
 fn aligned_blocks(ty: GgmlType, nb: usize) -> usize {
-    let tile = tma_tile(ty).unwrap();
-    match tile.any_row_start {
-        true => nb,
-        false => nb.next_multiple_of(tile.block_step()),
-    }
+    nb.next_multiple_of(tma_tile(ty).unwrap().block_step())
 }
 
 /// A launch of matvec_tma_items_<type>: item i = the matrix ids[i] (MOE_SHARED: sw) times its

@@ -363,10 +363,14 @@ pub struct TmaTile {
 }
 
 impl TmaTile {
-    /// The fewest 256-blocks whose bytes are a multiple of 16, a bulk copy's unit: 1, IQ4_XS's
-    /// 136-byte blocks 2, Q6_K's 210-byte ones 8.
+    /// The fewest 256-blocks a row or part of a row must be a multiple of for the bulk copies:
+    /// those whose bytes are a multiple of 16 (1, IQ4_XS's 136-byte blocks 2), or 1 where the
+    /// kernel copies rows that start anywhere (Q6_K's).
     pub fn block_step(&self) -> usize {
-        16 >> self.bytes.trailing_zeros().min(4)
+        match self.any_row_start {
+            true => 1,
+            false => 16 >> self.bytes.trailing_zeros().min(4),
+        }
     }
 }
 
@@ -436,7 +440,7 @@ pub fn tmi_smem_bytes(tile: TmaTile, warps: usize, k: usize) -> usize {
 
 /// The elements of each part of x that a tile type's kernel holds as planes at a time: k, or
 /// beyond the tile's k_max as few equal parts of whole 256-blocks as fit (the last may be
-/// shorter), each a whole number of 16 bytes a row for the bulk copies (block_step).
+/// shorter), each a multiple of the tile type's block_step.
 pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
     let blocks = k / 256;
     let parts = blocks.div_ceil(tile.k_max / 256);
