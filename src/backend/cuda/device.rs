@@ -42,6 +42,9 @@ pub struct Gpu {
     /// v_b) take a tile a stage by bulk copies (matvec_tma_items_q4_k, ops.rs): sm_90 and later
     /// with bulk_copies, unless MLA_ITEMS=0 (to measure without).
     pub item_copies: bool,
+    /// Whether a single matrix in parts may spread its parts over the blocks of the bulk-copy
+    /// kernel (ops.rs, tma_parts); `MLA_SPREAD=0` turns it off, to measure it.
+    pub spread_parts: bool,
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
@@ -54,6 +57,10 @@ pub struct Gpu {
     /// Grow-only counter and per-block pairs of `argmax_row` (ops.rs), the counter zero
     /// between launches.
     pub(super) argmax_work: Mutex<Option<CudaSlice<i32>>>,
+    /// Grow-only per-tile counters of the bulk-copy matvec whose parts are spread over its
+    /// blocks (`tma_parts`, ops.rs), zero between launches: the block that sums a tile's parts
+    /// puts its counter back.
+    pub(super) tile_counts: Mutex<Option<CudaSlice<i32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -122,6 +129,7 @@ impl Gpu {
             dependent_launch,
             bulk_copies,
             item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
+            spread_parts: std::env::var("MLA_SPREAD").map_or(true, |v| v != "0"),
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
             multiprocessors,
@@ -135,6 +143,7 @@ impl Gpu {
             route_done: Mutex::default(),
             combine_done: Mutex::default(),
             argmax_work: Mutex::default(),
+            tile_counts: Mutex::default(),
         })
     }
 
