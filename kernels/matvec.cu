@@ -1323,6 +1323,7 @@ __device__ __forceinline__ void spread_rows_sum(const float* part_rows, int* til
         if (last) tile_counts[done_tile] = 0;
     }
     __threadfence();  // the counts before the other blocks' part rows are read
+    __syncwarp();     // (by other lanes than the one whose count it was)
     for (u32 lasts = __ballot_sync(0xffffffffu, last); lasts; lasts &= lasts - 1) {
         const int r = 16 * __shfl_sync(0xffffffffu, done_tile, __ffs(lasts) - 1) + lane;
         if (lane < 16 && r < rows) {
@@ -1446,12 +1447,13 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
         const u8* bcol = Tile::b_col(tma_sm, stride, zeros, g, t);
-        int grp = next_group(first_group(p), true);
-        if (spread && grp >= groups) continue;  // no unit of part p here
+        if (spread && first_group(p) >= groups) continue;  // no unit of part p here
+        // x's planes before the first group's wait for the router (with ids: see above).
         tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
                                    TMA_BLOCKS);  // by consumers
         consumers_sync();
-        for (; grp < groups; grp = next_group(grp + gridDim.x, true), par ^= 1) {
+        for (int grp = next_group(first_group(p), true); grp < groups;
+             grp = next_group(grp + gridDim.x, true), par ^= 1) {
             const int tile = grp % tiles;
             for (int m = 0; m < mats; m++) {
                 // Where rows g and g + 8's block c lies in a stage; ANY_ROW_START: after the

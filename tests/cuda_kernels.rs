@@ -440,7 +440,8 @@ fn matvec_tensor_core_types_match_dequantized_dot() {
 /// A single matrix whose rows come in parts on the bulk-copy kernels, with its parts spread over
 /// the blocks where `tma_parts` spreads them on this GPU (the last block in sums a tile's
 /// parts) and without (a block takes every part of its tiles): the same bits, and the f64
-/// product. GLM-5's 6144-row shapes plus a tail tile: 385 tiles, 2 parts.
+/// product. GLM-5's attn_output (6144 x 16384) and its dense down with a tail tile (6150 x
+/// 12288): on a wave of 264 blocks (132 SMs: H100 SXM, H200) both spread in 2 parts.
 #[test]
 fn matvec_parts_spread_over_the_blocks_give_the_same_bits() {
     let Some(mut g) = gpu() else { return };
@@ -456,6 +457,10 @@ fn matvec_parts_spread_over_the_blocks_give_the_same_bits() {
             let slots = g.wave_blocks(tile.kernel, 288, smem).unwrap();
             let (kpart, spread) = tma_parts(tile, k, rows.div_ceil(16), slots);
             println!("{t} {rows}x{k} on {slots} blocks: parts of {kpart}, spread {spread}");
+            assert!(
+                spread || slots != 264,
+                "a wave of 264 blocks spreads these shapes"
+            );
             let w = random_rows(&mut rng, t, rows, k);
             let x = hard_x(&mut rng, k);
             let (dw, dx) = (g.upload(&w).unwrap(), g.upload(&x).unwrap());

@@ -61,6 +61,9 @@ pub struct Gpu {
     /// blocks (`tma_parts`, ops.rs), zero between launches: the block that sums a tile's parts
     /// puts its counter back.
     pub(super) tile_counts: Mutex<Option<CudaSlice<i32>>>,
+    /// Grow-only scratch of the same launches: each part's rows (every access follows the
+    /// kernel's wait for the launch before, so one buffer serves them all).
+    pub(super) part_rows: Mutex<Option<CudaSlice<f32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -144,6 +147,7 @@ impl Gpu {
             combine_done: Mutex::default(),
             argmax_work: Mutex::default(),
             tile_counts: Mutex::default(),
+            part_rows: Mutex::default(),
         })
     }
 

@@ -604,21 +604,32 @@ impl Gpu {
                         false => (tma_part_k(tile, a.k), false),
                     };
                 let smem = tma_smem_bytes(tile, kpart);
-                // Spread: each part's rows [parts, rows], summed into y by the kernel (freed
-                // in stream order after it), and a count per tile.
+                // Spread: each part's rows [parts, rows] (the grow-only scratch, every row of
+                // it written in the launch before it is read), summed into y by the kernel, and
+                // a count per tile.
+                let mut scratch = self.part_rows.lock().unwrap();
                 let (units, part_rows, counts) = match spread {
                     true => {
-                        let parts = a.k.div_ceil(kpart);
+                        let n = a.k.div_ceil(kpart) * a.rows;
+                        if scratch.as_ref().is_none_or(|b| b.len() < n) {
+                            *scratch = None;
+                            *scratch = Some(self.empty(n)?);
+                        }
                         let counts = self.zeroed_counters(&self.tile_counts, tiles)?;
-                        (parts * tiles, Some(self.empty(parts * a.rows)?), counts)
+                        let ptr = self.ptr(scratch.as_ref().unwrap(), 0);
+                        (a.k.div_ceil(kpart) * tiles, ptr, counts)
                     }
-                    false => (groups, None, 0),
+                    false => (groups, 0, 0),
                 };
-                let part_rows_ptr = part_rows.as_ref().map_or(0, |b| self.ptr(b, 0));
-                launch!(self, kernel, (units.min(slots) as u32, 1, 1), 288, smem as u32;
+                let grid = units.min(slots);
+                assert!(
+                    !spread || units.div_ceil(grid) <= 32,
+                    "spread_rows_sum's lanes: a unit each"
+                );
+                launch!(self, kernel, (grid as u32, 1, 1), 288, smem as u32;
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                     a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
-                    a.x, a.y, a.y_stride as i64, a.glu as i32, part_rows_ptr, counts);
+                    a.x, a.y, a.y_stride as i64, a.glu as i32, part_rows, counts);
                 return Ok(());
             }
             if self.uses_item_copies(a) {
