@@ -439,8 +439,8 @@ fn matvec_tensor_core_types_match_dequantized_dot() {
 
 /// A single matrix whose rows come in parts on the bulk-copy kernels, with its parts spread over
 /// the blocks where `tma_parts` spreads them on this GPU (the last block in sums a tile's
-/// parts) and without (a block takes every part of its tiles): the same bits, and the f64
-/// product. GLM-5's attn_output (6144 x 16384) and its dense down with a tail tile (6150 x
+/// parts) and without (a block takes every part of its tiles): the same bits where both take
+/// the same parts, and the f64 product. GLM-5's attn_output (6144 x 16384) and its dense down with a tail tile (6150 x
 /// 12288): on a wave of 264 blocks (132 SMs: H100 SXM, H200) both spread in 2 parts.
 #[test]
 fn matvec_parts_spread_over_the_blocks_give_the_same_bits() {
@@ -473,19 +473,25 @@ fn matvec_parts_spread_over_the_blocks_give_the_same_bits() {
             };
             let (spread_y, whole_y) = (run(&mut g, true), run(&mut g, false));
             g.spread_parts = true;
-            let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&spread_y),
-                bits(&whole_y),
-                "{t} {rows}x{k}: spread and not"
-            );
+            // The same parts give the same sums in the same order; more parts than the fewest
+            // (where they even the wave better) sum k in other pieces.
+            if kpart == tma_part_k(tile, k) {
+                let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&spread_y),
+                    bits(&whole_y),
+                    "{t} {rows}x{k}: spread and not"
+                );
+            }
             let want = expert_matvec_want(&dequant_rows(t, &w, rows, k), (rows, k), &x, 1, &[0]);
-            assert_close(
-                &format!("matvec {t} {rows}x{k} in parts"),
-                &spread_y,
-                &want,
-                F32_OP,
-            );
+            for (what, y) in [("spread", &spread_y), ("whole", &whole_y)] {
+                assert_close(
+                    &format!("matvec {t} {rows}x{k} in parts, {what}"),
+                    y,
+                    &want,
+                    F32_OP,
+                );
+            }
         }
     }
 }

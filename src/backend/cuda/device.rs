@@ -45,6 +45,9 @@ pub struct Gpu {
     /// Whether a single matrix in parts may spread its parts over the blocks of the bulk-copy
     /// kernel (ops.rs, tma_parts); `MLA_SPREAD=0` turns it off, to measure it.
     pub spread_parts: bool,
+    /// Whether prefill attention of 16 rows or more runs on the tensor cores (ops.rs,
+    /// attention_prefill_mma); `MLA_ATT_MMA=0` keeps it on the f32 kernel, to measure it.
+    pub attention_mma: bool,
     /// Grow-only scratch of `mla_decode` (its split partials), kept between calls so that
     /// decode does not allocate per layer (ops.rs).
     pub(super) mla_work: Mutex<Option<CudaSlice<f32>>>,
@@ -133,6 +136,7 @@ impl Gpu {
             bulk_copies,
             item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
             spread_parts: std::env::var("MLA_SPREAD").map_or(true, |v| v != "0"),
+            attention_mma: std::env::var("MLA_ATT_MMA").map_or(true, |v| v != "0"),
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
             multiprocessors,

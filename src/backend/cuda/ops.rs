@@ -1484,8 +1484,8 @@ impl Gpu {
     /// of q, the keys and v (attention_bf16, head-major, into scratch): attention_prefill then.
     pub fn attention_prefill_mma(&self, a: &AttentionPrefill) -> Result<bool, CudaError> {
         let dqk = a.dka + a.dkb;
-        let Some(&(kernel, dq, dvp, bk)) = ATT_MMA_FORMS.iter().find(|f| dqk <= f.1 && a.dv <= f.2)
-        else {
+        let form = ATT_MMA_FORMS.iter().find(|f| dqk <= f.1 && a.dv <= f.2);
+        let Some(&(kernel, dq, dvp, bk)) = form.filter(|_| self.attention_mma) else {
             return Ok(false);
         };
         let keys = a.pos0 + a.tokens;
