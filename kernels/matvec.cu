@@ -1272,6 +1272,12 @@ struct TcQ6kTile {
 // follow x's planes and Tile::ZEROS bytes of zeros.
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
+// The bytes a segment of len bytes from address src (its low 32 bits enough) takes as
+// bulk_copy_from_any copies it: from the 16-byte boundary below src, rounded up to 16.
+__device__ __forceinline__ u32 segment_bytes(u32 src, u32 len) {
+    return ((src & 15) + len + 15) & ~15u;
+}
+
 // A warp's copies of one stage of rows that start anywhere (even) modulo 16 (Q6_K's): lane's
 // len bytes at src (copies: false for none) into its stage row dst (16-byte aligned), copied
 // from the 16-byte boundary below src and rounded up to 16 bytes, counted on bar (lane 0
@@ -1283,7 +1289,7 @@ __device__ __forceinline__ void bulk_copy_from_any(u8* dst, const u8* src, u32 l
     const int lane = threadIdx.x & 31;
     const u8* from = (const u8*)((unsigned long long)src & ~15ull);
     const u8* end16 = (const u8*)((unsigned long long)end & ~15ull);
-    u32 bytes = copies ? ((u32)((unsigned long long)src & 15) + len + 15) & ~15u : 0u;
+    u32 bytes = copies ? segment_bytes((u32)(unsigned long long)src, len) : 0u;
     const bool at_end = copies && from + bytes > end;
     if (at_end) bytes = (u32)(end16 - from);
     const u32 ends = __ballot_sync(0xffffffffu, at_end);
@@ -1890,12 +1896,6 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 #define TMA6_ROW 1744
 #define TMA6_STAGE (16 * TMA6_ROW)
 
-// The bytes of a row's segment of cnt blocks from address src (its low 32 bits enough) as
-// copied: from the 16-byte boundary below src, rounded up to 16.
-__device__ __forceinline__ u32 q6_segment_bytes(u32 src, int cnt) {
-    return ((src & 15) + 210 * cnt + 15) & ~15u;
-}
-
 // y = w x for one Q6_K matrix of `rows` rows of k (a multiple of 256, at least 2048) values,
 // row_bytes apart; w and x 16-byte aligned. Block 288 threads (8 consumer warps, 1 producer),
 // dynamic shared memory tma6_smem_bytes(k) (ops.rs): x's planes, scales and sums as
@@ -1933,7 +1933,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
             if (n >= TMA6_STAGES) mbar_wait(&empty[slot], (n / TMA6_STAGES - 1) & 1);
             const bool copies = cnt > 0 && i < mine && first_row(i) + r < rows;
             u8* dst = stages + slot * TMA6_STAGE + r * TMA6_ROW +
-                      (seg ? q6_segment_bytes((u32)(unsigned long long)row_at(i0, r, a), cnt0) : 0);
+                      (seg ? segment_bytes((u32)(unsigned long long)row_at(i0, r, a), 210 * cnt0) : 0);
             bulk_copy_from_any(dst, row_at(copies ? i : 0, r, seg ? 0 : a), 210 * cnt, copies, end,
                                &full[slot]);
             a += TMA_BLOCKS;
@@ -1964,8 +1964,8 @@ extern "C" __global__ void __launch_bounds__(288, 2)
             const u32 first_lo = row_lo + 210 * a, next = row_lo + tile_step;
             u32 at_lo = ((first_lo & 15) + 210 * c), at_hi = ((first_lo + row8) & 15) + 210 * c;
             if (second) {
-                at_lo = q6_segment_bytes(first_lo, cnt0) + (next & 15) + 210 * blk;
-                at_hi = q6_segment_bytes(first_lo + row8, cnt0) + ((next + row8) & 15) + 210 * blk;
+                at_lo = segment_bytes(first_lo, 210 * cnt0) + (next & 15) + 210 * blk;
+                at_hi = segment_bytes(first_lo + row8, 210 * cnt0) + ((next + row8) & 15) + 210 * blk;
             }
             const u8* st = stages + slot * TMA6_STAGE + g * TMA6_ROW;
             lo.load(st + at_lo, t);

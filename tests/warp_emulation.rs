@@ -143,6 +143,7 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "__device__ __forceinline__ void q6_dot("),
     Def("matvec.cu", "struct TcQ6kTile {"),
     Line("matvec.cu", "#define TMA_BLOCKS "),
+    Def("matvec.cu", "__device__ __forceinline__ u32 segment_bytes("),
     Def(
         "matvec.cu",
         "__device__ __forceinline__ void bulk_copy_from_any(",
@@ -171,10 +172,6 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "#define TMA6_STAGES "),
     Line("matvec.cu", "#define TMA6_ROW "),
     Line("matvec.cu", "#define TMA6_STAGE "),
-    Def(
-        "matvec.cu",
-        "__device__ __forceinline__ u32 q6_segment_bytes(",
-    ),
     Kernel("matvec.cu", "matvec_tma_q6_k"),
     Line("mla_decode.cu", "#define MLA_HB "),
     Line("mla_decode.cu", "#define MLA_BK "),

@@ -604,20 +604,15 @@ impl Gpu {
                         false => (tma_part_k(tile, a.k), false),
                     };
                 let smem = tma_smem_bytes(tile, kpart);
-                // Spread: each part's rows [parts, rows] (the grow-only scratch, every row of
-                // it written in the launch before it is read), summed into y by the kernel, and
-                // a count per tile.
-                let mut scratch = self.part_rows.lock().unwrap();
+                // Spread: each part's rows [parts, rows] (grow-only scratch, every row of it
+                // written in the launch before it is read), summed into y by the kernel, and a
+                // count per tile.
                 let (units, part_rows, counts) = match spread {
                     true => {
-                        let n = a.k.div_ceil(kpart) * a.rows;
-                        if scratch.as_ref().is_none_or(|b| b.len() < n) {
-                            *scratch = None;
-                            *scratch = Some(self.empty(n)?);
-                        }
+                        let parts = a.k.div_ceil(kpart);
+                        let rows = self.grown_scratch(&self.part_rows, parts * a.rows)?;
                         let counts = self.zeroed_counters(&self.tile_counts, tiles)?;
-                        let ptr = self.ptr(scratch.as_ref().unwrap(), 0);
-                        (a.k.div_ceil(kpart) * tiles, ptr, counts)
+                        (parts * tiles, rows, counts)
                     }
                     false => (groups, 0, 0),
                 };
