@@ -602,8 +602,8 @@ FOR_EACH_QTYPE(DEFINE_MATMUL_SMALL)
 // Q4_K dequantizes in bf16 (fma.rn.bf16x2), ~2 instructions per weight pair fewer than in f32:
 // its nibble becomes bf16 128 + q by a magic-number OR (0x4300 | q), then (128 + q) - 128 = q
 // exactly and q (d sc) + (-dmin mn), the scale and min rounded to bf16 like the operands
-// (against the exact dequantization ~1e-6 to 1e-5 NMSE). Q8_0 too, in bf16 with d as a hi +
-// lo pair, so that d q is rounded once, as in f32 (but for 2^-18 of it).
+// (against the exact dequantization ~1e-6 to 1e-5 NMSE). Q8_0 dequantizes in f32 (d q exact,
+// rounded once to bf16).
 
 #define Q4K_T 0
 #define Q80_T 1
@@ -877,22 +877,18 @@ __device__ __forceinline__ void matmul_cp_body(const u8* w, i64 row_bytes, const
                         wv = *(const u32*)(rowp + 36 + 8 * c4 + 4 * (kk - 2));
                         d = f16_to_f32(*(const u16*)(rowp + 34));
                     }
-                    // d as bf16 hi + lo: f16's 11 significant bits, 8 in hi and the rest in
-                    // lo, both exact. q = (q & 127) - 128 (bit 7) is exact in bf16: 128 +
-                    // (q & 127) and -128 - 128 (bit 7) by magic ORs, summed by one fma. Then
-                    // q d = q hi + (q lo), one rounding but for q lo's (2^-18 of q d):
-                    // rounding d itself to bf16 (90cdcf3) had GLM-5's Q8_0 golden file drift
-                    // past the bf16 path's tolerance on an H100 (twenty-ninth look).
-                    const u32 dh = pack_bf16x2(d, d);
-                    const float dlo = d - __uint_as_float(dh << 16);
-                    const u32 dl = pack_bf16x2(dlo, dlo);
-                    const u32 ONE = 0x3F803F80u, NEG0 = 0x80008000u, wb = wv >> 8;
-                    const u32 q0 = bf2_fma(lop_or_and(wv, 0x007F007Fu, 0x43004300u), ONE,
-                                           lop_or_and(wv, 0x00800080u, 0xC300C300u));
-                    const u32 q1 = bf2_fma(lop_or_and(wb, 0x007F007Fu, 0x43004300u), ONE,
-                                           lop_or_and(wb, 0x00800080u, 0xC300C300u));
-                    b0 = bf2_fma(q0, dh, bf2_fma(q0, dl, NEG0));
-                    b1 = bf2_fma(q1, dh, bf2_fma(q1, dl, NEG0));
+                    // int8 -> float: bias to unsigned, 2^23 + 128 + q, minus 2^23 + 128; d q
+                    // is exact in f32 and rounded once to bf16. (Dequantized in bf16 with d
+                    // rounded to bf16 too, 90cdcf3, GLM-5's Q8_0 golden file drifted past the
+                    // bf16 path's tolerance on an H100: twenty-ninth look.)
+                    u32 xv = wv ^ 0x80808080u;
+                    float q[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        q[e] = __uint_as_float(__byte_perm(xv, 0x4B000000u, 0x7440 | e)) -
+                               8388736.0f;
+                    b0 = pack_bf16x2(d * q[0], d * q[2]);
+                    b1 = pack_bf16x2(d * q[1], d * q[3]);
                 }
                 u32 bb[2] = {b0, b1};
 #pragma unroll

@@ -1270,8 +1270,8 @@ fn bf16(v: f32) -> f64 {
 }
 
 /// The weights as the cp.async kernels multiply them, rows of k values in f64: Q4_K rounds
-/// d sc and -dmin mn to bf16 and q d sc - dmin mn once more (fma.rn.bf16x2); Q8_0 splits d
-/// into bf16 hi + lo and rounds q lo, then q hi + q lo.
+/// d sc and -dmin mn to bf16 and q d sc - dmin mn once more (fma.rn.bf16x2); Q8_0 rounds d q
+/// (exact in f32) once.
 fn bf16_operands(ty: GgmlType, w: &[u8]) -> Vec<f64> {
     let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
     let mut out = Vec::new();
@@ -1290,13 +1290,8 @@ fn bf16_operands(ty: GgmlType, w: &[u8]) -> Vec<f64> {
                 }
             }
         } else {
-            // d q = q dh + bf16(q dl), rounded to bf16 once more, dh + dl = d.
-            let d = f16(&b[0..]) as f64;
-            let dh = half::bf16::from_f64(d).to_f64();
-            out.extend(b[2..34].iter().map(|&q| {
-                let q = q as i8 as f64;
-                half::bf16::from_f64(q * dh + half::bf16::from_f64(q * (d - dh)).to_f64()).to_f64()
-            }));
+            let d = f16(&b[0..]);
+            out.extend(b[2..34].iter().map(|&q| bf16(d * q as i8 as f32)));
         }
     }
     out
