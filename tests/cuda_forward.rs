@@ -21,22 +21,31 @@
 //!   the later tokens of the later layers): those rows are left out of the later stages, and
 //!   the test prints how many rows it compared. (A count limit of 2% came
 //!   first: it failed on ds3.f32 p1 L2 with 2 of 52 choices flipped, each a near tie.)
+//!   DSA's top-k likewise (`check_dsa`): a token whose kept positions differ must be a near
+//!   tie of the indexer's scores, the GPU's scored from its own queries and keys, and past it
+//!   that token's attention and all later rows are left out. (glm5.q8_0 p1 L2 token 22: the
+//!   reference's 8th and 9th scores 1.0724 and 1.0644, 1.2e-3 of the largest apart.)
 //!
 //! Variants are every `golden/refs/{variant}.p{k}.safetensors`. Without a GPU every test
 //! prints `SKIPPED: no CUDA device` and passes.
 
 mod common;
 
-use common::{golden_dir, load_ref, manifest_noise, model_path, ref_tokens};
+use common::{golden_dir, load, load_ref, manifest_noise, model_path, ref_tokens};
+use std::collections::HashMap;
 use std::path::Path;
 
+use mla_engine::backend::cpu::{dsa_scores, Cpu, Mat};
 use mla_engine::backend::cuda::backend::MATMUL_MIN_ROWS;
 use mla_engine::backend::cuda::{Cuda, CudaError};
 use mla_engine::backend::Backend;
 use mla_engine::config::{Gating, MoeConfig};
-use mla_engine::model::{Model, Taps};
-use mla_engine::trace::{compare, relative_error, Comparison, Stage, StageData, Trace};
-use mla_engine::weights::Ffn;
+use mla_engine::model::mla::LATENT_NORM_EPS;
+use mla_engine::model::{dsa, Model, Taps};
+use mla_engine::trace::{
+    compare, relative_error, Comparison, Stage, StageData, Trace, LAYER_STAGES,
+};
+use mla_engine::weights::{Ffn, QueryProj};
 
 const BF16_PATH_TOL: f64 = 3e-2;
 
@@ -115,6 +124,7 @@ fn check_routing(
     il: usize,
     m: &MoeConfig,
     bias: Option<&[f32]>,
+    rows: usize,
 ) -> Result<(Vec<usize>, f64), String> {
     let f = |t: &Trace, name: &str| -> Vec<f32> {
         t.get(&format!("L{il}.{name}"))
@@ -133,7 +143,7 @@ fn check_routing(
     let (x, k) = (m.n_expert, m.n_used);
     let per_group = x / m.n_group;
     let (mut flipped, mut agree_ours, mut agree_ref) = (Vec::new(), Vec::new(), Vec::new());
-    for t in 0..ref_ids.len() / k {
+    for t in 0..rows.min(ref_ids.len() / k) {
         let (o, r) = (&our_ids[t * k..(t + 1) * k], &ref_ids[t * k..(t + 1) * k]);
         let (mut os, mut rs) = (o.to_vec(), r.to_vec());
         os.sort();
@@ -197,21 +207,136 @@ fn check_routing(
     Ok((flipped, relative_error(&agree_ours, &agree_ref)))
 }
 
-/// After a near tie flipped token t's experts in layer l, the GPU took the other branch there:
-/// that token's moe_out and h_out in layer l, and every token from t on in the later layers
-/// (attention mixes them in), no longer compute the reference's function. The rows of stage
-/// `name` such flips leave out.
-fn rows_past_flips(name: &str, flips: &[(usize, usize)]) -> Option<usize> {
-    let layer = match name.strip_prefix('L') {
-        Some(rest) => rest[..rest.find('.')?].parse().ok()?,
-        None if name == "embed" => return None,
-        None => usize::MAX, // final_norm, logits
+/// Layer `il`'s DSA top-k on the bf16 path, where it differs from the reference's: each
+/// differing token must be a near tie, as a routing flip must (`check_routing`): every
+/// position the GPU kept instead scores, by the reference, within twice that token's score
+/// error of the reference's weakest kept one. Scores are the indexer's, computed on the CPU
+/// from each side's own queries, keys and head weights of its own attn_norm rows (the GPU's
+/// from the GPU's products, as its forward made them; the GPU scores them in f32 too).
+/// Tokens from `rows` on are past an earlier flip and left out. Returns the differing tokens.
+fn check_dsa(
+    gpu: &Model<Cuda>,
+    cpu: &Model<Cpu>,
+    ours: &Trace,
+    reference: &Trace,
+    il: usize,
+    rows: usize,
+) -> Result<Vec<usize>, String> {
+    let k = gpu.cfg.indexer.as_ref().expect("a DSA model").top_k;
+    let stage = |t: &Trace, name: &str| t.get(&format!("L{il}.{name}")).unwrap().clone();
+    let ids = |t: &Trace| stage(t, "dsa_topk").i32().unwrap().to_vec();
+    let x = |t: &Trace| stage(t, "attn_norm").f32().unwrap().to_vec();
+    let (our_ids, ref_ids) = (ids(ours), ids(reference));
+    let flipped: Vec<usize> = (0..rows.min(ref_ids.len() / k))
+        .filter(|&t| our_ids[t * k..(t + 1) * k] != ref_ids[t * k..(t + 1) * k])
+        .collect();
+    if flipped.is_empty() {
+        return Ok(flipped);
+    }
+    let ref_s = indexer_scores(cpu, il, &x(reference));
+    let our_s = indexer_scores(gpu, il, &x(ours));
+    for &t in &flipped {
+        let (o, r) = (&our_ids[t * k..(t + 1) * k], &ref_ids[t * k..(t + 1) * k]);
+        let err = ref_s[t]
+            .iter()
+            .zip(&our_s[t])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        let score = |p: i32| ref_s[t][p as usize];
+        let weakest = r
+            .iter()
+            .filter(|&&p| p >= 0)
+            .map(|&p| score(p))
+            .fold(f64::INFINITY, f64::min);
+        for &p in o.iter().filter(|&&p| p >= 0 && !r.contains(&p)) {
+            let gap = weakest - score(p);
+            println!(
+                "L{il} token {t}: kept position {p}, {gap:.2e} below the reference's weakest \
+                 kept score {weakest:.4e} (score error {err:.2e})"
+            );
+            if gap > 2.0 * err {
+                return Err(format!(
+                    "token {t}: kept position {p}, {gap:.2e} below the reference's weakest \
+                     kept score, beyond twice the score error ({err:.2e})"
+                ));
+            }
+        }
+    }
+    Ok(flipped)
+}
+
+/// The indexer's scores of layer `il` for the prompt whose attn_norm rows are `x` (from
+/// position 0), as `model`'s forward computes its inputs, scored on the CPU: [token][position].
+fn indexer_scores<B: Backend>(model: &Model<B>, il: usize, x: &[f32]) -> Vec<Vec<f64>> {
+    let b = &model.backend;
+    let ix = model.cfg.indexer.as_ref().expect("a DSA model");
+    let layer = &model.weights.layers[il];
+    let w = layer
+        .indexer
+        .as_ref()
+        .expect("a layer with its own indexer");
+    let QueryProj::Lora { a, norm, .. } = &layer.attn.q else {
+        panic!("DSA needs q-LoRA")
     };
-    let after_moe = name.ends_with(".moe_out") || name.ends_with(".h_out");
+    let n = x.len() / model.cfg.n_embd;
+    let x = b.upload(x, n, model.cfg.n_embd);
+    let q_a = b.rms_norm(&b.linear(&x, a), norm, LATENT_NORM_EPS);
+    let mut keys = b.zeros(n, ix.head_dim);
+    dsa::append_keys(model, w, &mut keys, 0, &b.linear(&x, &w.k));
+    let (q, head_weights) = dsa::queries(model, w, ix, &x, &q_a, 0);
+    let host = |t: &B::Tensor| {
+        let (rows, cols) = b.shape(t);
+        Mat {
+            rows,
+            cols,
+            data: b.download(t),
+        }
+    };
+    dsa_scores(
+        &host(&q),
+        &host(&keys),
+        &host(&head_weights),
+        0,
+        dsa::score_scale(ix),
+    )
+}
+
+/// What a near tie flipped at (layer, token): after it the GPU computes another branch than
+/// the reference there.
+#[derive(Clone, Copy)]
+enum Flip {
+    /// The token's experts: its moe_out and h_out in that layer differ.
+    Experts,
+    /// The token's DSA keys: its attention and all after it in that layer differ.
+    Keys,
+}
+
+/// After a near tie flipped token t in layer l, that token's later stages in layer l, and
+/// every token from t on in the later layers (attention mixes them in), no longer compute the
+/// reference's function. The rows of stage `name` such flips leave out.
+fn rows_past_flips(name: &str, flips: &[(usize, usize, Flip)]) -> Option<usize> {
+    let (layer, stage) = match name.strip_prefix('L') {
+        Some(rest) => {
+            let (layer, stage) = rest.split_once('.')?;
+            (layer.parse().ok()?, stage)
+        }
+        None if name == "embed" => return None,
+        None => (usize::MAX, name), // final_norm, logits
+    };
+    let rank = |s: &str| LAYER_STAGES.iter().position(|x| *x == s);
+    let after_keys = rank(stage) > rank("dsa_topk");
+    let after_moe = stage == "moe_out" || stage == "h_out";
     flips
         .iter()
-        .filter(|&&(l, _)| layer > l || (layer == l && after_moe))
-        .map(|&(_, t)| t)
+        .filter(|&&(l, _, flip)| {
+            layer > l
+                || (layer == l
+                    && match flip {
+                        Flip::Experts => after_moe,
+                        Flip::Keys => after_keys,
+                    })
+        })
+        .map(|&(_, t, _)| t)
         .min()
 }
 
@@ -240,6 +365,7 @@ fn every_stage_matches_the_reference_on_the_gpu() {
     let Some(first) = cuda() else { return };
     let mut backend = Some(first);
     let mut failures = Vec::new();
+    let mut cpu_models: HashMap<String, Model<Cpu>> = HashMap::new(); // for check_dsa
     for (variant, prompt) in cases() {
         let b = backend.take().unwrap_or_else(|| Cuda::new(0).unwrap());
         let model = open(&model_path(&variant), b);
@@ -256,7 +382,7 @@ fn every_stage_matches_the_reference_on_the_gpu() {
             .forward(&mut cache, &tokens, &mut Taps::new(Some(&mut ours)))
             .expect("forward");
         let mut compared = 0;
-        let mut flips: Vec<(usize, usize)> = Vec::new(); // (layer, token) of near-tie flips
+        let mut flips: Vec<(usize, usize, Flip)> = Vec::new(); // (layer, token) of near ties
         for (name, mut cmp) in compare(&ours, &reference) {
             compared += 1;
             let tol = if bf16_path {
@@ -264,28 +390,50 @@ fn every_stage_matches_the_reference_on_the_gpu() {
             } else {
                 (4.0 * manifest_noise(&variant, prompt, &name).unwrap_or(0.0)).max(1e-4)
             };
+            let layer = || -> usize { name[1..name.find('.').unwrap()].parse().unwrap() };
             let routing = name.ends_with(".topk_ids") || name.ends_with(".topk_weights");
             if bf16_path && routing {
                 if name.ends_with(".topk_weights") {
                     continue; // with the ids, below
                 }
-                let il: usize = name[1..name.find('.').unwrap()].parse().unwrap();
+                let il = layer();
                 let m = model.cfg.moe.as_ref().expect("routing in a MoE model");
                 let Ffn::Moe(moe) = &model.weights.layers[il].ffn else {
                     panic!("{name} on a dense layer")
                 };
                 let bias = moe.selection_bias.as_deref();
-                match check_routing(&ours, &reference, il, m, bias) {
+                let rows = rows_past_flips(&name, &flips).unwrap_or(usize::MAX);
+                match check_routing(&ours, &reference, il, m, bias, rows) {
                     Ok((flipped, e)) => {
                         println!(
                             "{variant} p{prompt} L{il} routing: {cmp:?}, near-tie tokens \
                              {flipped:?}; topk_weights elsewhere {e:.2e} (tolerance {tol:.1e})"
                         );
-                        flips.extend(flipped.into_iter().map(|t| (il, t)));
+                        flips.extend(flipped.into_iter().map(|t| (il, t, Flip::Experts)));
                         if e.is_nan() || e > tol {
                             failures
                                 .push(format!("{variant} p{prompt} L{il}.topk_weights {e:.2e}"));
                         }
+                    }
+                    Err(why) => failures.push(format!("{variant} p{prompt} {name}: {why}")),
+                }
+                continue;
+            }
+            if bf16_path
+                && name.ends_with(".dsa_topk")
+                && model.weights.layers[layer()].indexer.is_some()
+            {
+                let il = layer();
+                let rows = rows_past_flips(&name, &flips).unwrap_or(usize::MAX);
+                let cpu = cpu_models
+                    .entry(variant.clone())
+                    .or_insert_with(|| load(&variant));
+                match check_dsa(&model, cpu, &ours, &reference, il, rows) {
+                    Ok(flipped) => {
+                        println!(
+                            "{variant} p{prompt} {name}: {cmp:?}, near-tie tokens {flipped:?}"
+                        );
+                        flips.extend(flipped.into_iter().map(|t| (il, t, Flip::Keys)));
                     }
                     Err(why) => failures.push(format!("{variant} p{prompt} {name}: {why}")),
                 }

@@ -67,14 +67,46 @@ pub fn select<B: Backend>(
     pos0: usize,
 ) -> Selection<B::Ids> {
     let b = &m.backend;
-    let norm = (&w.k_norm, &w.k_norm_bias);
-    b.index_key_append(keys, pos0, &x_k, norm, K_NORM_EPS, &m.rope); // [n, d] normed, roped
+    append_keys(m, w, keys, pos0, &x_k);
     if pos0 + b.shape(x).0 <= ix.top_k {
         return Selection::AllCausal;
     }
+    let (q, head_weights) = queries(m, w, ix, x, q_a, pos0);
+    Selection::TopK(b.dsa_topk(&q, keys, &head_weights, pos0, score_scale(ix), ix.top_k))
+}
+
+/// Appends the keys of positions `pos0..pos0 + n` (`x_k` = indexer.attn_k x, [n, d]) to
+/// `keys`, normed and roped.
+pub fn append_keys<B: Backend>(
+    m: &Model<B>,
+    w: &Indexer<B::Weight>,
+    keys: &mut B::Tensor,
+    pos0: usize,
+    x_k: &B::Tensor,
+) {
+    let norm = (&w.k_norm, &w.k_norm_bias);
+    m.backend
+        .index_key_append(keys, pos0, x_k, norm, K_NORM_EPS, &m.rope); // [n, d] normed, roped
+}
+
+/// The indexer's queries [n, nh*d], roped, and head weights [n, nh] of positions
+/// `pos0..pos0 + n` (x: attn_norm's output, q_a: q-LoRA's normed latent).
+pub fn queries<B: Backend>(
+    m: &Model<B>,
+    w: &Indexer<B::Weight>,
+    ix: &IndexerConfig,
+    x: &B::Tensor,
+    q_a: &B::Tensor,
+    pos0: usize,
+) -> (B::Tensor, B::Tensor) {
+    let b = &m.backend;
     let mut q = b.linear(q_a, &w.q_b); // [n, nh*d]
     b.rope(&mut q, ix.n_head, 0, pos0, &m.rope);
     let head_weights = b.linear(x, &w.proj); // [n, nh]
-    let scale = 1.0 / (ix.head_dim as f32).sqrt();
-    Selection::TopK(b.dsa_topk(&q, keys, &head_weights, pos0, scale, ix.top_k))
+    (q, head_weights)
+}
+
+/// The factor of q . k in a score: 1 / sqrt(d).
+pub fn score_scale(ix: &IndexerConfig) -> f32 {
+    1.0 / (ix.head_dim as f32).sqrt()
 }

@@ -15,7 +15,7 @@ use crate::weights::QueryProj;
 
 /// RMSNorm epsilon of q_a_norm and kv_a_norm: the reference models build these two norms
 /// with their default 1e-6, whatever the model's rms_norm_eps (which the GGUF stores alone).
-const LATENT_NORM_EPS: f32 = 1e-6;
+pub const LATENT_NORM_EPS: f32 = 1e-6;
 
 /// Attention of layer `il` for `x` (attn_norm output, [n, E]) at positions `pos0..pos0+n`;
 /// appends the latents to the cache and returns attn_output [n, E].
