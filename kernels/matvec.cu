@@ -1249,11 +1249,6 @@ struct TcQ6kTile {
 // before (so the rows need no combine between blocks, and the copies run on into the next part
 // while x is prepared). glu needs one part. Dynamic shared memory tma_smem_bytes(kpart)
 // (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
-// A single matrix in parts may instead have its units (a part of a tile) spread over the blocks
-// (part_rows [parts, rows] and tile_counts [tiles], zero, given; ops.rs tma_parts), where its
-// tiles leave the wave uneven: block b takes units b, b + gridDim.x, ... in part order, writes
-// each unit's rows to part_rows, and at its end counts its units' tiles in; the block that
-// completes a tile sums its parts in part order into y (spread_rows_sum: the same bits).
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
 // before the router, so it is complete when this kernel starts (the router waited for it
@@ -1313,40 +1308,12 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
 }
 
-// The end of a block of a spread matvec_tma_body (warp 0): its units' tiles counted in, and
-// for each tile whose parts are now all in, the rows' parts summed in part order into y, as
-// the unspread kernel adds them. Lane i < done holds the tile of the block's unit i; each
-// tile's count goes back to zero for the next launch.
-__device__ __forceinline__ void spread_rows_sum(const float* part_rows, int* tile_counts,
-                                                int parts, int rows, int done, int done_tile,
-                                                float* y) {
-    const int lane = threadIdx.x & 31;
-    __threadfence();  // this lane's part rows before any count (each lane its own)
-    __syncwarp();
-    bool last = false;
-    if (lane < done) {
-        last = atomicAdd(tile_counts + done_tile, 1) == parts - 1;
-        if (last) tile_counts[done_tile] = 0;
-    }
-    __threadfence();  // the counts before the other blocks' part rows are read
-    __syncwarp();     // (by other lanes than the one whose count it was)
-    for (u32 lasts = __ballot_sync(0xffffffffu, last); lasts; lasts &= lasts - 1) {
-        const int r = 16 * __shfl_sync(0xffffffffu, done_tile, __ffs(lasts) - 1) + lane;
-        if (lane < 16 && r < rows) {
-            float sum = __ldcg(part_rows + r);
-            for (int p = 1; p < parts; p++) sum += __ldcg(part_rows + (i64)p * rows + r);
-            y[r] = sum;
-        }
-    }
-}
-
 template <class Tile>
 __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const u8* sw,
                                                 const u8* sw2, i64 mat_stride, const int* ids,
                                                 int items, int rows, int k, int kpart,
                                                 i64 row_bytes, const float* x, float* y,
-                                                i64 y_stride, int glu, float* part_rows,
-                                                int* tile_counts) {
+                                                i64 y_stride, int glu) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
     static_assert(TMA_BLOCKS * BYTES % 16 == 0,
@@ -1371,15 +1338,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     // Part p's 256-blocks and stages (it starts at 256-block p * part_blocks).
     auto part_nb = [&](int p) { return min(part_blocks, nb - p * part_blocks); };
     auto part_steps = [&](int p) { return (part_nb(p) + TMA_BLOCKS - 1) / TMA_BLOCKS; };
-    // Block b takes groups b, b + gridDim.x, ... through every part. Spread (part_rows given: a
-    // single matrix in parts), it takes units (a part of a group) b, b + gridDim.x, ... of the
-    // parts' groups in part order instead, so that a row's parts may fall to different blocks:
-    // in part p, the groups from first_group(p) on.
-    const bool spread = part_rows != nullptr;
-    auto first_group = [&](int p) {
-        const int G = gridDim.x;
-        return spread ? (((int)blockIdx.x - p * groups) % G + G) % G : (int)blockIdx.x;
-    };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Unit m of group grp: its item (glu: the gate's, then the up's).
     auto item_of = [&](int grp, int m) {
@@ -1412,7 +1370,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         int n = 0;
         for (int p = 0; p < parts; p++) {
             const int pnb = part_nb(p), steps = part_steps(p);
-            for (int grp = next_group(first_group(p), false); grp < groups;
+            for (int grp = next_group(blockIdx.x, false); grp < groups;
                  grp = next_group(grp + gridDim.x, false)) {
                 int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
                 for (int m = 0; m < mats; m++) {
@@ -1453,12 +1411,10 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
         const u8* bcol = Tile::b_col(tma_sm, stride, zeros, g, t);
-        if (spread && first_group(p) >= groups) continue;  // no unit of part p here
-        // x's planes before the first group's wait for the router (with ids: see above).
         tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
                                    TMA_BLOCKS);  // by consumers
         consumers_sync();
-        for (int grp = next_group(first_group(p), true); grp < groups;
+        for (int grp = next_group(blockIdx.x, true); grp < groups;
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
             const int tile = grp % tiles;
             for (int m = 0; m < mats; m++) {
@@ -1495,8 +1451,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             }
             consumers_sync();
             // The warps' partials in warp order, so that the glu and pair forms give the same
-            // bits; a later part adds to the row its lane stored before (spread: to part_rows,
-            // summed below).
+            // bits; a later part adds to the row its lane stored before.
             if (warp == 0 && lane < 16 && tile * 16 + lane < rows) {
                 float sum = 0.0f;
                 for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
@@ -1506,19 +1461,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     sum = silu(sum) * up;
                 }
                 float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
-                if (spread) part_rows[(i64)p * rows + tile * 16 + lane] = sum;
-                else *row = p == 0 ? sum : *row + sum;
+                *row = p == 0 ? sum : *row + sum;
             }
         }
-    }
-    if (spread && warp == 0) {
-        // The block's units again (a single matrix: every group held), lane i's the i-th
-        // (ops.rs keeps them to 32 a block).
-        int done = 0, unit_tile = 0;
-        for (int p = 0; p < parts; p++)
-            for (int grp = first_group(p); grp < groups; grp += gridDim.x, done++)
-                if (lane == done) unit_tile = grp % tiles;
-        spread_rows_sum(part_rows, tile_counts, parts, rows, done, unit_tile, y);
     }
 #else
     __trap();  // ops.rs launches it on sm_90 and later only
@@ -1529,10 +1474,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         kname(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,           \
               const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,             \
-              const float* x, float* y, i64 y_stride, int glu, float* part_rows,                \
-              int* tile_counts) {                                                               \
+              const float* x, float* y, i64 y_stride, int glu) {                                \
         matvec_tma_body<Tile>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, kpart,           \
-                              row_bytes, x, y, y_stride, glu, part_rows, tile_counts);          \
+                              row_bytes, x, y, y_stride, glu);                                  \
     }
 DEFINE_MATVEC_TMA(matvec_tma_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, TcQ5k)

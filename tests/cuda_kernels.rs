@@ -15,9 +15,8 @@ use common::{
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
-    latent_split, tma_part_k, tma_parts, tma_smem_bytes, tma_tile, AttentionPrefill, Combine,
-    EmbedRows, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
-    MOE_SHARED, TMA_TILE_TYPES,
+    latent_split, tma_tile, AttentionPrefill, Combine, EmbedRows, Matmul, Matvec, MatvecPart,
+    MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -434,65 +433,6 @@ fn matvec_tensor_core_types_match_dequantized_dot() {
                 );
             }
         });
-    }
-}
-
-/// A single matrix whose rows come in parts on the bulk-copy kernels, with its parts spread over
-/// the blocks where `tma_parts` spreads them on this GPU (the last block in sums a tile's
-/// parts) and without (a block takes every part of its tiles): the same bits where both take
-/// the same parts, and the f64 product. GLM-5's attn_output (6144 x 16384) and its dense down with a tail tile (6150 x
-/// 12288): on a wave of 264 blocks (132 SMs: H100 SXM, H200) both spread in 2 parts.
-#[test]
-fn matvec_parts_spread_over_the_blocks_give_the_same_bits() {
-    let Some(mut g) = gpu() else { return };
-    if !g.bulk_copies {
-        println!("SKIPPED: no bulk copies on this GPU (sm_90 and later)");
-        return;
-    }
-    let mut rng = Rng::new("matvec_spread");
-    for t in TMA_TILE_TYPES {
-        for (rows, k) in [(6150usize, 12288), (6144, 16384)] {
-            let tile = tma_tile(t).unwrap();
-            let smem = tma_smem_bytes(tile, tma_part_k(tile, k));
-            let slots = g.wave_blocks(tile.kernel, 288, smem).unwrap();
-            let (kpart, spread) = tma_parts(tile, k, rows.div_ceil(16), slots);
-            println!("{t} {rows}x{k} on {slots} blocks: parts of {kpart}, spread {spread}");
-            assert!(
-                spread || slots != 264,
-                "a wave of 264 blocks spreads these shapes"
-            );
-            let w = random_rows(&mut rng, t, rows, k);
-            let x = hard_x(&mut rng, k);
-            let (dw, dx) = (g.upload(&w).unwrap(), g.upload(&x).unwrap());
-            let run = |g: &mut Gpu, spread_parts: bool| {
-                g.spread_parts = spread_parts;
-                let dy = poisoned(g, rows);
-                let a = Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
-                g.matvec(&a).unwrap();
-                g.download(&dy).unwrap()
-            };
-            let (spread_y, whole_y) = (run(&mut g, true), run(&mut g, false));
-            g.spread_parts = true;
-            // The same parts give the same sums in the same order; more parts than the fewest
-            // (where they even the wave better) sum k in other pieces.
-            if kpart == tma_part_k(tile, k) {
-                let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&spread_y),
-                    bits(&whole_y),
-                    "{t} {rows}x{k}: spread and not"
-                );
-            }
-            let want = expert_matvec_want(&dequant_rows(t, &w, rows, k), (rows, k), &x, 1, &[0]);
-            for (what, y) in [("spread", &spread_y), ("whole", &whole_y)] {
-                assert_close(
-                    &format!("matvec {t} {rows}x{k} in parts, {what}"),
-                    y,
-                    &want,
-                    F32_OP,
-                );
-            }
-        }
     }
 }
 

@@ -150,10 +150,6 @@ const PIECES: &[Piece] = &[
     ),
     Def(
         "matvec.cu",
-        "__device__ __forceinline__ void spread_rows_sum(",
-    ),
-    Def(
-        "matvec.cu",
         "template <class Tile>\n__device__ __forceinline__ void matvec_tma_body(",
     ),
     Line("matvec.cu", "#define DEFINE_MATVEC_TMA("),
@@ -670,12 +666,9 @@ struct TmaCase {
     glu: bool,
     shared: bool,
     grid: u32,
-    /// A single matrix's parts spread over the blocks (their rows summed by the last block in).
-    spread: bool,
 }
 
-/// Runs `c` and checks it against f64; returns y.
-fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) -> Vec<f32> {
+fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
     let tile = tma_tile(ty).unwrap();
     let (k, row_bytes) = (256 * c.nb, ty.type_size() * c.nb);
     let mat_bytes = c.rows * row_bytes;
@@ -712,14 +705,6 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) -> Vec<f32> {
     };
     let outputs = if c.glu { ids.len() } else { items };
     let y_stride = c.rows + 5; // the rows between must stay unwritten
-    let tiles = c.rows.div_ceil(16);
-    let (part_rows, tile_counts) = match c.spread {
-        true => {
-            assert!(items == 1, "spread: a single matrix");
-            (vec![UNWRITTEN; k.div_ceil(kpart) * c.rows], vec![0; tiles])
-        }
-        false => (vec![], vec![]),
-    };
     let mut want = vec![None; outputs * y_stride];
     for b in 0..outputs {
         let rows = match c.glu {
@@ -753,13 +738,9 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) -> Vec<f32> {
         .i64(y_stride as i64)
         .i32(c.glu as i32)
         .i32(c.grid as i32)
-        .i32(tma_smem_bytes(tile, kpart) as i32)
-        .floats(&part_rows)
-        .ints(&tile_counts);
+        .i32(tma_smem_bytes(tile, kpart) as i32);
     let what = format!("{} {}", tile.kernel, c.what);
-    let y = h.run(args);
-    check_outputs(&what, &y, &want);
-    y
+    check_outputs(&what, &h.run(args), &want);
 }
 
 fn one_matrix(
@@ -780,7 +761,6 @@ fn one_matrix(
         glu: false,
         shared: false,
         grid,
-        spread: false,
     }
 }
 
@@ -864,40 +844,6 @@ fn bulk_copy_kernels_match_f64() {
         ];
         for (i, c) in cases.iter().enumerate() {
             check_tma(&h, ty, c, 10 + i as u64);
-        }
-        // Parts spread over the blocks give the rows' bits of the unspread kernel: 7 tiles
-        // (the last of 4 rows) in 4 parts over 3 blocks (a block takes two parts of a tile,
-        // and is the last in for some tiles and not others), and 2 parts over 5 blocks.
-        for (rows, nb, part_nb, grid) in [(100, 19, 5, 3), (40, 24, 12, 5)] {
-            let nb = even(nb);
-            let c = one_matrix("in parts", rows, nb, Some(even(part_nb)), grid);
-            let spread = TmaCase {
-                spread: true,
-                ..one_matrix(
-                    "in parts spread over the blocks",
-                    rows,
-                    nb,
-                    Some(even(part_nb)),
-                    grid,
-                )
-            };
-            let seed = 20 + rows as u64;
-            let (a, b) = (
-                check_tma(&h, ty, &c, seed),
-                check_tma(&h, ty, &spread, seed),
-            );
-            let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&a),
-                bits(&b),
-                "{ty}: {rows} rows of {nb} blocks in parts of {part_nb}, spread over {grid} blocks"
-            );
-            println!(
-                "{}: {rows} x {nb} blocks in parts of {} spread over {grid} blocks: the \
-                 unspread bits",
-                tma_tile(ty).unwrap().kernel,
-                even(part_nb)
-            );
         }
     }
 }

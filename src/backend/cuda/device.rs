@@ -42,9 +42,6 @@ pub struct Gpu {
     /// v_b) take a tile a stage by bulk copies (matvec_tma_items_q4_k, ops.rs): sm_90 and later
     /// with bulk_copies, unless MLA_ITEMS=0 (to measure without).
     pub item_copies: bool,
-    /// Whether a single matrix in parts may spread its parts over the blocks of the bulk-copy
-    /// kernel (ops.rs, tma_parts); `MLA_SPREAD=0` turns it off, to measure it.
-    pub spread_parts: bool,
     /// Whether prefill attention of 16 rows or more runs on the tensor cores (ops.rs,
     /// attention_prefill_mma); `MLA_ATT_MMA=0` keeps it on the f32 kernel, to measure it.
     pub attention_mma: bool,
@@ -60,13 +57,6 @@ pub struct Gpu {
     /// Grow-only counter and per-block pairs of `argmax_row` (ops.rs), the counter zero
     /// between launches.
     pub(super) argmax_work: Mutex<Option<CudaSlice<i32>>>,
-    /// Grow-only per-tile counters of the bulk-copy matvec whose parts are spread over its
-    /// blocks (`tma_parts`, ops.rs), zero between launches: the block that sums a tile's parts
-    /// puts its counter back.
-    pub(super) tile_counts: Mutex<Option<CudaSlice<i32>>>,
-    /// Grow-only scratch of the same launches: each part's rows (every access follows the
-    /// kernel's wait for the launch before, so one buffer serves them all).
-    pub(super) part_rows: Mutex<Option<CudaSlice<f32>>>,
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -106,7 +96,6 @@ impl Gpu {
             dependent_launch,
             bulk_copies,
             item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
-            spread_parts: std::env::var("MLA_SPREAD").map_or(true, |v| v != "0"),
             attention_mma: std::env::var("MLA_ATT_MMA").map_or(true, |v| v != "0"),
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),
@@ -121,8 +110,6 @@ impl Gpu {
             route_done: Mutex::default(),
             combine_done: Mutex::default(),
             argmax_work: Mutex::default(),
-            tile_counts: Mutex::default(),
-            part_rows: Mutex::default(),
         })
     }
 
@@ -275,16 +262,6 @@ impl Gpu {
         n: usize,
     ) -> Result<DevicePtrRaw, CudaError> {
         self.grown(slot, n, |n| self.zeros::<i32>(n))
-    }
-
-    /// The address of at least `n` f32 from the grow-only buffer in `slot`, as zeroed_counters
-    /// keeps its counters: scratch of a kernel that writes every element before it reads it.
-    pub(super) fn grown_scratch(
-        &self,
-        slot: &Mutex<Option<CudaSlice<f32>>>,
-        n: usize,
-    ) -> Result<DevicePtrRaw, CudaError> {
-        self.grown(slot, n, |n| self.empty(n))
     }
 
     /// The address of the buffer in `slot`, replaced by `make(n)` where it holds fewer than `n`

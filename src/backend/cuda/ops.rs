@@ -442,44 +442,9 @@ pub fn tmi_smem_bytes(tile: TmaTile, warps: usize, k: usize) -> usize {
 /// beyond the tile's k_max as few equal parts of whole 256-blocks as fit (the last may be
 /// shorter), each a multiple of the tile type's block_step.
 pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
-    tma_part_of(tile, k / 256, (k / 256).div_ceil(tile.k_max / 256))
-}
-
-/// The elements of each of about `parts` equal parts of `blocks` 256-blocks (a multiple of
-/// the tile type's block_step).
-fn tma_part_of(tile: TmaTile, blocks: usize, parts: usize) -> usize {
+    let blocks = k / 256;
+    let parts = blocks.div_ceil(tile.k_max / 256);
     256 * blocks.div_ceil(parts).next_multiple_of(tile.block_step())
-}
-
-/// How matvec_tma_<type> takes `tiles` row tiles of a single matrix whose rows come in parts
-/// (k beyond the tile type's k_max), on a wave of `slots` blocks: the elements of a part, and
-/// whether its units (a part of a tile) are spread over the blocks on their own. Unspread, a
-/// block takes every part of its tiles, so where the tiles do not divide the wave, the blocks
-/// with a tile more set the time: GLM-5's 6144-row attn_output and dense down, 384 tiles over
-/// an H200's 264 blocks, take 2 tiles' time for 1.45 on average (its blocks each stream ~77
-/// 256-block rows a microsecond, whatever the shape: twentieth look). Spread, a block may take
-/// parts of any tile, and the tile's parts are summed in part order by the block that
-/// finishes the last of them (the unspread bits). A part count in P .. 4 P (P the fewest that
-/// fit) whose units divide the wave better then shortens the longest block's run of
-/// 256-blocks, ceil(units / slots) part against ceil(tiles / slots) k: taken where 10% or more
-/// shorter, and a block has at most 32 units (the sum's lanes). GLM-5: 2 parts, 96 against
-/// 128; DS3's 448 tiles: 4 parts, 112 against 128.
-pub fn tma_parts(tile: TmaTile, k: usize, tiles: usize, slots: usize) -> (usize, bool) {
-    let (blocks, kpart) = (k / 256, tma_part_k(tile, k));
-    let fewest = blocks.div_ceil(kpart / 256);
-    let whole = tiles.div_ceil(slots) * blocks;
-    let run = |part: usize| -> (usize, usize) {
-        let units = blocks.div_ceil(part / 256) * tiles;
-        (units.div_ceil(slots) * part / 256, units.div_ceil(slots))
-    };
-    let best = (fewest..=4 * fewest)
-        .map(|p| tma_part_of(tile, blocks, p))
-        .filter(|&part| run(part).1 <= 32)
-        .min_by_key(|&part| (run(part).0, std::cmp::Reverse(part)));
-    match best {
-        Some(part) if fewest > 1 && 10 * run(part).0 <= 9 * whole => (part, true),
-        _ => (kpart, false),
-    }
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
@@ -592,39 +557,16 @@ impl Gpu {
             let tiles = a.rows.div_ceil(16);
             let tile = tma_tile(a.ty).expect("a tensor-core type");
             if self.uses_bulk_copies(a) {
-                // A group per tile of an item (glu: of both matrices), one wave of blocks; a
-                // single matrix in parts may spread its parts over the blocks (tma_parts).
+                // A group per tile of an item (glu: of both matrices), one wave of blocks.
+                let kpart = tma_part_k(tile, a.k);
+                let smem = tma_smem_bytes(tile, kpart);
                 let kernel = tile.kernel;
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
-                let slots =
-                    self.wave_blocks(kernel, 288, tma_smem_bytes(tile, tma_part_k(tile, a.k)))?;
-                let (kpart, spread) =
-                    match self.spread_parts && a.batch == 1 && a.ids == 0 && !a.glu {
-                        true => tma_parts(tile, a.k, tiles, slots),
-                        false => (tma_part_k(tile, a.k), false),
-                    };
-                let smem = tma_smem_bytes(tile, kpart);
-                // Spread: each part's rows [parts, rows] (grow-only scratch, every row of it
-                // written in the launch before it is read), summed into y by the kernel, and a
-                // count per tile.
-                let (units, part_rows, counts) = match spread {
-                    true => {
-                        let parts = a.k.div_ceil(kpart);
-                        let rows = self.grown_scratch(&self.part_rows, parts * a.rows)?;
-                        let counts = self.zeroed_counters(&self.tile_counts, tiles)?;
-                        (parts * tiles, rows, counts)
-                    }
-                    false => (groups, 0, 0),
-                };
-                let grid = units.min(slots);
-                assert!(
-                    !spread || units.div_ceil(grid) <= 32,
-                    "spread_rows_sum's lanes: a unit each"
-                );
-                launch!(self, kernel, (grid as u32, 1, 1), 288, smem as u32;
+                let slots = self.wave_blocks(kernel, 288, smem)?;
+                launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                     a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
-                    a.x, a.y, a.y_stride as i64, a.glu as i32, part_rows, counts);
+                    a.x, a.y, a.y_stride as i64, a.glu as i32);
                 return Ok(());
             }
             if self.uses_item_copies(a) {
@@ -1992,7 +1934,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{cp_plan, cp_splits, tc8_tiles_per_block, tma_parts, tma_tile, CpPlan, GgmlType};
+    use super::{cp_plan, cp_splits, tc8_tiles_per_block, CpPlan};
 
     #[test]
     fn tc8_tiles_per_block_fills_the_last_wave() {
@@ -2068,47 +2010,5 @@ mod tests {
             "q_a: one wave, split as before"
         );
         assert_eq!(h200(4, 132, 112), plan(0, 1), "two full rounds");
-    }
-
-    #[test]
-    fn tma_parts_spread_where_the_tiles_leave_the_wave_uneven() {
-        // H200: 264 blocks of the bulk-copy kernel; (elements a part, spread).
-        let h200 = |ty, k, rows: usize| tma_parts(tma_tile(ty).unwrap(), k, rows / 16, 264);
-        let q4 = GgmlType::Q4_K;
-        assert_eq!(
-            h200(q4, 16384, 6144),
-            (8192, true),
-            "GLM-5 attn_output: 96 against 128"
-        );
-        assert_eq!(
-            h200(q4, 12288, 6144),
-            (6144, true),
-            "GLM-5 dense down: 72 against 96"
-        );
-        assert_eq!(
-            h200(q4, 16384, 7168),
-            (4096, true),
-            "DS3 attn_output: 4 parts, 112 / 128"
-        );
-        assert_eq!(
-            h200(q4, 18432, 7168),
-            (4608, true),
-            "DS3 dense down: 4 parts, 126 / 144"
-        );
-        assert_eq!(
-            h200(q4, 16384, 4224),
-            (8192, false),
-            "a tile a block: nothing to even"
-        );
-        assert_eq!(
-            h200(q4, 7168, 18432),
-            (7168, false),
-            "one part: nothing to spread"
-        );
-        assert_eq!(
-            h200(GgmlType::IQ4_XS, 16384, 6144).0 % 512,
-            0,
-            "IQ4_XS's parts of whole 16-byte rows"
-        );
     }
 }
