@@ -65,6 +65,34 @@ pub fn driver_available() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// Every buffer comes from the device's default memory pool (cudarc allocates and frees in
+/// stream order). With the pool's default release threshold of zero, each synchronization
+/// hands the pool's unused memory back to the driver, and decode synchronizes once a token
+/// (the pick's read-back), so the next token's activations would need the driver to map
+/// memory again. Keeping all of it makes an allocation a sub-allocation of what the pool
+/// already holds: the most any step has had live at once, which later allocations reuse.
+/// (Not measured yet: the host's time to queue a decode token was ~670 us on an H200 with
+/// the default, docs/performance.md, sixteenth and twenty-ninth looks.)
+fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
+    use cudarc::driver::result::{device, mem_pool};
+    use cudarc::driver::sys::CUmemPool_attribute;
+    // MLA_KEEP_POOL=0 leaves the default (to measure it).
+    if !ctx.has_async_alloc() || std::env::var("MLA_KEEP_POOL").is_ok_and(|v| v == "0") {
+        return Ok(());
+    }
+    let mut keep = u64::MAX;
+    // SAFETY: the context's own device, and the attribute's value is a u64.
+    unsafe {
+        let pool = device::get_default_mem_pool(ctx.cu_device())?;
+        mem_pool::set_attribute(
+            pool,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut keep as *mut u64 as *mut std::ffi::c_void,
+        )?;
+    }
+    Ok(())
+}
+
 impl Gpu {
     /// Opens device `ordinal`, or says why there is none (no driver, no device).
     pub fn new(ordinal: usize) -> Result<Gpu, CudaError> {
@@ -85,6 +113,7 @@ impl Gpu {
         // (measured on an H200: host enqueue ~670 us of a ~900-980 us decode token).
         // SAFETY: called before any buffer of this context exists.
         unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx)?;
         let (major, minor) = ctx.compute_capability()?;
         let multiprocessors =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
