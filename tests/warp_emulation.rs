@@ -1216,8 +1216,8 @@ fn bf16(v: f32) -> f64 {
 }
 
 /// The weights as the cp.async kernels multiply them, rows of k values in f64: Q4_K rounds
-/// d sc and -dmin mn to bf16 and q d sc - dmin mn once more (fma.rn.bf16x2); Q8_0 rounds d q
-/// (exact in f32) once.
+/// d sc and -dmin mn to bf16 and q d sc - dmin mn once more (fma.rn.bf16x2); Q8_0 rounds d to
+/// bf16 and d q once more.
 fn bf16_operands(ty: GgmlType, w: &[u8]) -> Vec<f64> {
     let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
     let mut out = Vec::new();
@@ -1236,7 +1236,7 @@ fn bf16_operands(ty: GgmlType, w: &[u8]) -> Vec<f64> {
                 }
             }
         } else {
-            let d = f16(&b[0..]);
+            let d = bf16(f16(&b[0..])) as f32;
             out.extend(b[2..34].iter().map(|&q| bf16(d * q as i8 as f32)));
         }
     }
