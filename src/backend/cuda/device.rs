@@ -71,8 +71,8 @@ pub fn driver_available() -> bool {
 /// (the pick's read-back), so the next token's activations would need the driver to map
 /// memory again. Keeping all of it makes an allocation a sub-allocation of what the pool
 /// already holds: the most any step has had live at once, which later allocations reuse.
-/// (Not measured yet: the host's time to queue a decode token was ~670 us on an H200 with
-/// the default, docs/performance.md, sixteenth and twenty-ninth looks.)
+/// Measured on an H100 (docs/performance.md, thirtieth look): prefill 1-4% faster, decode the
+/// same.
 fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
     use cudarc::driver::result::{device, mem_pool};
     use cudarc::driver::sys::CUmemPool_attribute;
