@@ -71,7 +71,7 @@ pub fn driver_available() -> bool {
 /// (the pick's read-back), so the next token's activations would need the driver to map
 /// memory again. Keeping all of it makes an allocation a sub-allocation of what the pool
 /// already holds: the most any step has had live at once, which later allocations reuse.
-/// Measured on an H100 (docs/performance.md, thirtieth look): prefill 1-4% faster, decode the
+/// Measured on an H100 (docs/performance.md, thirtieth look): prefill 1-5% faster, decode the
 /// same.
 fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
     use cudarc::driver::result::{device, mem_pool};
