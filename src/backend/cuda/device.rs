@@ -290,23 +290,12 @@ impl Gpu {
         slot: &Mutex<Option<CudaSlice<i32>>>,
         n: usize,
     ) -> Result<DevicePtrRaw, CudaError> {
-        self.grown(slot, n, |n| self.zeros::<i32>(n))
-    }
-
-    /// The address of the buffer in `slot`, replaced by `make(n)` where it holds fewer than `n`
-    /// elements (the old one freed in stream order).
-    fn grown<T>(
-        &self,
-        slot: &Mutex<Option<CudaSlice<T>>>,
-        n: usize,
-        make: impl Fn(usize) -> Result<CudaSlice<T>, CudaError>,
-    ) -> Result<DevicePtrRaw, CudaError> {
-        let mut buf = slot.lock().unwrap();
-        if buf.as_ref().is_none_or(|b| b.len() < n) {
-            *buf = None;
-            *buf = Some(make(n)?);
+        let mut counters = slot.lock().unwrap();
+        if counters.as_ref().is_none_or(|c| c.len() < n) {
+            *counters = None;
+            *counters = Some(self.zeros::<i32>(n)?);
         }
-        Ok(self.ptr(buf.as_ref().unwrap(), 0))
+        Ok(self.ptr(counters.as_ref().unwrap(), 0))
     }
 }
 
