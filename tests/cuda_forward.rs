@@ -228,9 +228,9 @@ fn check_dsa(
     rows: usize,
 ) -> Result<Vec<usize>, String> {
     let k = gpu.cfg.indexer.as_ref().expect("a DSA model").top_k;
-    let stage = |t: &Trace, name: &str| t.get(&format!("L{il}.{name}")).unwrap().clone();
-    let ids = |t: &Trace| stage(t, "dsa_topk").i32().unwrap().to_vec();
-    let x = |t: &Trace| stage(t, "attn_norm").f32().unwrap().to_vec();
+    let name = |stage: &str| format!("L{il}.{stage}");
+    let ids = |t: &Trace| t.get(&name("dsa_topk")).unwrap().i32().unwrap().to_vec();
+    let x = |t: &Trace| t.get(&name("attn_norm")).unwrap().f32().unwrap().to_vec();
     let (our_ids, ref_ids) = (ids(ours), ids(reference));
     let flipped: Vec<usize> = (0..rows.min(ref_ids.len() / k))
         .filter(|&t| our_ids[t * k..(t + 1) * k] != ref_ids[t * k..(t + 1) * k])
@@ -297,13 +297,10 @@ fn indexer_scores<B: Backend>(model: &Model<B>, il: usize, x: &[f32]) -> Vec<Vec
             data: b.download(t),
         }
     };
-    dsa_scores(
-        &host(&q),
-        &host(&keys),
-        &host(&head_weights),
-        0,
-        dsa::score_scale(ix),
-    )
+    let (q, keys, head_weights) = (host(&q), host(&keys), host(&head_weights));
+    (0..n)
+        .map(|t| dsa_scores(&q, &keys, &head_weights, t, 0, dsa::score_scale(ix)))
+        .collect()
 }
 
 /// What a near tie flipped at (layer, token): after it the GPU computes another branch than

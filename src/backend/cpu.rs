@@ -93,33 +93,28 @@ fn matmul_rows(x: &Mat, w: &CpuWeight, rows: Range<usize>) -> Mat {
     y
 }
 
-/// The DSA indexer's scores of each query t of q [n, nh*d] (positions pos0 + t) against the
-/// keys [>= pos0 + n, d] it may see, positions 0..=pos0 + t: sum over heads h of
+/// The DSA indexer's scores of query t of q [n, nh*d] (position pos0 + t) against the keys
+/// [>= pos0 + n, d] it may see, positions 0..=pos0 + t: sum over heads h of
 /// head_weights[t, h] relu(scale q_h . k). (Public for the GPU tests, which judge the GPU's
 /// near-tie choices by them.)
 pub fn dsa_scores(
     q: &Mat,
     keys: &Mat,
     head_weights: &Mat,
+    t: usize,
     pos0: usize,
     scale: f32,
-) -> Vec<Vec<f64>> {
-    let heads = head_weights.cols;
+) -> Vec<f64> {
     let d = keys.cols;
-    (0..q.rows)
-        .into_par_iter()
-        .map(|t| {
-            let (qt, wt) = (q.row(t), head_weights.row(t));
-            (0..=pos0 + t)
-                .map(|s| {
-                    (0..heads)
-                        .map(|h| {
-                            let dotp = dot64(&qt[h * d..(h + 1) * d], keys.row(s)) as f32;
-                            wt[h] as f64 * (dotp * scale).max(0.0) as f64
-                        })
-                        .sum::<f64>()
+    let (qt, wt) = (q.row(t), head_weights.row(t));
+    (0..=pos0 + t)
+        .map(|s| {
+            (0..head_weights.cols)
+                .map(|h| {
+                    let dotp = dot64(&qt[h * d..(h + 1) * d], keys.row(s)) as f32;
+                    wt[h] as f64 * (dotp * scale).max(0.0) as f64
                 })
-                .collect()
+                .sum::<f64>()
         })
         .collect()
 }
@@ -541,14 +536,15 @@ impl Backend for Cpu {
         scale: f32,
         top_k: usize,
     ) -> Vec<i32> {
-        dsa_scores(q, keys, head_weights, pos0, scale)
+        (0..q.rows)
             .into_par_iter()
-            .flat_map_iter(|scores| {
-                let mut ranked: Vec<(f64, usize)> = scores
-                    .into_iter()
-                    .enumerate()
-                    .map(|(s, v)| (v, s))
-                    .collect();
+            .flat_map_iter(|t| {
+                let mut ranked: Vec<(f64, usize)> =
+                    dsa_scores(q, keys, head_weights, t, pos0, scale)
+                        .into_iter()
+                        .enumerate()
+                        .map(|(s, v)| (v, s))
+                        .collect();
                 // Best first; equal scores keep the lower position.
                 ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
                 let mut kept: Vec<i32> =
