@@ -5,7 +5,8 @@
 //   with dr > 0 its first dr values rotated as adjacent pairs at position pos0 + row, as
 //   rope_pairs turns them (the indexer's key straight into its cache row)
 // add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm)
-// latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope), and
+// latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope), with the
+//   query latent's rmsnorm and the indexer key's layernorm (+ rope) in the same launch; and
 //   latent_rows, the cache's rows back as f32
 //
 // Thread i holds values i, i + blockDim.x, ... of its row in registers (at most NORM_VALS;
@@ -56,14 +57,14 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x
     rms_store(v, wv, y + blockIdx.x * y_stride, n, eps, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) layernorm(
-    const float* x, i64 x_stride, const float* w, const float* b, float* y, i64 y_stride, int n,
-    float eps, int dr, int pos0, const float* inv_freq, float mscale) {
-    pdl_enter();
-    __shared__ float scratch[32];
-    float* yr = y + blockIdx.x * y_stride;
+// Row xr of n values layer-normed into yr (w, b), then with dr > 0 its first dr values
+// rotated as adjacent pairs at position `pos`, as rope_pairs turns them.
+__device__ __forceinline__ void layernorm_rope_row(const float* xr, const float* w,
+                                                   const float* b, float* yr, int n, float eps,
+                                                   int dr, float pos, const float* inv_freq,
+                                                   float mscale, float* scratch) {
     float v[NORM_VALS], wv[NORM_VALS], bv[NORM_VALS];
-    load_row(v, x + blockIdx.x * x_stride, n);
+    load_row(v, xr, n);
     load_row(wv, w, n);
     load_row(bv, b, n);
     float s = 0.0f;
@@ -85,9 +86,17 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(
     }
     if (dr == 0) return;
     __syncthreads();  // a pair's two values come from different threads
-    float pos = (float)(pos0 + (int)blockIdx.x);
     for (int i = threadIdx.x; i < dr / 2; i += blockDim.x)
         rope_pair(yr[2 * i], yr[2 * i + 1], pos, inv_freq[i], mscale, yr + 2 * i);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) layernorm(
+    const float* x, i64 x_stride, const float* w, const float* b, float* y, i64 y_stride, int n,
+    float eps, int dr, int pos0, const float* inv_freq, float mscale) {
+    pdl_enter();
+    __shared__ float scratch[32];
+    layernorm_rope_row(x + blockIdx.x * x_stride, w, b, y + blockIdx.x * y_stride, n, eps, dr,
+                       (float)(pos0 + (int)blockIdx.x), inv_freq, mscale, scratch);
 }
 
 // The residual add fused with the norm after it, rows of n contiguous values: x += r is
@@ -119,27 +128,35 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
 //          rope_pairs turns them (angle = f32 pos * inv_freq[i])  at dims LATENT_ROPE_AT ..
 // each value as its hi and lo bf16 parts; the row's other dims are left as they are (zero).
 // With qx (not null), blocks (t, 1) also norm the query latent: qy[t] = rmsnorm(qx[t]) * qw,
-// rows of dq (q-LoRA's q_a: the two norms of MLA in one launch). Grid (T, qx ? 2 : 1), block
-// x >= max(dl, dq) / NORM_VALS (the rmsnorm launch of the wider row). dl <= LATENT_ROPE_AT,
-// dr <= LATENT_DIMS - LATENT_ROPE_AT.
+// rows of dq (q-LoRA's q_a: the two norms of MLA in one launch). With kx (not null), the next
+// blocks (t, 1 or 2) put the DSA indexer's key of token t into its cache row, rows of dk:
+// ky[t] = layernorm(kx[t]) (kw, kb, k_eps), its first dr values roped as k_pe (what
+// layernorm with dr does; one launch fewer a layer). Grid (T, 1 + (qx != 0) + (kx != 0)),
+// block x >= max(dl, dq, dk) / NORM_VALS (the norm launch of the widest row).
+// dl <= LATENT_ROPE_AT, dr <= LATENT_DIMS - LATENT_ROPE_AT, dr <= dk.
 extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
     const float* kv, const float* w, u16* cache, int dl, int dr, int pos0,
     const float* inv_freq, float mscale, float eps, const float* qx, const float* qw, float* qy,
-    int dq) {
+    int dq, const float* kx, const float* kw, const float* kb, float* ky, int dk, float k_eps) {
     pdl_enter();
     __shared__ float scratch[32];
-    if (blockIdx.y == 1) {
+    float pos = (float)(pos0 + (int)blockIdx.x);
+    if (blockIdx.y == 1 && qx) {
         float v[NORM_VALS], wv[NORM_VALS];
         load_row(v, qx + (i64)blockIdx.x * dq, dq);
         load_row(wv, qw, dq);
         rms_store(v, wv, qy + (i64)blockIdx.x * dq, dq, eps, scratch);
         return;
     }
+    if (blockIdx.y > 0) {
+        layernorm_rope_row(kx + (i64)blockIdx.x * dk, kw, kb, ky + (i64)blockIdx.x * dk, dk,
+                           k_eps, dr, pos, inv_freq, mscale, scratch);
+        return;
+    }
     const float* xr = kv + blockIdx.x * (i64)(dl + dr);
     u16* yr = cache + blockIdx.x * (i64)(2 * LATENT_DIMS);
 
     // k_pe: one pair per thread (a loop for widths past the block).
-    float pos = (float)(pos0 + (int)blockIdx.x);
     for (int i = threadIdx.x; i < dr / 2; i += blockDim.x) {
         float y[2];
         rope_pair(xr[dl + 2 * i], xr[dl + 2 * i + 1], pos, inv_freq[i], mscale, y);

@@ -15,8 +15,8 @@ use common::{
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
-    latent_split, tma_tile, AttentionPrefill, Combine, EmbedRows, Matmul, Matvec, MatvecPart,
-    MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED, TMA_TILE_TYPES,
+    latent_split, tma_tile, AttentionPrefill, Combine, EmbedRows, KeyRowsNorm, Matmul, Matvec,
+    MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -1395,27 +1395,13 @@ fn norms_match() {
         g.layernorm(x_at, stride, w_at, b_at, y_at, n, rows, n, eps, rope)
             .unwrap();
         let y = g.download(&dy).unwrap();
-        let mut want = Vec::new();
-        for r in 0..rows {
-            let xr = &x[r * stride..][..n];
-            let mean = xr.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
-            let var = xr.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
-            let inv = 1.0 / (var + eps as f64).sqrt();
-            let mut row: Vec<f64> = (0..n)
-                .map(|i| (xr[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64)
-                .collect();
-            if roped {
-                for (i, &f) in inv_freq.iter().enumerate() {
-                    // The angle is an f32 product, as in rope_pairs.
-                    let angle = ((pos0 + r) as f32 * f) as f64;
-                    let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
-                    let (a, b) = (row[2 * i], row[2 * i + 1]);
-                    row[2 * i] = a * c - b * s;
-                    row[2 * i + 1] = a * s + b * c;
-                }
-            }
-            want.extend(row);
-        }
+        let freqs: &[f32] = if roped { &inv_freq } else { &[] };
+        let want: Vec<f64> = (0..rows)
+            .flat_map(|r| {
+                let xr = &x[r * stride..][..n];
+                layernorm_rope_twin(xr, (&w, &b), eps, (freqs, pos0 + r, mscale))
+            })
+            .collect();
         let what = if roped {
             "layernorm + rope"
         } else {
@@ -1423,6 +1409,32 @@ fn norms_match() {
         };
         assert_close(what, &y, &want, F32_OP);
     }
+}
+
+/// f64 twin of layernorm over one row (weight, bias), its first 2 * inv_freq.len() values
+/// then roped as adjacent pairs at position `pos` (cos and sin scaled by `mscale`).
+fn layernorm_rope_twin(
+    x: &[f32],
+    (w, b): (&[f32], &[f32]),
+    eps: f32,
+    (inv_freq, pos, mscale): (&[f32], usize, f32),
+) -> Vec<f64> {
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+    let inv = 1.0 / (var + eps as f64).sqrt();
+    let mut row: Vec<f64> = (0..x.len())
+        .map(|i| (x[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64)
+        .collect();
+    for (i, &f) in inv_freq.iter().enumerate() {
+        // The angle is an f32 product, as in rope_pairs.
+        let angle = (pos as f32 * f) as f64;
+        let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
+        let (a, b) = (row[2 * i], row[2 * i + 1]);
+        row[2 * i] = a * c - b * s;
+        row[2 * i + 1] = a * s + b * c;
+    }
+    row
 }
 
 /// f64 twin of rmsnorm over one row.
@@ -1485,9 +1497,10 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
     let mut rng = Rng::new("latent_norm_rope");
     let eps = 1e-6;
     let mscale = 1.15f32;
-    // GLM-5's latent (512 + 64) with its q-LoRA latent (2048) normed in the same launch, a
-    // small odd one without.
-    for (dl, dr, tokens, ctx, row0, dq) in [(512, 64, 5, 12, 4, 2048), (72, 8, 3, 4000, 3990, 0)] {
+    // GLM-5's latent (512 + 64) with its q-LoRA latent (2048) normed and its indexer keys
+    // (128) into their cache in the same launch, a small odd one without either.
+    let cases = [(512, 64, 5, 12, 4, 2048, 128), (72, 8, 3, 4000, 3990, 0, 0)];
+    for (dl, dr, tokens, ctx, row0, dq, dk) in cases {
         let width = dl + dr;
         let kv: Vec<f32> = rng
             .normals(tokens * width)
@@ -1532,6 +1545,25 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             y: g.ptr(&dqy, 0),
             width: dq,
         };
+        // The index keys' cache: rows past row0..row0+tokens must keep their values.
+        let (kx, kw, kb) = (rng.normals(tokens * dk), rng.normals(dk), rng.normals(dk));
+        let key_cache = rng.normals(ctx * dk);
+        let (dkx, dkw, dkb, dky) = (
+            g.upload(&kx).unwrap(),
+            g.upload(&kw).unwrap(),
+            g.upload(&kb).unwrap(),
+            g.upload(&key_cache).unwrap(),
+        );
+        let k_eps = 1e-5;
+        let keys = KeyRowsNorm {
+            x: g.ptr(&dkx, 0),
+            w: g.ptr(&dkw, 0),
+            b: g.ptr(&dkb, 0),
+            y: g.ptr(&dky, row0 * dk),
+            rows: tokens,
+            width: dk,
+            eps: k_eps,
+        };
         g.latent_norm_rope(
             g.ptr(&dkv, 0),
             g.ptr(&dw, 0),
@@ -1544,8 +1576,30 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             mscale,
             eps,
             (dq > 0).then_some(&query),
+            (dk > 0).then_some(&keys),
         )
         .unwrap();
+        if dk > 0 {
+            let got = g.download(&dky).unwrap();
+            let want: Vec<f64> = (0..tokens)
+                .flat_map(|t| {
+                    let x = &kx[t * dk..(t + 1) * dk];
+                    layernorm_rope_twin(x, (&kw, &kb), k_eps, (&inv_freq, row0 + t, mscale))
+                })
+                .collect();
+            let rows = row0 * dk..(row0 + tokens) * dk;
+            assert_close(
+                "latent_norm_rope index keys",
+                &got[rows.clone()],
+                &want,
+                F32_OP,
+            );
+            for (i, (&a, &b)) in got.iter().zip(&key_cache).enumerate() {
+                if !rows.contains(&i) {
+                    assert_eq!(a.to_bits(), b.to_bits(), "index keys: value {i} touched");
+                }
+            }
+        }
         if dq > 0 {
             let want: Vec<f64> = (0..tokens)
                 .flat_map(|t| rmsnorm_twin(&qx[t * dq..(t + 1) * dq], &qw, eps))

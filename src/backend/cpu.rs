@@ -5,7 +5,7 @@
 //! and the vectors are dequantized, once, at load). Work is spread with rayon over output
 //! rows, heads and experts. Sums that decide softmax weights use f64.
 
-use super::{Backend, BackendError, Rope, WeightRole};
+use super::{Backend, BackendError, IndexKeys, Rope, WeightRole};
 use crate::gguf::GgmlType;
 use crate::quant;
 use crate::weights::{MappedBytes, TensorRef};
@@ -284,7 +284,11 @@ impl Backend for Cpu {
         eps: f32,
         rope: &Rope,
         query: Option<(&Mat, &CpuWeight)>,
+        index_keys: Option<IndexKeys<'_, Self>>,
     ) -> Option<Mat> {
+        if let Some(k) = index_keys {
+            self.index_key_append(row0, k, rope);
+        }
         let (n, width) = (kv.rows, kv.cols);
         let kv_lora = cache.kv_lora;
         let c_kv = self.rms_norm(&self.slice(kv, 0..n, 0..kv_lora), w, eps);

@@ -72,6 +72,17 @@ pub enum BackendError {
 
 /// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by
 /// the CUDA backend.
+/// The DSA indexer's keys of n positions on their way into their cache: `x_k` [n, d]
+/// (indexer.attn_k x) becomes rows of `keys` [ctx, d] as `layer_norm(x_k, norm, eps)`, its
+/// first `rope.rot_dims()` columns roped.
+pub struct IndexKeys<'a, B: Backend + ?Sized> {
+    pub keys: &'a mut B::Tensor,
+    pub x_k: &'a B::Tensor,
+    /// The layer norm's weight and bias.
+    pub norm: (&'a B::Weight, &'a B::Weight),
+    pub eps: f32,
+}
+
 pub trait Backend: Send + Sync {
     /// An activation matrix `[rows, cols]` of f32 in the backend's memory.
     type Tensor: Send + Sync;
@@ -190,28 +201,21 @@ pub trait Backend: Send + Sync {
         self.head_columns(x, heads, col0..col0 + rope.rot_dims())
     }
 
-    /// The DSA indexer's keys of n positions into its cache: `x_k` [n, d] (indexer.attn_k x)
-    /// -> rows `row0..row0+n` of `keys` [ctx, d], `layer_norm(x_k, w, b, eps)` with the first
-    /// `rope.rot_dims()` columns roped at positions row0... A GPU does it in one pass.
-    fn index_key_append(
-        &self,
-        keys: &mut Self::Tensor,
-        row0: usize,
-        x_k: &Self::Tensor,
-        (w, b): (&Self::Weight, &Self::Weight),
-        eps: f32,
-        rope: &Rope,
-    ) {
-        let mut k = self.layer_norm(x_k, w, b, eps);
-        self.rope(&mut k, 1, 0, row0, rope);
-        self.write_block(keys, row0, 0, &k);
+    /// The DSA indexer's keys of n positions into their cache (`IndexKeys`) at rows
+    /// `row0..row0+n`, roped at those positions. A GPU does it in one pass.
+    fn index_key_append(&self, row0: usize, k: IndexKeys<'_, Self>, rope: &Rope) {
+        let (w, b) = k.norm;
+        let mut y = self.layer_norm(k.x_k, w, b, k.eps);
+        self.rope(&mut y, 1, 0, row0, rope);
+        self.write_block(k.keys, row0, 0, &y);
     }
 
     /// The MLA latent of n positions into its cache: `kv` [n, kv_lora + dr] (the kv_a_mqa
     /// output, dr = `rope.rot_dims()`) -> positions `row0..row0+n` of `cache`,
-    /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`; and with `query`
-    /// (q-LoRA's latent [n, q_lora] and its norm), returns `rms_norm(query, eps)`. A GPU does
-    /// it all in one launch, without the intermediate slices.
+    /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`; with `index_keys`,
+    /// the DSA indexer's keys of the same positions into theirs (`index_key_append`); and with
+    /// `query` (q-LoRA's latent [n, q_lora] and its norm), returns `rms_norm(query, eps)`. A
+    /// GPU does it all in one launch, without the intermediate slices.
     #[allow(clippy::too_many_arguments)]
     fn latent_append(
         &self,
@@ -222,6 +226,7 @@ pub trait Backend: Send + Sync {
         eps: f32,
         rope: &Rope,
         query: Option<(&Self::Tensor, &Self::Weight)>,
+        index_keys: Option<IndexKeys<'_, Self>>,
     ) -> Option<Self::Tensor>;
 
     // ----- matrix products ----------------------------------------------------------------

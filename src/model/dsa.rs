@@ -8,7 +8,7 @@
 //! that is used) does not change and it is left out.
 
 use super::Model;
-use crate::backend::Backend;
+use crate::backend::{Backend, IndexKeys};
 use crate::config::IndexerConfig;
 use crate::weights::Indexer;
 
@@ -51,42 +51,41 @@ impl<I> Selection<I> {
     }
 }
 
-/// Appends this batch's indexer keys (from `x_k` = indexer.attn_k x, [n, d], computed with
-/// the layer's other projections of x) to `keys` and returns the selection. While no query
-/// sees more than `top_k` keys the selection is every causal key whatever the scores, so they
-/// are not computed (the keys still are: later queries rank them).
-#[allow(clippy::too_many_arguments)]
+/// This batch's indexer keys on their way into `keys` (`x_k` = indexer.attn_k x, [n, d],
+/// computed with the layer's other projections of x): `Backend::latent_append` stores them
+/// with the latent.
+pub fn new_keys<'a, B: Backend>(
+    w: &'a Indexer<B::Weight>,
+    keys: &'a mut B::Tensor,
+    x_k: &'a B::Tensor,
+) -> IndexKeys<'a, B> {
+    IndexKeys {
+        keys,
+        x_k,
+        norm: (&w.k_norm, &w.k_norm_bias),
+        eps: K_NORM_EPS,
+    }
+}
+
+/// The selection of the queries at positions `pos0..pos0 + n` (x: attn_norm's output [n, E],
+/// q_a: q-LoRA's normed latent) over `keys`, which hold this batch's keys already. While no
+/// query sees more than `top_k` keys the selection is every causal key whatever the scores,
+/// so they are not computed (the keys still are stored: later queries rank them).
 pub fn select<B: Backend>(
     m: &Model<B>,
     w: &Indexer<B::Weight>,
     ix: &IndexerConfig,
     x: &B::Tensor,
-    x_k: B::Tensor,
     q_a: &B::Tensor,
-    keys: &mut B::Tensor,
+    keys: &B::Tensor,
     pos0: usize,
 ) -> Selection<B::Ids> {
     let b = &m.backend;
-    append_keys(m, w, keys, pos0, &x_k);
     if pos0 + b.shape(x).0 <= ix.top_k {
         return Selection::AllCausal;
     }
     let (q, head_weights) = queries(m, w, ix, x, q_a, pos0);
     Selection::TopK(b.dsa_topk(&q, keys, &head_weights, pos0, score_scale(ix), ix.top_k))
-}
-
-/// Appends the keys of positions `pos0..pos0 + n` (`x_k` = indexer.attn_k x, [n, d]) to
-/// `keys`, normed and roped.
-pub fn append_keys<B: Backend>(
-    m: &Model<B>,
-    w: &Indexer<B::Weight>,
-    keys: &mut B::Tensor,
-    pos0: usize,
-    x_k: &B::Tensor,
-) {
-    let norm = (&w.k_norm, &w.k_norm_bias);
-    m.backend
-        .index_key_append(keys, pos0, x_k, norm, K_NORM_EPS, &m.rope); // [n, d] normed, roped
 }
 
 /// The indexer's queries [n, nh*d], roped, and head weights [n, nh] of positions

@@ -46,20 +46,27 @@ pub fn attention<B: Backend>(
     let (x_q, kv, x_index_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
 
     // The latent of these positions, straight into the cache: c_kv [n, kv_lora] normed,
-    // k_pe [n, dr] roped; with q-LoRA, its latent q_a [n, q_lora] normed in the same pass.
+    // k_pe [n, dr] roped; with q-LoRA, its latent q_a [n, q_lora] normed in the same pass, and
+    // in layers with an indexer, its keys [n, d] into their cache.
     let q_norm = match &w.q {
         QueryProj::Lora { norm, .. } => Some((&x_q, norm)),
         QueryProj::Direct(_) => None,
     };
-    let latent = &mut cache.latent[il];
+    let index_keys = indexer.zip(x_index_k.as_ref()).map(|(ix, x_k)| {
+        let keys = cache.index_keys[il]
+            .as_mut()
+            .expect("allocated for full indexer layers");
+        dsa::new_keys(ix, keys, x_k)
+    });
     let q_a = b.latent_append(
-        latent,
+        &mut cache.latent[il],
         pos0,
         &kv,
         &w.kv_a_norm,
         LATENT_NORM_EPS,
         &m.rope,
         q_norm,
+        index_keys,
     );
 
     // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a feeds DSA too.
@@ -78,7 +85,7 @@ pub fn attention<B: Backend>(
         taps.tensor(b, || format!("L{il}.q_pe"), &q_pe);
     }
     if taps.on() {
-        let (c_kv, k_pe) = b.latent_rows(latent, pos0..pos0 + n);
+        let (c_kv, k_pe) = b.latent_rows(&cache.latent[il], pos0..pos0 + n);
         taps.tensor(b, || format!("L{il}.c_kv"), &c_kv);
         taps.tensor(b, || format!("L{il}.k_pe"), &k_pe);
     }
@@ -86,12 +93,9 @@ pub fn attention<B: Backend>(
     // DSA: which keys each query may see (None: all causal keys, the dense path).
     let mut keep = None;
     if let Some(ix) = &cfg.indexer {
-        if let (Some(indexer), Some(x_k)) = (indexer, x_index_k) {
+        if let (Some(indexer), Some(keys)) = (indexer, &cache.index_keys[il]) {
             let q_a = q_a.as_ref().expect("validated: DSA needs q-LoRA");
-            let keys = cache.index_keys[il]
-                .as_mut()
-                .expect("allocated for full indexer layers");
-            *topk = Some(dsa::select(m, indexer, ix, x, x_k, q_a, keys, pos0));
+            *topk = Some(dsa::select(m, indexer, ix, x, q_a, keys, pos0));
         }
         let selection = topk
             .as_ref()

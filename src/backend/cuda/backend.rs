@@ -17,10 +17,10 @@ use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::kernels::LATENT_DIMS;
 use super::ops::{
-    latent_fits, route_f32_takes, AttentionPrefill, Combine, EmbedRows, Matmul, Matvec, MatvecPart,
-    MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
+    latent_fits, route_f32_takes, AttentionPrefill, Combine, EmbedRows, KeyRowsNorm, Matmul,
+    Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
-use crate::backend::{Backend, BackendError, Rope, WeightRole};
+use crate::backend::{Backend, BackendError, IndexKeys, Rope, WeightRole};
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
 use crate::weights::{DenseFfn, TensorRef};
@@ -448,34 +448,28 @@ impl Backend for Cuda {
         y
     }
 
-    fn index_key_append(
-        &self,
-        keys: &mut CudaTensor,
-        row0: usize,
-        x_k: &CudaTensor,
-        (w, b): (&CudaWeight, &CudaWeight),
-        eps: f32,
-        rope: &Rope,
-    ) {
-        let d = keys.cols;
-        assert!(
-            x_k.cols == d && row0 + x_k.rows <= keys.rows,
-            "index_key_append: [{}, {}] into rows {row0}.. of [{}, {d}]",
-            x_k.rows,
-            x_k.cols,
-            keys.rows
-        );
+    fn index_key_append(&self, row0: usize, k: IndexKeys<'_, Self>, rope: &Rope) {
+        let rows = self.index_key_rows(row0, k);
         let rope = PairRope {
             dims: rope.rot_dims(),
             pos0: row0,
             inv_freq: self.constant(&rope.inv_freq),
             mscale: rope.cos_sin_scale,
         };
-        let y = self.p(keys, row0 * d);
-        let (x, rows) = (self.p(x_k, 0), x_k.rows);
+        let (d, n) = (rows.width, rows.rows);
         ok(
-            self.gpu
-                .layernorm(x, d, self.w(w), self.w(b), y, d, rows, d, eps, Some(rope)),
+            self.gpu.layernorm(
+                rows.x,
+                d,
+                rows.w,
+                rows.b,
+                rows.y,
+                d,
+                n,
+                d,
+                rows.eps,
+                Some(rope),
+            ),
             "index_key_append",
         );
     }
@@ -522,6 +516,7 @@ impl Backend for Cuda {
         eps: f32,
         rope: &Rope,
         query: Option<(&CudaTensor, &CudaWeight)>,
+        index_keys: Option<IndexKeys<'_, Self>>,
     ) -> Option<CudaTensor> {
         let dr = rope.rot_dims();
         assert!(
@@ -544,6 +539,10 @@ impl Backend for Cuda {
             y: self.p(y, 0),
             width: x.cols,
         });
+        let keys = index_keys.map(|k| {
+            assert_eq!(k.x_k.rows, kv.rows, "latent_append: index key rows");
+            self.index_key_rows(row0, k)
+        });
         ok(
             self.gpu.latent_norm_rope(
                 self.p(kv, 0),
@@ -557,6 +556,7 @@ impl Backend for Cuda {
                 rope.cos_sin_scale,
                 eps,
                 q_norm.as_ref(),
+                keys.as_ref(),
             ),
             "latent_norm_rope",
         );
@@ -1114,6 +1114,27 @@ impl Cuda {
 
     /// Whether `linears(x, ws)` runs as one parts launch (`Gpu::matvec_parts`): one token, two
     /// or three matrices of one type and row length that each run on the CUDA-core kernel.
+    /// Where `index_key_append` reads and writes `k`'s rows (the first at row0 of its cache).
+    fn index_key_rows(&self, row0: usize, k: IndexKeys<'_, Self>) -> KeyRowsNorm {
+        let d = k.keys.cols;
+        assert!(
+            k.x_k.cols == d && row0 + k.x_k.rows <= k.keys.rows,
+            "index_key_append: [{}, {}] into rows {row0}.. of [{}, {d}]",
+            k.x_k.rows,
+            k.x_k.cols,
+            k.keys.rows
+        );
+        KeyRowsNorm {
+            x: self.p(k.x_k, 0),
+            w: self.w(k.norm.0),
+            b: self.w(k.norm.1),
+            y: self.p(k.keys, row0 * d),
+            rows: k.x_k.rows,
+            width: d,
+            eps: k.eps,
+        }
+    }
+
     fn takes_parts(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> bool {
         x.rows == 1
             && (2..=3).contains(&ws.len())

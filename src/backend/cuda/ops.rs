@@ -1203,8 +1203,9 @@ impl Gpu {
     /// The MLA latent of `rows` tokens: row t of kv [rows, dl + dr] -> row t of `cache`
     /// (pointing at the first row to fill, in the latent cache format: `latent_split`), c_kv
     /// RMS-normed with w, k_pe roped at position pos0 + t (inv_freq: [dr / 2] f32); with
-    /// `query`, its rows RMS-normed in the same launch (q-LoRA's latent, the same eps). See
-    /// kernels/norm.cu.
+    /// `query`, its rows RMS-normed in the same launch (q-LoRA's latent, the same eps), and with
+    /// `keys`, theirs layer-normed and their first dr values roped as k_pe (the DSA indexer's
+    /// keys of the same tokens). See kernels/norm.cu.
     #[allow(clippy::too_many_arguments)]
     pub fn latent_norm_rope(
         &self,
@@ -1219,23 +1220,36 @@ impl Gpu {
         mscale: f32,
         eps: f32,
         query: Option<&RowsNorm>,
+        keys: Option<&KeyRowsNorm>,
     ) -> Result<(), CudaError> {
         let dq = query.map_or(0, |q| q.width);
-        let block = norm_block(dl.max(dq), "latent_norm_rope")?;
+        let dk = keys.map_or(0, |k| k.width);
+        let block = norm_block(dl.max(dq).max(dk), "latent_norm_rope")?;
         check(
             dr.is_multiple_of(2) && pos0 + rows <= i32::MAX as usize,
             "latent_norm_rope",
             || format!("rope width {dr}, positions up to {}", pos0 + rows),
+        )?;
+        check(
+            keys.is_none_or(|k| k.rows == rows && dr <= k.width),
+            "latent_norm_rope",
+            || format!("index keys of {rows} tokens, {dr} roped values each"),
         )?;
         latent_fits("latent_norm_rope", dl, dr)?;
         if rows == 0 {
             return Ok(());
         }
         let (qx, qw, qy) = query.map_or((0, 0, 0), |q| (q.x, q.w, q.y));
-        let grid = (rows as u32, 1 + query.is_some() as u32, 1);
+        let (kx, kw, kb, ky, k_eps) =
+            keys.map_or((0, 0, 0, 0, 0.0), |k| (k.x, k.w, k.b, k.y, k.eps));
+        let grid = (
+            rows as u32,
+            1 + query.is_some() as u32 + keys.is_some() as u32,
+            1,
+        );
         launch!(self, "latent_norm_rope", grid, block, 0;
             kv, w, cache, dl as i32, dr as i32, pos0 as i32, inv_freq, mscale, eps, qx, qw, qy,
-            dq as i32);
+            dq as i32, kx, kw, kb, ky, dk as i32, k_eps);
         Ok(())
     }
 
@@ -1802,6 +1816,18 @@ pub struct RowsNorm {
     pub w: Ptr,
     pub y: Ptr,
     pub width: usize,
+}
+
+/// `rows` rows of `width` values at x layer-normed with w and b (eps) into y (contiguous
+/// rows), the first values of each then roped: the DSA indexer's keys into their cache.
+pub struct KeyRowsNorm {
+    pub x: Ptr,
+    pub w: Ptr,
+    pub b: Ptr,
+    pub y: Ptr,
+    pub rows: usize,
+    pub width: usize,
+    pub eps: f32,
 }
 
 /// Whether `Gpu::moe_route_f32` takes router rows of `dim` floats at `w` and x rows at `x`
