@@ -1247,7 +1247,12 @@ struct TcQ6kTile {
 // the block walks all its groups through part 0, prepares x's planes of part 1, walks them
 // again, and so on, each lane that writes a row adding that part's sum to what it stored
 // before (so the rows need no combine between blocks, and the copies run on into the next part
-// while x is prepared). glu needs one part. Dynamic shared memory tma_smem_bytes(kpart)
+// while x is prepared). glu needs one part. With y_part (not 0: one matrix, no ids), where a
+// wave of blocks would otherwise leave many of them idle in its last round (GLM-5's
+// attn_output: 384 tiles over 264 blocks, of which 120 take two), the blocks take the units
+// (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
+// rows, at y + p * y_part: add_rmsnorm sums them in part order, so the rows come out the same
+// bits as above. Dynamic shared memory tma_smem_bytes(kpart)
 // (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
@@ -1313,7 +1318,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                                                 const u8* sw2, i64 mat_stride, const int* ids,
                                                 int items, int rows, int k, int kpart,
                                                 i64 row_bytes, const float* x, float* y,
-                                                i64 y_stride, int glu) {
+                                                i64 y_stride, int glu, i64 y_part) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
     static_assert(TMA_BLOCKS * BYTES % 16 == 0,
@@ -1338,6 +1343,13 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     // Part p's 256-blocks and stages (it starts at 256-block p * part_blocks).
     auto part_nb = [&](int p) { return min(part_blocks, nb - p * part_blocks); };
     auto part_steps = [&](int p) { return (part_nb(p) + TMA_BLOCKS - 1) / TMA_BLOCKS; };
+    // The block's first group of part p: its own index in every part, or with y_part (the
+    // parts spread) unit p * groups + grp of the sequence the blocks take in turn.
+    auto first_group = [&](int p) {
+        if (!y_part) return (int)blockIdx.x;
+        const int r = ((int)blockIdx.x - p * groups) % (int)gridDim.x;
+        return r < 0 ? r + (int)gridDim.x : r;
+    };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Unit m of group grp: its item (glu: the gate's, then the up's).
     auto item_of = [&](int grp, int m) {
@@ -1370,7 +1382,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         int n = 0;
         for (int p = 0; p < parts; p++) {
             const int pnb = part_nb(p), steps = part_steps(p);
-            for (int grp = next_group(blockIdx.x, false); grp < groups;
+            for (int grp = next_group(first_group(p), false); grp < groups;
                  grp = next_group(grp + gridDim.x, false)) {
                 int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
                 for (int m = 0; m < mats; m++) {
@@ -1406,6 +1418,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     if (threadIdx.x < Tile::ZEROS / 4) ((u32*)zeros)[threadIdx.x] = 0u;  // before part 0's sync
     int n = 0, par = 0;
     for (int p = 0; p < parts; p++) {
+        if (first_group(p) >= groups) continue;  // no unit of this part (y_part)
         // The last group's dots of part p - 1 are behind its consumers_sync: its planes are free.
         const int pnb = part_nb(p), steps = part_steps(p), stride = tc_plane_stride(256 * pnb);
         const float* scales = (const float*)(tma_sm + 4 * stride);
@@ -1414,7 +1427,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
                                    TMA_BLOCKS);  // by consumers
         consumers_sync();
-        for (int grp = next_group(blockIdx.x, true); grp < groups;
+        for (int grp = next_group(first_group(p), true); grp < groups;
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
             const int tile = grp % tiles;
             for (int m = 0; m < mats; m++) {
@@ -1461,7 +1474,10 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     sum = silu(sum) * up;
                 }
                 float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
-                *row = p == 0 ? sum : *row + sum;
+                if (y_part)
+                    row[p * y_part] = sum;
+                else
+                    *row = p == 0 ? sum : *row + sum;
             }
         }
     }
@@ -1474,9 +1490,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         kname(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,           \
               const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,             \
-              const float* x, float* y, i64 y_stride, int glu) {                                \
+              const float* x, float* y, i64 y_stride, int glu, i64 y_part) {                    \
         matvec_tma_body<Tile>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, kpart,           \
-                              row_bytes, x, y, y_stride, glu);                                  \
+                              row_bytes, x, y, y_stride, glu, y_part);                          \
     }
 DEFINE_MATVEC_TMA(matvec_tma_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, TcQ5k)

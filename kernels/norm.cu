@@ -100,8 +100,11 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(
 }
 
 // The residual add fused with the norm after it, rows of n contiguous values: x += r is
-// written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x.
+// written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x. r is
+// the sum of r_parts partials r_part apart, added in order (a product whose k its blocks took
+// in parts, matvec_tma_body's y_part: the same bits as the one sum it would have stored).
 extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
+                                                               int r_parts, i64 r_part,
                                                                const float* w, float* y, int n,
                                                                float eps) {
     pdl_enter();
@@ -112,6 +115,12 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
     load_row(v, xr, n);
     load_row(r_v, rr, n);
     load_row(wv, w, n);
+    for (int p = 1; p < r_parts; p++) {
+        float rp[NORM_VALS];
+        load_row(rp, rr + p * r_part, n);
+#pragma unroll
+        for (int k = 0; k < NORM_VALS; k++) r_v[k] += rp[k];
+    }
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
         int i = threadIdx.x + k * blockDim.x;

@@ -15,8 +15,9 @@ use common::{
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
-    latent_split, tma_tile, AttentionPrefill, Combine, EmbedRows, KeyRowsNorm, Matmul, Matvec,
-    MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES, MOE_SHARED, TMA_TILE_TYPES,
+    latent_split, tma_part_k, tma_smem_bytes, tma_tile, AttentionPrefill, Combine, EmbedRows,
+    KeyRowsNorm, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm,
+    KERNEL_TYPES, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
 use mla_engine::backend::{Backend, WeightRole};
@@ -255,6 +256,7 @@ fn expert_matvec(
         glu: false,
         combine: None,
         shared: (0, 0),
+        y_part: 0,
     })
     .unwrap();
     g.download(&dy).unwrap()
@@ -433,6 +435,74 @@ fn matvec_tensor_core_types_match_dequantized_dot() {
                 );
             }
         });
+    }
+}
+
+/// A product whose k the bulk-copy kernel takes in parts, spread over its blocks
+/// (`Matvec::y_part`, `Gpu::spread_parts`): its partials added in part order are, bit for bit,
+/// the rows the kernel stores walking each tile through all parts itself, and match the
+/// dequantized f64 product; for GLM-5's attn_output (6144 x 16384, spread where a wave is 264
+/// blocks) and a matrix of half a wave of tiles (spread on any GPU with bulk copies).
+#[test]
+fn matvec_spread_parts_add_up_to_the_rows() {
+    let Some(g) = gpu() else { return };
+    if !g.bulk_copies {
+        println!("SKIPPED: no bulk copies on this GPU (sm_90 and later): no spread parts");
+        return;
+    }
+    let mut rng = Rng::new("matvec_spread");
+    let k = 16384;
+    for t in TMA_TILE_TYPES {
+        let tile = tma_tile(t).unwrap();
+        let smem = tma_smem_bytes(tile, tma_part_k(tile, k));
+        let slots = g.wave_blocks(tile.kernel, 288, smem).unwrap();
+        for rows in [6144, 16 * (slots / 2)] {
+            let w = random_rows(&mut rng, t, rows, k);
+            let wf = dequant_rows(t, &w, rows, k);
+            let x = hard_x(&mut rng, k);
+            let (dw, dx, whole) = (
+                g.upload(&w).unwrap(),
+                g.upload(&x).unwrap(),
+                poisoned(&g, rows),
+            );
+            let whole_at = (g.ptr(&dx, 0), g.ptr(&whole, 0));
+            let mut a = Matvec::single(t, g.ptr(&dw, 0), whole_at, (rows, k));
+            g.matvec(&a).unwrap();
+            let parts = g.spread_parts(&a).unwrap();
+            println!("{t} {rows}x{k}: {parts} spread parts, a wave of {slots} blocks");
+            if rows < slots * 16 {
+                assert!(parts > 1, "{t} {rows}x{k}: half a wave of tiles is spread");
+            }
+            if parts == 1 {
+                continue;
+            }
+            let partials = poisoned(&g, parts * rows);
+            (a.y, a.y_part) = (g.ptr(&partials, 0), rows);
+            g.matvec(&a).unwrap();
+            let stored = g.download(&partials).unwrap();
+            let mut sum = stored[..rows].to_vec();
+            for part in stored.chunks_exact(rows).skip(1) {
+                sum.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+            }
+            let whole = g.download(&whole).unwrap();
+            for (r, (s, w)) in sum.iter().zip(&whole).enumerate() {
+                assert_eq!(
+                    s.to_bits(),
+                    w.to_bits(),
+                    "{t} {rows}x{k} row {r}: {s} against {w}"
+                );
+            }
+            let want: Vec<f64> = wf
+                .chunks_exact(k)
+                .map(|row| row.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum())
+                .collect();
+            assert_close(
+                &format!("matvec {t} {rows}x{k} in {parts} spread parts"),
+                &sum,
+                &want,
+                F32_OP,
+            );
+        }
     }
 }
 
@@ -616,6 +686,7 @@ fn matvec_q4_k_pair_matches_two_products() {
             glu: false,
             combine: None,
             shared: (0, 0),
+            y_part: 0,
         };
         assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
         g.matvec(&a).unwrap();
@@ -1027,6 +1098,7 @@ fn matvec_transposed_every_type_matches() {
             glu: false,
             combine: None,
             shared: (0, 0),
+            y_part: 0,
         })
         .unwrap();
         let y = g.download(&dy).unwrap();
@@ -1452,10 +1524,11 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("add_rmsnorm");
     let eps = 1e-5;
-    // A latent-sized row and GLM-5's residual width (1024 threads x NORM_VALS).
-    for (rows, n) in [(9, 576), (3, 6144)] {
+    // A latent-sized row and GLM-5's residual width (1024 threads x NORM_VALS), and r as the
+    // partial sums of a product spread over its blocks in parts (Matvec::y_part).
+    for (rows, n, parts) in [(9, 576, 1), (3, 6144, 1), (1, 6144, 2), (2, 7168, 3)] {
         let x: Vec<f32> = rng.normals(rows * n).iter().map(|v| v * 3.0).collect();
-        let r = rng.normals(rows * n);
+        let r = rng.normals(parts * rows * n);
         let w = rng.normals(n);
         let (dx, dr, dw) = (
             g.upload(&x).unwrap(),
@@ -1465,7 +1538,7 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
         let dy = poisoned(&g, rows * n);
         g.add_rmsnorm(
             g.ptr(&dx, 0),
-            g.ptr(&dr, 0),
+            (g.ptr(&dr, 0), parts),
             g.ptr(&dw, 0),
             g.ptr(&dy, 0),
             rows,
@@ -1473,15 +1546,31 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
             eps,
         )
         .unwrap();
-        // The sum is the f32 sum, exactly (what add_inplace writes).
-        let sum: Vec<f32> = x.iter().zip(&r).map(|(a, b)| a + b).collect();
+        // The sum is the f32 sum, exactly: x + (the partials added in order), what add_inplace
+        // writes for a whole r.
+        let mut r_sum = r[..rows * n].to_vec();
+        for part in r.chunks_exact(rows * n).skip(1) {
+            r_sum.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+        }
+        let sum: Vec<f32> = x.iter().zip(&r_sum).map(|(a, b)| a + b).collect();
         let want_sum: Vec<f64> = sum.iter().map(|&v| v as f64).collect();
-        assert_close("add_rmsnorm x", &g.download(&dx).unwrap(), &want_sum, 0.0);
+        let what = format!("add_rmsnorm {rows}x{n} of {parts} parts");
+        assert_close(
+            &format!("{what}: x"),
+            &g.download(&dx).unwrap(),
+            &want_sum,
+            0.0,
+        );
         let want: Vec<f64> = sum
             .chunks_exact(n)
             .flat_map(|row| rmsnorm_twin(row, &w, eps))
             .collect();
-        assert_close("add_rmsnorm y", &g.download(&dy).unwrap(), &want, F32_OP);
+        assert_close(
+            &format!("{what}: y"),
+            &g.download(&dy).unwrap(),
+            &want,
+            F32_OP,
+        );
     }
 }
 

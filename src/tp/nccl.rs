@@ -120,9 +120,9 @@ impl Nccl {
 
 impl Communicator<Cuda> for Nccl {
     fn all_reduce(&self, cuda: &Cuda, x: &mut CudaTensor) {
-        let (rows, cols) = cuda.shape(x);
+        let stored = x.stored();
         self.run(cuda, || {
-            let mut view = x.buf_mut().slice_mut(0..rows * cols);
+            let mut view = x.buf_mut().slice_mut(0..stored);
             self.comm
                 .all_reduce_in_place(&mut view, &ReduceOp::Sum)
                 .map(|_| ())

@@ -623,6 +623,7 @@ impl Bench {
                     glu: false,
                     combine: None,
                     shared: (0, 0),
+                    y_part: 0,
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,
                     k,

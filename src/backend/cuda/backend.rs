@@ -47,22 +47,34 @@ pub struct CudaPick {
     done: CudaEvent,
 }
 
-/// An activation `[rows, cols]`, f32, row-major.
+/// An activation `[rows, cols]`, f32, row-major; or, with `parts` > 1, the sum in order of
+/// that many [rows, cols] partials stored one after the other: a decode product whose k its
+/// blocks took in parts (`Gpu::spread_parts`), summed where `add_rms_norm` reads it. Every
+/// other kernel takes whole tensors (`Cuda::p` checks).
 pub struct CudaTensor {
-    /// [rows * cols] (at least one element: a zero-sized allocation has no address).
+    /// [parts * rows * cols] (at least one element: a zero-sized allocation has no address).
     buf: CudaSlice<f32>,
     rows: usize,
     cols: usize,
+    parts: usize,
 }
 
 impl CudaTensor {
     /// The device buffer (at least rows * cols values), for collectives (`crate::tp::nccl`).
     pub fn buf(&self) -> &CudaSlice<f32> {
+        assert_eq!(self.parts, 1, "a tensor of partial sums");
         &self.buf
     }
 
+    /// The device buffer, `stored()` values, for collectives: an all-reduce sums partials as
+    /// they are (each over the ranks).
     pub fn buf_mut(&mut self) -> &mut CudaSlice<f32> {
         &mut self.buf
+    }
+
+    /// The values stored: rows * cols of each partial.
+    pub fn stored(&self) -> usize {
+        self.parts * self.rows * self.cols
     }
 }
 
@@ -121,11 +133,17 @@ impl Cuda {
 
     /// A [rows, cols] activation that the next kernel writes whole (`Gpu::empty`).
     fn empty(&self, rows: usize, cols: usize) -> CudaTensor {
+        self.empty_parts(rows, cols, 1)
+    }
+
+    /// `parts` partials of a [rows, cols] activation (`CudaTensor`), written whole next.
+    fn empty_parts(&self, rows: usize, cols: usize, parts: usize) -> CudaTensor {
         // At least one element: a zero-sized device allocation has no address.
         CudaTensor {
-            buf: ok(self.gpu.empty((rows * cols).max(1)), "alloc"),
+            buf: ok(self.gpu.empty((parts * rows * cols).max(1)), "alloc"),
             rows,
             cols,
+            parts,
         }
     }
 
@@ -137,8 +155,13 @@ impl Cuda {
         )
     }
 
-    /// The device address of element `offset` of an activation.
+    /// The device address of element `offset` of an activation (a whole one: the kernels but
+    /// add_rmsnorm do not sum partials).
     fn p(&self, x: &CudaTensor, offset: usize) -> DevicePtrRaw {
+        assert_eq!(
+            x.parts, 1,
+            "a tensor of partial sums where a whole one is needed"
+        );
         self.gpu.ptr(&x.buf, offset)
     }
 
@@ -260,11 +283,22 @@ impl Backend for Cuda {
             buf: ok(self.gpu.upload(data), "upload"),
             rows,
             cols,
+            parts: 1,
         }
     }
 
     fn download(&self, x: &CudaTensor) -> Vec<f32> {
-        ok(self.gpu.download(&x.buf), "download")
+        let stored = ok(self.gpu.download(&x.buf), "download");
+        let n = x.rows * x.cols;
+        if x.parts == 1 {
+            return stored;
+        }
+        // The partials' sum in part order, as add_rmsnorm adds them.
+        let mut sum = stored[..n].to_vec();
+        for part in stored[..x.parts * n].chunks_exact(n).skip(1) {
+            sum.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+        }
+        sum
     }
 
     fn shape(&self, x: &CudaTensor) -> (usize, usize) {
@@ -277,6 +311,7 @@ impl Backend for Cuda {
             buf: ok(self.gpu.zeros((rows * cols).max(1)), "alloc"),
             rows,
             cols,
+            parts: 1,
         }
     }
 
@@ -495,7 +530,7 @@ impl Backend for Cuda {
         ok(
             self.gpu.add_rmsnorm(
                 self.p(x, 0),
-                self.p(r, 0),
+                (self.gpu.ptr(&r.buf, 0), r.parts),
                 self.w(w),
                 self.p(&y, 0),
                 x.rows,
@@ -599,6 +634,16 @@ impl Backend for Cuda {
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
         let (k, rows) = (w.ne[0], w.dim(1));
         assert_eq!(x.cols, k, "linear {}: x has {} columns", w.name, x.cols);
+        if x.rows == 1 {
+            // Decode: where the kernel spreads k's parts over its blocks, y is their partials.
+            let mut a = Matvec::single(w.ty, self.w(w), (self.p(x, 0), 0), (rows, k));
+            let parts = ok(self.gpu.spread_parts(&a), "matvec");
+            let y = self.empty_parts(1, rows, parts);
+            a.y = self.gpu.ptr(&y.buf, 0);
+            a.y_part = if parts > 1 { rows } else { 0 };
+            ok(self.gpu.matvec(&a), "matvec");
+            return y;
+        }
         let y = self.empty(x.rows, rows);
         self.product(
             w.ty,
@@ -1205,6 +1250,7 @@ impl Cuda {
                 glu: false,
                 combine: None,
                 shared: (0, 0),
+                y_part: 0,
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
@@ -1323,6 +1369,7 @@ impl Cuda {
                 glu: false,
                 combine: None,
                 shared: (0, 0),
+                y_part: 0,
             };
         let gate_item = Matvec {
             shared: (sw(|s| &s.gate), 0),

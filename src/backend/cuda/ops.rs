@@ -77,6 +77,10 @@ pub struct Matvec {
     /// shared expert as one more MoE choice, or (0, 0). Only the tensor-core kernels take them
     /// (`Gpu::takes_shared`).
     pub shared: (Ptr, Ptr),
+    /// 0, or the distance (values) between the partial outputs of one matrix whose rows the
+    /// bulk-copy kernel takes in parts of k spread over its blocks (`Gpu::spread_parts` of
+    /// them): part p's sums at y + p * y_part, their sum in part order is y.
+    pub y_part: usize,
 }
 
 /// The id of the shared expert among a token's MoE choices (`Matvec::shared`, moe_router).
@@ -103,6 +107,7 @@ impl Matvec {
             glu: false,
             combine: None,
             shared: (0, 0),
+            y_part: 0,
         }
     }
 }
@@ -496,6 +501,25 @@ impl Gpu {
             && a.combine.is_none()
     }
 
+    /// How many partial outputs `matvec` writes for `a` with a `y_part`: more than 1 where
+    /// `a`, one matrix on the bulk-copy kernel with k in parts, takes fewer rounds of its wave
+    /// of blocks as units (part, tile) taken in turn than as tiles each walked through all
+    /// parts by one block (GLM-5's attn_output, 384 tiles of 2 parts over an H200's 264
+    /// blocks: 3 rounds of units instead of 4), else 1 (no y_part).
+    pub fn spread_parts(&self, a: &Matvec) -> Result<usize, CudaError> {
+        let single = a.batch == 1 && a.ids == 0 && a.pair == 0 && !a.transposed;
+        if !(single && self.on_tensor_cores(a) && self.uses_bulk_copies(a)) {
+            return Ok(1);
+        }
+        let tile = tma_tile(a.ty).expect("a tensor-core type");
+        let kpart = tma_part_k(tile, a.k);
+        let parts = a.k.div_ceil(kpart);
+        let slots = self.wave_blocks(tile.kernel, 288, tma_smem_bytes(tile, kpart))?;
+        let tiles = a.rows.div_ceil(16);
+        let spread = (parts * tiles).div_ceil(slots) < parts * tiles.div_ceil(slots);
+        Ok(if spread { parts } else { 1 })
+    }
+
     /// Whether the tensor-core product `a` goes to matvec_tma_items_<type>.
     fn uses_item_copies(&self, a: &Matvec) -> bool {
         self.bulk_copies
@@ -544,6 +568,11 @@ impl Gpu {
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
         })?;
+        check(
+            a.y_part == 0 || (a.y_part >= a.rows && self.spread_parts(a)? > 1),
+            "matvec",
+            || "partial outputs: where spread_parts says so, rows apart".into(),
+        )?;
         if self.on_tensor_cores(a) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
             // each, all of k) on large grids or short rows, else 2 (two warps each, half of k).
@@ -557,16 +586,22 @@ impl Gpu {
             let tiles = a.rows.div_ceil(16);
             let tile = tma_tile(a.ty).expect("a tensor-core type");
             if self.uses_bulk_copies(a) {
-                // A group per tile of an item (glu: of both matrices), one wave of blocks.
+                // A group per tile of an item (glu: of both matrices), one wave of blocks;
+                // with y_part, a unit per part of each group.
                 let kpart = tma_part_k(tile, a.k);
                 let smem = tma_smem_bytes(tile, kpart);
                 let kernel = tile.kernel;
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
+                let units = if a.y_part > 0 {
+                    groups * a.k.div_ceil(kpart)
+                } else {
+                    groups
+                };
                 let slots = self.wave_blocks(kernel, 288, smem)?;
-                launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
+                launch!(self, kernel, (units.min(slots) as u32, 1, 1), 288, smem as u32;
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                     a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
-                    a.x, a.y, a.y_stride as i64, a.glu as i32);
+                    a.x, a.y, a.y_stride as i64, a.glu as i32, a.y_part as i64);
                 return Ok(());
             }
             if self.uses_item_copies(a) {
@@ -1182,12 +1217,14 @@ impl Gpu {
         Ok(())
     }
 
-    /// x += r (written back), then y = rmsnorm(x) * w, row by row ([rows, n], contiguous).
+    /// x += r (written back), then y = rmsnorm(x) * w, row by row ([rows, n], contiguous);
+    /// r: (address, parts), the sum in order of that many [rows, n] partials one after the
+    /// other (a product with `Matvec::y_part`).
     #[allow(clippy::too_many_arguments)]
     pub fn add_rmsnorm(
         &self,
         x: Ptr,
-        r: Ptr,
+        (r, r_parts): (Ptr, usize),
         w: Ptr,
         y: Ptr,
         rows: usize,
@@ -1195,8 +1232,9 @@ impl Gpu {
         eps: f32,
     ) -> Result<(), CudaError> {
         let block = norm_block(n, "add_rmsnorm")?;
+        check(r_parts >= 1, "add_rmsnorm", || "no partial of r".into())?;
         launch!(self, "add_rmsnorm", (rows as u32, 1, 1), block, 0;
-            x, r, w, y, n as i32, eps);
+            x, r, r_parts as i32, (rows * n) as i64, w, y, n as i32, eps);
         Ok(())
     }
 
