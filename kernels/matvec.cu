@@ -1313,13 +1313,12 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
 }
 
-template <class Tile, bool PARTS = false>
+template <class Tile>
 __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const u8* sw,
                                                 const u8* sw2, i64 mat_stride, const int* ids,
                                                 int items, int rows, int k, int kpart,
                                                 i64 row_bytes, const float* x, float* y,
-                                                i64 y_stride, int glu, i64 y_part,
-                                                MatvecParts pt = MatvecParts{}) {
+                                                i64 y_stride, int glu, i64 y_part) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
     static_assert(TMA_BLOCKS * BYTES % 16 == 0,
@@ -1329,10 +1328,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
     u8* zeros = tma_sm + tc_x_bytes(kpart);  // Tile::ZEROS bytes, then the stages
     u8* stages = zeros + Tile::ZEROS;
-    const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16;
-    // PARTS: the tiles of matrix w (rows rows), then of pt.w1 and pt.w2, one x, one part of k.
-    const int tiles1 = (pt.rows1 + 15) / 16, tiles2 = (pt.rows2 + 15) / 16;
-    const int groups = PARTS ? tiles + tiles1 + tiles2 : items / mats * tiles;
+    const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
     // With a shared expert, groups 0 .. tiles - 1 are its choice (the token's last), then
     // choices 0, 1, ...: rot turns group order into choice order.
     const int choices = items / mats;
@@ -1361,20 +1357,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         return tc_item(choice_of(grp) + m * (items / 2), items, w, w2, sw, sw2, mat_stride, ids,
                        items);
     };
-    // Group grp's matrix (of unit m), its rows, the group's tile of them and their output.
-    struct Unit {
-        const u8* mat;
-        int rows, tile;
-        float* y;
-    };
-    auto unit_of = [&](int grp, int m) {
-        if (PARTS) {
-            if (grp < tiles) return Unit{w, rows, grp, y};
-            if (grp < tiles + tiles1) return Unit{pt.w1, pt.rows1, grp - tiles, pt.y1};
-            return Unit{pt.w2, pt.rows2, grp - tiles - tiles1, pt.y2};
-        }
-        return Unit{item_of(grp, m).mat, rows, grp % tiles, y + choice_of(grp) * y_stride};
-    };
     // Whether this thread has waited for the router (a consumer then lets the next kernel
     // launch, as pdl_enter does): before its first group of a routed choice.
     bool routed = !ids;
@@ -1402,10 +1384,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             const int pnb = part_nb(p), steps = part_steps(p);
             for (int grp = next_group(first_group(p), false); grp < groups;
                  grp = next_group(grp + gridDim.x, false)) {
+                int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
                 for (int m = 0; m < mats; m++) {
-                    const Unit u = unit_of(grp, m);
-                    const int r0 = u.tile * 16, nr = min(16, u.rows - r0);
-                    const u8* base = u.mat;
+                    const u8* base = item_of(grp, m).mat;
                     const u8* mat = base + (i64)r0 * row_bytes + (i64)p * part_blocks * BYTES;
                     for (int st = 0; st < steps; st++, n++) {
                         int slot = n % STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
@@ -1415,7 +1396,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                             mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * BYTES;
                         if (Tile::ANY_ROW_START) {
                             bulk_copy_from_any(dst, src, cnt * BYTES, lane < nr,
-                                               base + (i64)u.rows * row_bytes, &full[slot]);
+                                               base + (i64)rows * row_bytes, &full[slot]);
                         } else {
                             if (lane == 0)
                                 mbar_expect_bytes(&full[slot], (u32)(nr * cnt * BYTES));
@@ -1448,13 +1429,13 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         consumers_sync();
         for (int grp = next_group(first_group(p), true); grp < groups;
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
-            const int tile = unit_of(grp, 0).tile;
+            const int tile = grp % tiles;
             for (int m = 0; m < mats; m++) {
                 // Where rows g and g + 8's block c lies in a stage; ANY_ROW_START: after the
                 // row's bytes before its 16-byte boundary (the same in every stage).
                 int at_lo = g * ROW + BYTES * c, at_hi = at_lo + 8 * ROW;
                 if (Tile::ANY_ROW_START) {
-                    const u8* r = unit_of(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
+                    const u8* r = item_of(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
                                   (i64)p * part_blocks * BYTES;
                     at_lo += (int)((unsigned long long)r & 15);
                     at_hi += (int)((unsigned long long)(r + 8 * row_bytes) & 15);
@@ -1484,8 +1465,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             consumers_sync();
             // The warps' partials in warp order, so that the glu and pair forms give the same
             // bits; a later part adds to the row its lane stored before.
-            const Unit u = unit_of(grp, 0);
-            if (warp == 0 && lane < 16 && tile * 16 + lane < u.rows) {
+            if (warp == 0 && lane < 16 && tile * 16 + lane < rows) {
                 float sum = 0.0f;
                 for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
                 if (glu) {
@@ -1493,7 +1473,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
                     sum = silu(sum) * up;
                 }
-                float* row = u.y + tile * 16 + lane;
+                float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
                 if (y_part)
                     row[p * y_part] = sum;
                 else
@@ -1518,21 +1498,6 @@ DEFINE_MATVEC_TMA(matvec_tma_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, TcIq4xs)
 DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, TcQ6kTile)
-
-// The projections of one x by two or three matrices of one type and k (MLA's q_a, kv_a and the
-// DSA indexer's key: Gpu::matvec_parts), as a parts launch of the CUDA-core kernel computes
-// them: matrix w's tiles, then pt.w1's and pt.w2's, one group each, k in one part.
-#define DEFINE_MATVEC_TMA_PARTS(kname, Tile)                                                    \
-    extern "C" __global__ void __launch_bounds__(288, 2)                                        \
-        kname(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y,            \
-              MatvecParts pt) {                                                                 \
-        matvec_tma_body<Tile, true>(w, nullptr, nullptr, nullptr, 0, nullptr, 1, rows, k, k,    \
-                                    row_bytes, x, y, 0, 0, 0, pt);                              \
-    }
-DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q4_k, TcQ4k)
-DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q5_k, TcQ5k)
-DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs, TcIq4xs)
-DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k, TcQ6kTile)
 
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //

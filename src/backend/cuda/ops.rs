@@ -345,10 +345,8 @@ const TMA_K_MIN: usize = 2048;
 /// sm_90) they stay on the CUDA cores (Q6_K's lm head: matvec_tma_q6_k / matvec_int_q6_k).
 #[derive(Clone, Copy, Debug)]
 pub struct TmaTile {
-    /// The kernel of products whose items all read one x.
+    /// The kernel of products whose items read one x.
     pub kernel: &'static str,
-    /// The kernel of two or three matrices' products with one x (`Gpu::matvec_parts`).
-    pub parts: &'static str,
     /// The kernel of items with their own x, and its consumer warps (a stage each; fewer
     /// where 4 stages would not fit). None for Q6_K: its items form lost to the CUDA cores
     /// (H200, the DS3 MoE row's downs: 136.3 -> 145.9 us; docs/performance.md).
@@ -389,10 +387,9 @@ pub const TMA_TILE_TYPES: [GgmlType; 4] = [
 ];
 
 pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
-    let tile = |(kernel, parts), items, row, stages, k_max| {
+    let tile = |kernel, items, row, stages, k_max| {
         Some(TmaTile {
             kernel,
-            parts,
             items,
             bytes: ty.type_size(),
             row,
@@ -404,33 +401,27 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
     };
     match ty {
         GgmlType::Q4_K => tile(
-            ("matvec_tma_q4_k", "matvec_tma_parts_q4_k"),
+            "matvec_tma_q4_k",
             Some(("matvec_tma_items_q4_k", 4)),
             1168,
             3,
             9216,
         ),
         GgmlType::Q5_K => tile(
-            ("matvec_tma_q5_k", "matvec_tma_parts_q5_k"),
+            "matvec_tma_q5_k",
             Some(("matvec_tma_items_q5_k", 3)),
             1424,
             3,
             7168,
         ),
         GgmlType::IQ4_XS => tile(
-            ("matvec_tma_iq4_xs", "matvec_tma_parts_iq4_xs"),
+            "matvec_tma_iq4_xs",
             Some(("matvec_tma_items_iq4_xs", 4)),
             1104,
             3,
             10240,
         ),
-        GgmlType::Q6_K => tile(
-            ("matvec_tma_groups_q6_k", "matvec_tma_parts_q6_k"),
-            None,
-            1712,
-            2,
-            10240,
-        ),
+        GgmlType::Q6_K => tile("matvec_tma_groups_q6_k", None, 1712, 2, 10240),
         _ => None,
     }
 }
@@ -694,9 +685,7 @@ impl Gpu {
 
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
     /// projections of one activation (MLA's q_a, kv_a and the indexer key; a shared expert's
-    /// gate and up) in one launch instead of one each: of the tile type's bulk-copy kernel
-    /// where it takes the matrices whole (one part of k, rows it can copy), one wave of blocks
-    /// walking their tiles, else of the CUDA-core kernel.
+    /// gate and up) in one launch of the CUDA-core kernel instead of one each.
     pub fn matvec_parts(
         &self,
         ty: GgmlType,
@@ -726,18 +715,6 @@ impl Gpu {
             y1: p1.y,
             y2: p2.y,
         };
-        if let Some(tile) = tma_tile(ty).filter(|t| {
-            let aligned = parts.iter().all(|p| p.w.is_multiple_of(16))
-                && (rb.is_multiple_of(16) || t.any_row_start);
-            self.bulk_copies && (TMA_K_MIN..=t.k_max).contains(&k) && aligned
-        }) {
-            let smem = tma_smem_bytes(tile, k);
-            let tiles: usize = parts.iter().map(|p| p.rows.div_ceil(16)).sum();
-            let slots = self.wave_blocks(tile.parts, 288, smem)?;
-            launch!(self, tile.parts, (tiles.min(slots) as u32, 1, 1), 288, smem as u32;
-                p0.w, p0.rows as i32, k as i32, rb as i64, x, p0.y, extra);
-            return Ok(());
-        }
         // The grid of the longest part; the others' surplus blocks find no rows and return.
         let rows = parts.iter().map(|p| p.rows).max().unwrap();
         let (kernel, grid_x, block) = matvec_geometry(ty, rows, 1, k, rb)?;
