@@ -100,13 +100,15 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(
 }
 
 // The residual add fused with the norm after it, rows of n contiguous values: x += r is
-// written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x. r is
-// the sum of r_parts partials r_part apart, added in order (a product whose k its blocks took
-// in parts, matvec_tma_body's y_part: the same bits as the one sum it would have stored).
-extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
-                                                               int r_parts, i64 r_part,
-                                                               const float* w, float* y, int n,
-                                                               float eps) {
+// written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x. In
+// add_rmsnorm_parts, r is the sum of r_parts partials r_part apart, added in order (a product
+// whose k its blocks took in parts, matvec_tma_body's y_part: the same bits as the one sum it
+// would have stored); a kernel of its own, so that add_rmsnorm keeps its short code (a small
+// kernel, cold in the instruction cache: ncu, H100, +0.7 us a launch with the loop in it).
+template <bool PARTS>
+__device__ __forceinline__ void add_rmsnorm_body(float* x, const float* r, int r_parts,
+                                                 i64 r_part, const float* w, float* y, int n,
+                                                 float eps) {
     pdl_enter();
     __shared__ float scratch[32];
     float* xr = x + (i64)blockIdx.x * n;
@@ -115,11 +117,14 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
     load_row(v, xr, n);
     load_row(r_v, rr, n);
     load_row(wv, w, n);
-    for (int p = 1; p < r_parts; p++) {
-        float rp[NORM_VALS];
-        load_row(rp, rr + p * r_part, n);
+    if (PARTS) {
+#pragma unroll 1
+        for (int p = 1; p < r_parts; p++) {
+            float rp[NORM_VALS];
+            load_row(rp, rr + p * r_part, n);
 #pragma unroll
-        for (int k = 0; k < NORM_VALS; k++) r_v[k] += rp[k];
+            for (int k = 0; k < NORM_VALS; k++) r_v[k] += rp[k];
+        }
     }
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
@@ -128,6 +133,18 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
         if (i < n) xr[i] = v[k];
     }
     rms_store(v, wv, y + (i64)blockIdx.x * n, n, eps, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
+                                                               const float* w, float* y, int n,
+                                                               float eps) {
+    add_rmsnorm_body<false>(x, r, 1, 0, w, y, n, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm_parts(
+    float* x, const float* r, int r_parts, i64 r_part, const float* w, float* y, int n,
+    float eps) {
+    add_rmsnorm_body<true>(x, r, r_parts, r_part, w, y, n, eps);
 }
 
 // The MLA latent of token t (model/mla.rs): row t of kv [T, dl + dr] -> row t of `cache`

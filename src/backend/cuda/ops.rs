@@ -1233,8 +1233,12 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         let block = norm_block(n, "add_rmsnorm")?;
         check(r_parts >= 1, "add_rmsnorm", || "no partial of r".into())?;
-        launch!(self, "add_rmsnorm", (rows as u32, 1, 1), block, 0;
-            x, r, r_parts as i32, (rows * n) as i64, w, y, n as i32, eps);
+        if r_parts == 1 {
+            launch!(self, "add_rmsnorm", (rows as u32, 1, 1), block, 0; x, r, w, y, n as i32, eps);
+        } else {
+            launch!(self, "add_rmsnorm_parts", (rows as u32, 1, 1), block, 0;
+                x, r, r_parts as i32, (rows * n) as i64, w, y, n as i32, eps);
+        }
         Ok(())
     }
 
