@@ -442,7 +442,8 @@ fn matvec_tensor_core_types_match_dequantized_dot() {
 /// (`Matvec::y_part`, `Gpu::spread_parts`): its partials added in part order are, bit for bit,
 /// the rows the kernel stores walking each tile through all parts itself, and match the
 /// dequantized f64 product; for GLM-5's attn_output (6144 x 16384, spread where a wave is 264
-/// blocks) and a matrix of half a wave of tiles (spread on any GPU with bulk copies).
+/// blocks) and a matrix of m + 1/2 waves of tiles (2m + 2 rounds whole, 2m + 1 spread in two
+/// parts: spread on any GPU with bulk copies; m makes it rows enough for the tensor cores).
 #[test]
 fn matvec_spread_parts_add_up_to_the_rows() {
     let Some(g) = gpu() else { return };
@@ -456,7 +457,9 @@ fn matvec_spread_parts_add_up_to_the_rows() {
         let tile = tma_tile(t).unwrap();
         let smem = tma_smem_bytes(tile, tma_part_k(tile, k));
         let slots = g.wave_blocks(tile.kernel, 288, smem).unwrap();
-        for rows in [6144, 16 * (slots / 2)] {
+        let m = (1..).find(|m| 8 * slots * (2 * m + 1) >= 6144).unwrap();
+        let half_wave = 8 * slots * (2 * m + 1);
+        for rows in [6144, half_wave] {
             let w = random_rows(&mut rng, t, rows, k);
             let wf = dequant_rows(t, &w, rows, k);
             let x = hard_x(&mut rng, k);
@@ -470,8 +473,11 @@ fn matvec_spread_parts_add_up_to_the_rows() {
             g.matvec(&a).unwrap();
             let parts = g.spread_parts(&a).unwrap();
             println!("{t} {rows}x{k}: {parts} spread parts, a wave of {slots} blocks");
-            if rows < slots * 16 {
-                assert!(parts > 1, "{t} {rows}x{k}: half a wave of tiles is spread");
+            if rows == half_wave {
+                assert!(
+                    parts > 1,
+                    "{t} {rows}x{k}: {m} + 1/2 waves of tiles are spread"
+                );
             }
             if parts == 1 {
                 continue;

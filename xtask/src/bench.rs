@@ -500,21 +500,29 @@ impl Bench {
                     let bytes = rows * row_bytes;
                     let (copies, step) = rotation(bytes, ARENA_BYTES);
                     let gpu = self.gpu.clone();
+                    // As the engine's decode runs it: k's parts spread where that pays, their
+                    // partials then summed by the next add_rmsnorm (not timed here).
+                    let parts = gpu.spread_parts(&Matvec::single(ty, base, (x, y), (rows, k)))?;
                     let timed = self.time(|i| {
                         let w = base + ((i % copies) * step) as u64;
-                        Ok(gpu.matvec(&Matvec::single(ty, w, (x, y), (rows, k)))?)
+                        let a = Matvec {
+                            y_part: if parts > 1 { rows } else { 0 },
+                            ..Matvec::single(ty, w, (x, y), (rows, k))
+                        };
+                        Ok(gpu.matvec(&a)?)
                     });
                     let Some((secs, host)) = self.ok_or_report("matvec", &name, timed) else {
                         continue;
                     };
-                    let moved = (bytes + 4 * k + 4 * rows) as f64;
+                    let moved = (bytes + 4 * k + 4 * rows * parts) as f64;
                     self.push_bw(
                         "matvec",
                         name,
                         moved,
                         secs,
                         host,
-                        json!({"type": tname(ty), "rows": rows, "k": k, "family": fam.name}),
+                        json!({"type": tname(ty), "rows": rows, "k": k, "family": fam.name,
+                               "spread_parts": parts}),
                     );
                 }
             }
