@@ -665,6 +665,8 @@ struct TmaCase {
     pair: bool,
     glu: bool,
     shared: bool,
+    /// One matrix's parts spread over the blocks: partial p of its rows at y + p * y_part.
+    spread: bool,
     grid: u32,
 }
 
@@ -706,7 +708,25 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
     let outputs = if c.glu { ids.len() } else { items };
     let y_stride = c.rows + 5; // the rows between must stay unwritten
     let mut want = vec![None; outputs * y_stride];
-    for b in 0..outputs {
+    let parts = (256 * c.nb).div_ceil(kpart);
+    if c.spread {
+        // Partial p: the rows' products over part p's 256-blocks alone, y_stride apart.
+        let (pb, bytes) = (kpart / 256, ty.type_size());
+        want = vec![None; parts * y_stride];
+        for p in 0..parts {
+            let blocks = p * pb..(c.nb).min((p + 1) * pb);
+            let part_w: Vec<u8> = w
+                .chunks_exact(row_bytes)
+                .flat_map(|row| &row[blocks.start * bytes..blocks.end * bytes])
+                .copied()
+                .collect();
+            let part_x = &x[256 * blocks.start..256 * blocks.end];
+            for (r, v) in products(ty, &part_w, part_x).into_iter().enumerate() {
+                want[p * y_stride + r] = Some(v);
+            }
+        }
+    }
+    for b in (0..outputs).filter(|_| !c.spread) {
         let rows = match c.glu {
             true => item(b).zip(item(b + ids.len())).map(|(g, u)| {
                 g.iter()
@@ -737,6 +757,7 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
         .floats(&vec![UNWRITTEN; want.len()])
         .i64(y_stride as i64)
         .i32(c.glu as i32)
+        .i64(if c.spread { y_stride as i64 } else { 0 })
         .i32(c.grid as i32)
         .i32(tma_smem_bytes(tile, kpart) as i32);
     let what = format!("{} {}", tile.kernel, c.what);
@@ -760,6 +781,7 @@ fn one_matrix(
         pair: false,
         glu: false,
         shared: false,
+        spread: false,
         grid,
     }
 }
@@ -840,6 +862,21 @@ fn bulk_copy_kernels_match_f64() {
                 ids: Some(vec![1, -1, MOE_SHARED]),
                 shared: true,
                 ..one_matrix("3 choices with the shared expert's single matrix, 5 blocks", 36, 8, None, 5)
+            },
+            TmaCase {
+                spread: true,
+                ..one_matrix(
+                    "24 x 19 256-blocks (IQ4_XS 20) in parts of 10 spread over 3 blocks (one \
+                     without a unit of part 0)",
+                    24,
+                    even(19),
+                    Some(even(10)),
+                    3,
+                )
+            },
+            TmaCase {
+                spread: true,
+                ..one_matrix("40 x 16 256-blocks in parts of 8 spread over 5 blocks", 40, 16, Some(8), 5)
             },
         ];
         for (i, c) in cases.iter().enumerate() {
