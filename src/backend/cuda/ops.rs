@@ -452,6 +452,13 @@ pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
     256 * blocks.div_ceil(parts).next_multiple_of(tile.block_step())
 }
 
+/// Whether `tiles` tiles of `parts` parts each take fewer part-times on a wave of `slots`
+/// blocks as units (part, tile) taken in turn than as tiles each walked through all parts by
+/// one block (`Gpu::spread_parts`).
+fn spreads(parts: usize, tiles: usize, slots: usize) -> bool {
+    parts > 1 && (parts * tiles).div_ceil(slots) < parts * tiles.div_ceil(slots)
+}
+
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
 /// or 8; they divide dl / 32) until there is a block per multiprocessor, and as many groups of
 /// threads summing the splits as there are splits (a power of two, at most
@@ -515,9 +522,11 @@ impl Gpu {
         let kpart = tma_part_k(tile, a.k);
         let parts = a.k.div_ceil(kpart);
         let slots = self.wave_blocks(tile.kernel, 288, tma_smem_bytes(tile, kpart))?;
-        let tiles = a.rows.div_ceil(16);
-        let spread = (parts * tiles).div_ceil(slots) < parts * tiles.div_ceil(slots);
-        Ok(if spread { parts } else { 1 })
+        Ok(if spreads(parts, a.rows.div_ceil(16), slots) {
+            parts
+        } else {
+            1
+        })
     }
 
     /// Whether the tensor-core product `a` goes to matvec_tma_items_<type>.
@@ -2005,7 +2014,21 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{cp_plan, cp_splits, tc8_tiles_per_block, CpPlan};
+    use super::{cp_plan, cp_splits, spreads, tc8_tiles_per_block, CpPlan};
+
+    #[test]
+    fn spreads_where_the_units_take_fewer_rounds() {
+        // An H200 or H100: 132 SMs x 2 blocks of matvec_tma_q4_k; tiles of 16 rows.
+        assert!(spreads(2, 384, 264), "GLM-5 attn_output: 4 -> 3 part-times");
+        assert!(
+            !spreads(2, 448, 264),
+            "DS3 attn_output: 4 part-times either way"
+        );
+        assert!(!spreads(3, 448, 264), "DS3 dense down: 6 either way");
+        assert!(spreads(2, 132, 264), "half a wave of tiles: 2 -> 1");
+        assert!(!spreads(1, 100, 264), "one part: nothing to spread");
+        assert!(!spreads(2, 264, 264), "a full wave: 2 either way");
+    }
 
     #[test]
     fn tc8_tiles_per_block_fills_the_last_wave() {
