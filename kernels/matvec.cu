@@ -1251,8 +1251,8 @@ struct TcQ6kTile {
 // wave of blocks would otherwise leave many of them idle in its last round (GLM-5's
 // attn_output: 384 tiles over 264 blocks, of which 120 take two), the blocks take the units
 // (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
-// rows, at y + p * y_part: add_rmsnorm sums them in part order, so the rows come out the same
-// bits as above. Dynamic shared memory tma_smem_bytes(kpart)
+// rows, at y + p * y_part: add_rmsnorm_parts sums them in part order, so the rows come out the
+// same bits as above (matvec_tma_spread_<type>). Dynamic shared memory tma_smem_bytes(kpart)
 // (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
@@ -1313,7 +1313,7 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
 }
 
-template <class Tile>
+template <class Tile, bool SPREAD>
 __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const u8* sw,
                                                 const u8* sw2, i64 mat_stride, const int* ids,
                                                 int items, int rows, int k, int kpart,
@@ -1346,7 +1346,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     // The block's first group of part p: its own index in every part, or with y_part (the
     // parts spread) unit p * groups + grp of the sequence the blocks take in turn.
     auto first_group = [&](int p) {
-        if (!y_part) return (int)blockIdx.x;
+        if (!SPREAD) return (int)blockIdx.x;
         const int r = ((int)blockIdx.x - p * groups) % (int)gridDim.x;
         return r < 0 ? r + (int)gridDim.x : r;
     };
@@ -1418,7 +1418,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     if (threadIdx.x < Tile::ZEROS / 4) ((u32*)zeros)[threadIdx.x] = 0u;  // before part 0's sync
     int n = 0, par = 0;
     for (int p = 0; p < parts; p++) {
-        if (first_group(p) >= groups) continue;  // no unit of this part (y_part)
+        if (SPREAD && first_group(p) >= groups) continue;  // no unit of this part
         // The last group's dots of part p - 1 are behind its consumers_sync: its planes are free.
         const int pnb = part_nb(p), steps = part_steps(p), stride = tc_plane_stride(256 * pnb);
         const float* scales = (const float*)(tma_sm + 4 * stride);
@@ -1474,7 +1474,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     sum = silu(sum) * up;
                 }
                 float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
-                if (y_part)
+                if (SPREAD)
                     row[p * y_part] = sum;
                 else
                     *row = p == 0 ? sum : *row + sum;
@@ -1486,18 +1486,27 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
 #endif
 }
 
-#define DEFINE_MATVEC_TMA(kname, Tile)                                                          \
+// kname: the walk above; spread_name: one matrix's parts spread (y_part), a kernel of its own
+// so that the others keep their code (H100: DS3's decode, which spreads nothing, 0.3% slower
+// with both walks in one kernel).
+#define DEFINE_MATVEC_TMA(kname, spread_name, Tile)                                             \
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         kname(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,           \
               const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,             \
-              const float* x, float* y, i64 y_stride, int glu, i64 y_part) {                    \
-        matvec_tma_body<Tile>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, kpart,           \
-                              row_bytes, x, y, y_stride, glu, y_part);                          \
+              const float* x, float* y, i64 y_stride, int glu) {                                \
+        matvec_tma_body<Tile, false>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, kpart,    \
+                                     row_bytes, x, y, y_stride, glu, 0);                        \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(288, 2)                                        \
+        spread_name(const u8* w, int rows, int k, int kpart, i64 row_bytes, const float* x,     \
+                    float* y, i64 y_part) {                                                     \
+        matvec_tma_body<Tile, true>(w, nullptr, nullptr, nullptr, 0, nullptr, 1, rows, k,       \
+                                    kpart, row_bytes, x, y, 0, 0, y_part);                      \
     }
-DEFINE_MATVEC_TMA(matvec_tma_q4_k, TcQ4k)
-DEFINE_MATVEC_TMA(matvec_tma_q5_k, TcQ5k)
-DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, TcIq4xs)
-DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, TcQ6kTile)
+DEFINE_MATVEC_TMA(matvec_tma_q4_k, matvec_tma_spread_q4_k, TcQ4k)
+DEFINE_MATVEC_TMA(matvec_tma_q5_k, matvec_tma_spread_q5_k, TcQ5k)
+DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, matvec_tma_spread_iq4_xs, TcIq4xs)
+DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, matvec_tma_spread_q6_k, TcQ6kTile)
 
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //

@@ -150,7 +150,7 @@ const PIECES: &[Piece] = &[
     ),
     Def(
         "matvec.cu",
-        "template <class Tile>\n__device__ __forceinline__ void matvec_tma_body(",
+        "template <class Tile, bool SPREAD>\n__device__ __forceinline__ void matvec_tma_body(",
     ),
     Line("matvec.cu", "#define DEFINE_MATVEC_TMA("),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q4_k,"),
@@ -760,7 +760,8 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
         .i64(if c.spread { y_stride as i64 } else { 0 })
         .i32(c.grid as i32)
         .i32(tma_smem_bytes(tile, kpart) as i32);
-    let what = format!("{} {}", tile.kernel, c.what);
+    let kernel = if c.spread { tile.spread } else { tile.kernel };
+    let what = format!("{kernel} {}", c.what);
     check_outputs(&what, &h.run(args), &want);
 }
 

@@ -345,8 +345,10 @@ const TMA_K_MIN: usize = 2048;
 /// sm_90) they stay on the CUDA cores (Q6_K's lm head: matvec_tma_q6_k / matvec_int_q6_k).
 #[derive(Clone, Copy, Debug)]
 pub struct TmaTile {
-    /// The kernel of products whose items read one x.
+    /// The kernel of products whose items all read one x.
     pub kernel: &'static str,
+    /// Its form for one matrix whose parts of k are spread over the blocks (`Matvec::y_part`).
+    pub spread: &'static str,
     /// The kernel of items with their own x, and its consumer warps (a stage each; fewer
     /// where 4 stages would not fit). None for Q6_K: its items form lost to the CUDA cores
     /// (H200, the DS3 MoE row's downs: 136.3 -> 145.9 us; docs/performance.md).
@@ -387,9 +389,10 @@ pub const TMA_TILE_TYPES: [GgmlType; 4] = [
 ];
 
 pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
-    let tile = |kernel, items, row, stages, k_max| {
+    let tile = |(kernel, spread), items, row, stages, k_max| {
         Some(TmaTile {
             kernel,
+            spread,
             items,
             bytes: ty.type_size(),
             row,
@@ -401,27 +404,33 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
     };
     match ty {
         GgmlType::Q4_K => tile(
-            "matvec_tma_q4_k",
+            ("matvec_tma_q4_k", "matvec_tma_spread_q4_k"),
             Some(("matvec_tma_items_q4_k", 4)),
             1168,
             3,
             9216,
         ),
         GgmlType::Q5_K => tile(
-            "matvec_tma_q5_k",
+            ("matvec_tma_q5_k", "matvec_tma_spread_q5_k"),
             Some(("matvec_tma_items_q5_k", 3)),
             1424,
             3,
             7168,
         ),
         GgmlType::IQ4_XS => tile(
-            "matvec_tma_iq4_xs",
+            ("matvec_tma_iq4_xs", "matvec_tma_spread_iq4_xs"),
             Some(("matvec_tma_items_iq4_xs", 4)),
             1104,
             3,
             10240,
         ),
-        GgmlType::Q6_K => tile("matvec_tma_groups_q6_k", None, 1712, 2, 10240),
+        GgmlType::Q6_K => tile(
+            ("matvec_tma_groups_q6_k", "matvec_tma_spread_q6_k"),
+            None,
+            1712,
+            2,
+            10240,
+        ),
         _ => None,
     }
 }
@@ -521,7 +530,7 @@ impl Gpu {
         let tile = tma_tile(a.ty).expect("a tensor-core type");
         let kpart = tma_part_k(tile, a.k);
         let parts = a.k.div_ceil(kpart);
-        let slots = self.wave_blocks(tile.kernel, 288, tma_smem_bytes(tile, kpart))?;
+        let slots = self.wave_blocks(tile.spread, 288, tma_smem_bytes(tile, kpart))?;
         Ok(if spreads(parts, a.rows.div_ceil(16), slots) {
             parts
         } else {
@@ -599,18 +608,22 @@ impl Gpu {
                 // with y_part, a unit per part of each group.
                 let kpart = tma_part_k(tile, a.k);
                 let smem = tma_smem_bytes(tile, kpart);
+                if a.y_part > 0 {
+                    // A unit per part of each tile (spread_parts checked a single matrix).
+                    let units = tiles * a.k.div_ceil(kpart);
+                    let slots = self.wave_blocks(tile.spread, 288, smem)?;
+                    launch!(self, tile.spread, (units.min(slots) as u32, 1, 1), 288, smem as u32;
+                        a.w, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64, a.x, a.y,
+                        a.y_part as i64);
+                    return Ok(());
+                }
                 let kernel = tile.kernel;
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
-                let units = if a.y_part > 0 {
-                    groups * a.k.div_ceil(kpart)
-                } else {
-                    groups
-                };
                 let slots = self.wave_blocks(kernel, 288, smem)?;
-                launch!(self, kernel, (units.min(slots) as u32, 1, 1), 288, smem as u32;
+                launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                     a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
-                    a.x, a.y, a.y_stride as i64, a.glu as i32, a.y_part as i64);
+                    a.x, a.y, a.y_stride as i64, a.glu as i32);
                 return Ok(());
             }
             if self.uses_item_copies(a) {
