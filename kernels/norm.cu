@@ -4,7 +4,8 @@
 // layernorm: y = (x - mean) / sqrt(var + eps) * w + b   (the DSA indexer's key norm), then
 //   with dr > 0 its first dr values rotated as adjacent pairs at position pos0 + row, as
 //   rope_pairs turns them (the indexer's key straight into its cache row)
-// add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm)
+// add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm);
+//   add_rmsnorm_parts: r as partial sums, added in order first
 // latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope), with the
 //   query latent's rmsnorm and the indexer key's layernorm (+ rope) in the same launch; and
 //   latent_rows, the cache's rows back as f32
