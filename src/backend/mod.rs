@@ -234,6 +234,14 @@ pub trait Backend: Send + Sync {
     /// `x` [n, in] times a weight {in, out} -> [n, out] (`y[t] = W x[t]`).
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
 
+    /// `linear(x, w)` for a product whose output the model only adds into the residual stream
+    /// (`add_rms_norm`), all-reduces or records: a backend may return it in a form only those
+    /// take (the CUDA backend: the partial sums of a decode product whose k its kernel spread
+    /// over the blocks, added where add_rms_norm reads them).
+    fn residual_linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor {
+        self.linear(x, w)
+    }
+
     /// `linear(x, w)` for each of `ws`: the projections of one activation, which a backend may
     /// run as one launch.
     fn linears(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {

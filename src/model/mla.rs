@@ -127,5 +127,5 @@ pub fn attention<B: Backend>(
         b.head_matmul(&out_lat, &w.v_b, false) // [n, H*dv]
     };
     taps.tensor(b, || format!("L{il}.attn_core"), &core);
-    b.linear(&core, &w.output)
+    b.residual_linear(&core, &w.output)
 }

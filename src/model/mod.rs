@@ -302,7 +302,7 @@ impl<B: Backend> Model<B> {
 
             let mut out = match &lw.ffn {
                 Ffn::Dense(ffn) => {
-                    let y = dense_ffn(b, ffn, &h);
+                    let y = b.residual_linear(&b.swiglu_linear(&h, &ffn.gate, &ffn.up), &ffn.down);
                     taps.tensor(b, || format!("L{il}.ffn_out"), &y);
                     y
                 }
@@ -353,7 +353,8 @@ fn residual_norm<B: Backend>(
     }
 }
 
-/// `down(silu(gate x) * up x)`: the dense FFN and the shared expert.
+/// `down(silu(gate x) * up x)`: the shared expert (the dense FFN's down is a
+/// `residual_linear`).
 pub fn dense_ffn<B: Backend>(b: &B, ffn: &DenseFfn<B::Weight>, x: &B::Tensor) -> B::Tensor {
     b.linear(&b.swiglu_linear(x, &ffn.gate, &ffn.up), &ffn.down)
 }

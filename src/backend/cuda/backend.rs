@@ -49,8 +49,8 @@ pub struct CudaPick {
 
 /// An activation `[rows, cols]`, f32, row-major; or, with `parts` > 1, the sum in order of
 /// that many [rows, cols] partials stored one after the other: a decode product whose k its
-/// blocks took in parts (`Gpu::spread_parts`), summed where `add_rms_norm` reads it. Every
-/// other kernel takes whole tensors (`Cuda::p` checks).
+/// blocks took in parts (`Gpu::spread_parts`; only `residual_linear` returns one), summed
+/// where `add_rms_norm` reads it. Every other kernel takes whole tensors (`Cuda::p` checks).
 pub struct CudaTensor {
     /// [parts * rows * cols] (at least one element: a zero-sized allocation has no address).
     buf: CudaSlice<f32>,
@@ -634,16 +634,6 @@ impl Backend for Cuda {
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
         let (k, rows) = (w.ne[0], w.dim(1));
         assert_eq!(x.cols, k, "linear {}: x has {} columns", w.name, x.cols);
-        if x.rows == 1 {
-            // Decode: where the kernel spreads k's parts over its blocks, y is their partials.
-            let mut a = Matvec::single(w.ty, self.w(w), (self.p(x, 0), 0), (rows, k));
-            let parts = ok(self.gpu.spread_parts(&a), "matvec");
-            let y = self.empty_parts(1, rows, parts);
-            a.y = self.gpu.ptr(&y.buf, 0);
-            a.y_part = if parts > 1 { rows } else { 0 };
-            ok(self.gpu.matvec(&a), "matvec");
-            return y;
-        }
         let y = self.empty(x.rows, rows);
         self.product(
             w.ty,
@@ -656,6 +646,22 @@ impl Backend for Cuda {
             self.p(&y, 0),
             rows,
         );
+        y
+    }
+
+    fn residual_linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
+        let (k, rows) = (w.ne[0], w.dim(1));
+        if x.rows != 1 {
+            return self.linear(x, w);
+        }
+        assert_eq!(x.cols, k, "linear {}: x has {} columns", w.name, x.cols);
+        // Decode: where the kernel spreads k's parts over its blocks, y is their partials.
+        let mut a = Matvec::single(w.ty, self.w(w), (self.p(x, 0), 0), (rows, k));
+        let parts = ok(self.gpu.spread_parts(&a), "matvec");
+        let y = self.empty_parts(1, rows, parts);
+        a.y = self.gpu.ptr(&y.buf, 0);
+        a.y_part = if parts > 1 { rows } else { 0 };
+        ok(self.gpu.matvec(&a), "matvec");
         y
     }
 
