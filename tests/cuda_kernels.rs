@@ -456,7 +456,7 @@ fn matvec_spread_parts_add_up_to_the_rows() {
     for t in TMA_TILE_TYPES {
         let tile = tma_tile(t).unwrap();
         let smem = tma_smem_bytes(tile, tma_part_k(tile, k));
-        let slots = g.wave_blocks(tile.kernel, 288, smem).unwrap();
+        let slots = g.wave_blocks(tile.spread, 288, smem).unwrap();
         let m = (1..).find(|m| 8 * slots * (2 * m + 1) >= 6144).unwrap();
         let half_wave = 8 * slots * (2 * m + 1);
         for rows in [6144, half_wave] {
@@ -498,10 +498,7 @@ fn matvec_spread_parts_add_up_to_the_rows() {
                     "{t} {rows}x{k} row {r}: {s} against {w}"
                 );
             }
-            let want: Vec<f64> = wf
-                .chunks_exact(k)
-                .map(|row| row.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum())
-                .collect();
+            let want: Vec<f64> = wf.chunks_exact(k).map(|row| dot64(row, &x)).collect();
             assert_close(
                 &format!("matvec {t} {rows}x{k} in {parts} spread parts"),
                 &sum,

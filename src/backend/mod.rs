@@ -70,8 +70,6 @@ pub enum BackendError {
     },
 }
 
-/// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by
-/// the CUDA backend.
 /// The DSA indexer's keys of n positions on their way into their cache: `x_k` [n, d]
 /// (indexer.attn_k x) becomes rows of `keys` [ctx, d] as `layer_norm(x_k, norm, eps)`, its
 /// first `rope.rot_dims()` columns roped.
@@ -83,6 +81,8 @@ pub struct IndexKeys<'a, B: Backend + ?Sized> {
     pub eps: f32,
 }
 
+/// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by
+/// the CUDA backend.
 pub trait Backend: Send + Sync {
     /// An activation matrix `[rows, cols]` of f32 in the backend's memory.
     type Tensor: Send + Sync;

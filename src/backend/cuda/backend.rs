@@ -1163,8 +1163,6 @@ impl Cuda {
         );
     }
 
-    /// Whether `linears(x, ws)` runs as one parts launch (`Gpu::matvec_parts`): one token, two
-    /// or three matrices of one type and row length that each run on the CUDA-core kernel.
     /// Where `index_key_append` reads and writes `k`'s rows (the first at row0 of its cache).
     fn index_key_rows(&self, row0: usize, k: IndexKeys<'_, Self>) -> KeyRowsNorm {
         let d = k.keys.cols;
@@ -1186,6 +1184,8 @@ impl Cuda {
         }
     }
 
+    /// Whether `linears(x, ws)` runs as one parts launch (`Gpu::matvec_parts`): one token, two
+    /// or three matrices of one type and row length that each run on the CUDA-core kernel.
     fn takes_parts(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> bool {
         x.rows == 1
             && (2..=3).contains(&ws.len())
