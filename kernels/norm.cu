@@ -5,7 +5,8 @@
 //   with dr > 0 its first dr values rotated as adjacent pairs at position pos0 + row, as
 //   rope_pairs turns them (the indexer's key straight into its cache row)
 // add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm);
-//   add_rmsnorm_parts: r as partial sums, added in order first
+//   add_rmsnorm_parts: r as partial sums added in order first, or a token's expert outputs
+//   summed with the router's weights (the MoE combine)
 // latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope), with the
 //   query latent's rmsnorm and the indexer key's layernorm (+ rope) in the same launch; and
 //   latent_rows, the cache's rows back as f32
@@ -102,30 +103,57 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(
 
 // The residual add fused with the norm after it, rows of n contiguous values: x += r is
 // written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x. In
-// add_rmsnorm_parts, r is the sum of r_parts partials r_part apart, added in order (a product
-// whose k its blocks took in parts, matvec_tma_body's y_part: the same bits as the one sum it
-// would have stored); a kernel of its own, so that add_rmsnorm keeps its short code (a small
-// kernel, cold in the instruction cache: ncu, H100, +0.7 us a launch with the loop in it).
+// add_rmsnorm_parts, r is a sum of r_parts parts r_part apart, added in order:
+// - without weights, the partial sums of a product whose k its blocks took in parts
+//   (matvec_tma_body's y_part): the same bits as the one sum it would have stored;
+// - with weights (r_w [r_parts]; one row), a decode token's expert outputs (a part a choice), r =
+//   sum of r_w[p] * part p, a part of weight 0 not added: moe_combine's sum, bit for bit but
+//   the sign of an all-zero sum, so that the combine needs no launch of its own (the parts are
+//   all written: every choice held).
+// A kernel of its own, so that add_rmsnorm keeps its short code (a small kernel, cold in the
+// instruction cache: ncu, H100, +0.7 us a launch with the loop in it).
+#define SUM_PARTS_AT_ONCE 3
+
+// s = sum over p of c_p * part p in order, from -0 (so that c_0 = 1 leaves part 0's bits:
+// fmaf(1, v, s) is v + s rounded once); parts' loads SUM_PARTS_AT_ONCE at a time, with their
+// weights (no load waits on a weight: a part of weight 0 is read but not added).
+__device__ __forceinline__ void sum_parts(float s[NORM_VALS], const float* r, int parts, i64 stride,
+                                          const float* weights, int n) {
+#pragma unroll
+    for (int k = 0; k < NORM_VALS; k++) s[k] = -0.0f;
+#pragma unroll 1
+    for (int p0 = 0; p0 < parts; p0 += SUM_PARTS_AT_ONCE) {
+        float c[SUM_PARTS_AT_ONCE], v[SUM_PARTS_AT_ONCE][NORM_VALS];
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS_AT_ONCE; u++) {
+            int p = min(p0 + u, parts - 1);
+            c[u] = p0 + u >= parts ? 0.0f : weights ? weights[p] : 1.0f;
+            load_row(v[u], r + p * stride, n);
+        }
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS_AT_ONCE; u++)
+            if (c[u] != 0.0f) {
+#pragma unroll
+                for (int k = 0; k < NORM_VALS; k++) s[k] = fmaf(c[u], v[u][k], s[k]);
+            }
+    }
+}
+
 template <bool PARTS>
 __device__ __forceinline__ void add_rmsnorm_body(float* x, const float* r, int r_parts,
-                                                 i64 r_part, const float* w, float* y, int n,
-                                                 float eps) {
+                                                 i64 r_part, const float* r_w, const float* w,
+                                                 float* y, int n, float eps) {
     pdl_enter();
     __shared__ float scratch[32];
     float* xr = x + (i64)blockIdx.x * n;
     const float* rr = r + (i64)blockIdx.x * n;
     float v[NORM_VALS], r_v[NORM_VALS], wv[NORM_VALS];
     load_row(v, xr, n);
-    load_row(r_v, rr, n);
-    load_row(wv, w, n);
     if (PARTS) {
-#pragma unroll 1
-        for (int p = 1; p < r_parts; p++) {
-            float rp[NORM_VALS];
-            load_row(rp, rr + p * r_part, n);
-#pragma unroll
-            for (int k = 0; k < NORM_VALS; k++) r_v[k] += rp[k];
-        }
+        sum_parts(r_v, rr, r_parts, r_part, r_w, n);
+    } else {
+        load_row(r_v, rr, n);
+        load_row(wv, w, n);
     }
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
@@ -133,19 +161,22 @@ __device__ __forceinline__ void add_rmsnorm_body(float* x, const float* r, int r
         v[k] += r_v[k];
         if (i < n) xr[i] = v[k];
     }
+    // The parts' loads take the registers w's would hold: w's loads go out after them, to
+    // arrive during the sum of squares.
+    if (PARTS) load_row(wv, w, n);
     rms_store(v, wv, y + (i64)blockIdx.x * n, n, eps, scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
                                                                const float* w, float* y, int n,
                                                                float eps) {
-    add_rmsnorm_body<false>(x, r, 1, 0, w, y, n, eps);
+    add_rmsnorm_body<false>(x, r, 1, 0, nullptr, w, y, n, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm_parts(
-    float* x, const float* r, int r_parts, i64 r_part, const float* w, float* y, int n,
-    float eps) {
-    add_rmsnorm_body<true>(x, r, r_parts, r_part, w, y, n, eps);
+    float* x, const float* r, int r_parts, i64 r_part, const float* r_w, const float* w, float* y,
+    int n, float eps) {
+    add_rmsnorm_body<true>(x, r, r_parts, r_part, r_w, w, y, n, eps);
 }
 
 // The MLA latent of token t (model/mla.rs): row t of kv [T, dl + dr] -> row t of `cache`

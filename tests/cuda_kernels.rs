@@ -1541,7 +1541,7 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
         let dy = poisoned(&g, rows * n);
         g.add_rmsnorm(
             g.ptr(&dx, 0),
-            (g.ptr(&dr, 0), parts),
+            (g.ptr(&dr, 0), parts, 0),
             g.ptr(&dw, 0),
             g.ptr(&dy, 0),
             rows,
@@ -1572,6 +1572,85 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
             &format!("{what}: y"),
             &g.download(&dy).unwrap(),
             &want,
+            F32_OP,
+        );
+    }
+}
+
+#[test]
+fn add_rmsnorm_combines_a_tokens_expert_outputs() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("add_rmsnorm weights");
+    let eps = 1e-6;
+    // A decode token's 9 choices (8 routed and the shared expert at weight 1) at GLM-5's and
+    // DS3's widths, and 4 choices with one of weight 0 over a NaN row (never added).
+    for (n, k) in [(6144, 9), (7168, 9), (6144, 4)] {
+        let x: Vec<f32> = rng.normals(n).iter().map(|v| v * 3.0).collect();
+        let mut rows = rng.normals(k * n);
+        let mut weights: Vec<f32> = rng.normals(k).iter().map(|v| v.abs() * 0.3).collect();
+        weights[k - 1] = 1.0;
+        if k == 4 {
+            weights[2] = 0.0;
+            rows[2 * n..3 * n].fill(f32::NAN);
+        }
+        let w = rng.normals(n);
+        let (dr, dk, dw) = (
+            g.upload(&rows).unwrap(),
+            g.upload(&weights).unwrap(),
+            g.upload(&w).unwrap(),
+        );
+        // In one launch, and as moe_combine then add_rmsnorm (the engine's path before).
+        let (dx, dy) = (g.upload(&x).unwrap(), poisoned(&g, n));
+        g.add_rmsnorm(
+            g.ptr(&dx, 0),
+            (g.ptr(&dr, 0), k, g.ptr(&dk, 0)),
+            g.ptr(&dw, 0),
+            g.ptr(&dy, 0),
+            1,
+            n,
+            eps,
+        )
+        .unwrap();
+        let (dx2, dy2, dc) = (g.upload(&x).unwrap(), poisoned(&g, n), poisoned(&g, n));
+        g.moe_combine(g.ptr(&dr, 0), 0, g.ptr(&dk, 0), 1, k, n, g.ptr(&dc, 0))
+            .unwrap();
+        g.add_rmsnorm(
+            g.ptr(&dx2, 0),
+            (g.ptr(&dc, 0), 1, 0),
+            g.ptr(&dw, 0),
+            g.ptr(&dy2, 0),
+            1,
+            n,
+            eps,
+        )
+        .unwrap();
+        let what = format!("add_rmsnorm of {k} weighted parts of {n}");
+        let (x1, y1) = (g.download(&dx).unwrap(), g.download(&dy).unwrap());
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            (bits(&x1), bits(&y1)),
+            (
+                bits(&g.download(&dx2).unwrap()),
+                bits(&g.download(&dy2).unwrap())
+            ),
+            "{what}: not moe_combine and add_rmsnorm's bits"
+        );
+        // And against f64: x + the weighted rows (weight 0 skipped), then the norm.
+        let sum: Vec<f64> = (0..n)
+            .map(|d| {
+                x[d] as f64
+                    + (0..k)
+                        .filter(|&j| weights[j] != 0.0)
+                        .map(|j| weights[j] as f64 * rows[j * n + d] as f64)
+                        .sum::<f64>()
+            })
+            .collect();
+        assert_close(&format!("{what}: x"), &x1, &sum, F32_OP);
+        // The norm of the sum as written.
+        assert_close(
+            &format!("{what}: y"),
+            &y1,
+            &rmsnorm_twin(&x1, &w, eps),
             F32_OP,
         );
     }

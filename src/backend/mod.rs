@@ -357,8 +357,12 @@ pub trait Backend: Send + Sync {
     /// may take the product and the choice in one launch. `held`: the experts this
     /// rank's stacks hold (all at TP = 1); choices held elsewhere add nothing here. `shared`:
     /// the shared expert, which the backend may run as one more choice of every token. Returns
-    /// the output and whether it includes the shared expert's (else the caller adds it). None
-    /// (the default): the caller routes on the host and calls `moe_experts`.
+    /// the output and whether it includes the shared expert's (else the caller adds it). Where
+    /// it does, or there is no shared expert, the output goes only to the residual add, an
+    /// all-reduce or a trace, and may take a form only those take, as `residual_linear`'s (the
+    /// CUDA backend: a decode token's expert outputs with their weights, combined where
+    /// add_rms_norm reads them). None (the default): the caller routes on the host and calls
+    /// `moe_experts`.
     #[allow(clippy::too_many_arguments)]
     fn moe_routed(
         &self,

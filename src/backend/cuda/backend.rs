@@ -48,31 +48,40 @@ pub struct CudaPick {
 }
 
 /// An activation `[rows, cols]`, f32, row-major; or, with `parts` > 1, the sum in order of
-/// that many [rows, cols] partials stored one after the other: a decode product whose k its
-/// blocks took in parts (`Gpu::spread_parts`; only `residual_linear` returns one), summed
-/// where `add_rms_norm` reads it. Every other kernel takes whole tensors (`Cuda::p` checks).
+/// that many [rows, cols] parts stored one after the other, summed where `add_rms_norm` reads
+/// them (`Cuda::p` refuses such a tensor): the partial sums of a decode product whose k its
+/// blocks took in parts (`Gpu::spread_parts`, from `residual_linear`), or with `weights` a
+/// decode token's expert outputs times the router's weights (`moe_routed`: the MoE combine in
+/// the residual add's launch).
 pub struct CudaTensor {
     /// [parts * rows * cols] (at least one element: a zero-sized allocation has no address).
     buf: CudaSlice<f32>,
     rows: usize,
     cols: usize,
     parts: usize,
+    /// [parts]: each part's weight in the sum (a part of weight 0 is not added); None: 1.
+    weights: Option<CudaSlice<f32>>,
 }
 
 impl CudaTensor {
     /// The device buffer (at least rows * cols values), for collectives (`crate::tp::nccl`).
     pub fn buf(&self) -> &CudaSlice<f32> {
-        assert_eq!(self.parts, 1, "a tensor of partial sums");
+        assert!(self.whole(), "a tensor of parts to sum");
         &self.buf
     }
 
-    /// The device buffer, `stored()` values, for collectives: an all-reduce sums partials as
-    /// they are (each over the ranks).
+    /// Whether the tensor is its values as they are (not parts to sum).
+    fn whole(&self) -> bool {
+        self.parts == 1 && self.weights.is_none()
+    }
+
+    /// The device buffer, `stored()` values, for collectives: an all-reduce sums parts as they
+    /// are (each over the ranks; their weights, the same on every rank, apply after).
     pub fn buf_mut(&mut self) -> &mut CudaSlice<f32> {
         &mut self.buf
     }
 
-    /// The values stored: rows * cols of each partial.
+    /// The values stored: rows * cols of each part.
     pub fn stored(&self) -> usize {
         self.parts * self.rows * self.cols
     }
@@ -144,6 +153,7 @@ impl Cuda {
             rows,
             cols,
             parts,
+            weights: None,
         }
     }
 
@@ -156,11 +166,11 @@ impl Cuda {
     }
 
     /// The device address of element `offset` of an activation (a whole one: the kernels but
-    /// add_rmsnorm do not sum partials).
+    /// add_rmsnorm do not sum parts).
     fn p(&self, x: &CudaTensor, offset: usize) -> DevicePtrRaw {
-        assert_eq!(
-            x.parts, 1,
-            "a tensor of partial sums where a whole one is needed"
+        assert!(
+            x.whole(),
+            "a tensor of parts to sum where a whole one is needed"
         );
         self.gpu.ptr(&x.buf, offset)
     }
@@ -284,19 +294,29 @@ impl Backend for Cuda {
             rows,
             cols,
             parts: 1,
+            weights: None,
         }
     }
 
     fn download(&self, x: &CudaTensor) -> Vec<f32> {
         let stored = ok(self.gpu.download(&x.buf), "download");
         let n = x.rows * x.cols;
-        if x.parts == 1 {
+        if x.whole() {
             return stored;
         }
-        // The partials' sum in part order, as add_rmsnorm adds them.
-        let mut sum = stored[..n].to_vec();
-        for part in stored[..x.parts * n].chunks_exact(n).skip(1) {
-            sum.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+        // The parts' sum in order, as add_rmsnorm_parts adds them.
+        let weights = x
+            .weights
+            .as_ref()
+            .map(|w| ok(self.gpu.download(w), "download"));
+        let mut sum = vec![-0.0f32; n];
+        for (p, part) in stored[..x.parts * n].chunks_exact(n).enumerate() {
+            let c = weights.as_ref().map_or(1.0, |w| w[p]);
+            if c != 0.0 {
+                sum.iter_mut()
+                    .zip(part)
+                    .for_each(|(s, &v)| *s = c.mul_add(v, *s));
+            }
         }
         sum
     }
@@ -312,6 +332,7 @@ impl Backend for Cuda {
             rows,
             cols,
             parts: 1,
+            weights: None,
         }
     }
 
@@ -530,7 +551,11 @@ impl Backend for Cuda {
         ok(
             self.gpu.add_rmsnorm(
                 self.p(x, 0),
-                (self.gpu.ptr(&r.buf, 0), r.parts),
+                (
+                    self.gpu.ptr(&r.buf, 0),
+                    r.parts,
+                    r.weights.as_ref().map_or(0, |w| self.gpu.ptr(w, 0)),
+                ),
                 self.w(w),
                 self.p(&y, 0),
                 x.rows,
@@ -1116,6 +1141,8 @@ impl Backend for Cuda {
             return Some((out, false));
         }
         let d_out = self.empty(n * row, x.cols);
+        // Whether the output goes to the caller as it is (no shared expert added to it there).
+        let whole_output = with_shared || shared.is_none();
         let shared = shared.filter(|_| with_shared);
         // The combine in the down product's launch where every choice runs here.
         let out = all_held.then(|| self.empty(n, x.cols));
@@ -1129,6 +1156,18 @@ impl Backend for Cuda {
                 out.expect("a combine only where every choice is held"),
                 with_shared,
             ));
+        }
+        if n == 1 && all_held && whole_output {
+            // One token: its choices' rows are the parts of the output, weighted by the router
+            // where the next residual add reads them (the combine in that launch).
+            let out = CudaTensor {
+                buf: d_out.buf,
+                rows: 1,
+                cols: x.cols,
+                parts: row,
+                weights: Some(dw.buf),
+            };
+            return Some((out, with_shared));
         }
         Some((self.combine(&d_out, None, &dw.buf, n, row), with_shared))
     }

@@ -1240,13 +1240,15 @@ impl Gpu {
     }
 
     /// x += r (written back), then y = rmsnorm(x) * w, row by row ([rows, n], contiguous);
-    /// r: (address, parts), the sum in order of that many [rows, n] partials one after the
-    /// other (a product with `Matvec::y_part`).
+    /// r: (address, parts, weights), the sum in order of that many [rows, n] parts one after
+    /// the other: partials (a product with `Matvec::y_part`; weights 0), or with weights
+    /// ([parts] f32, one row) a decode token's expert outputs, part p times weight p, a part
+    /// of weight 0 not added (the MoE combine: moe_combine's sum). See kernels/norm.cu.
     #[allow(clippy::too_many_arguments)]
     pub fn add_rmsnorm(
         &self,
         x: Ptr,
-        (r, r_parts): (Ptr, usize),
+        (r, r_parts, r_weights): (Ptr, usize, Ptr),
         w: Ptr,
         y: Ptr,
         rows: usize,
@@ -1254,12 +1256,15 @@ impl Gpu {
         eps: f32,
     ) -> Result<(), CudaError> {
         let block = norm_block(n, "add_rmsnorm")?;
-        check(r_parts >= 1, "add_rmsnorm", || "no partial of r".into())?;
-        if r_parts == 1 {
+        check(r_parts >= 1, "add_rmsnorm", || "no part of r".into())?;
+        check(r_weights == 0 || rows == 1, "add_rmsnorm", || {
+            "weighted parts of one row only".into()
+        })?;
+        if r_parts == 1 && r_weights == 0 {
             launch!(self, "add_rmsnorm", (rows as u32, 1, 1), block, 0; x, r, w, y, n as i32, eps);
         } else {
             launch!(self, "add_rmsnorm_parts", (rows as u32, 1, 1), block, 0;
-                x, r, r_parts as i32, (rows * n) as i64, w, y, n as i32, eps);
+                x, r, r_parts as i32, (rows * n) as i64, r_weights, w, y, n as i32, eps);
         }
         Ok(())
     }
