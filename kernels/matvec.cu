@@ -1251,7 +1251,7 @@ struct TcQ6kTile {
 // wave of blocks would otherwise leave many of them idle in its last round (GLM-5's
 // attn_output: 384 tiles over 264 blocks, of which 120 take two), the blocks take the units
 // (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
-// rows, at y + p * y_part: add_rmsnorm_parts sums them in part order, so the rows come out the
+// rows, at y + p * y_part: add_rmsnorm_cluster sums them in part order, so the rows come out the
 // same bits as above (matvec_tma_spread_<type>). Dynamic shared memory tma_smem_bytes(kpart)
 // (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
 //

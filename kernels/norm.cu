@@ -5,8 +5,8 @@
 //   with dr > 0 its first dr values rotated as adjacent pairs at position pos0 + row, as
 //   rope_pairs turns them (the indexer's key straight into its cache row)
 // add_rmsnorm: x += r (written back), then y = rmsnorm(x)  (residual add + the next norm);
-//   add_rmsnorm_parts: r as partial sums added in order first, or a token's expert outputs
-//   summed with the router's weights (the MoE combine)
+//   add_rmsnorm_cluster: the same for one row (decode) by a cluster of blocks, r as parts to
+//   sum first (partial sums, or a token's expert outputs with the router's weights)
 // latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope), with the
 //   query latent's rmsnorm and the indexer key's layernorm (+ rope) in the same launch; and
 //   latent_rows, the cache's rows back as f32
@@ -102,81 +102,128 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm(
 }
 
 // The residual add fused with the norm after it, rows of n contiguous values: x += r is
-// written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x. In
-// add_rmsnorm_parts, r is a sum of r_parts parts r_part apart, added in order:
-// - without weights, the partial sums of a product whose k its blocks took in parts
-//   (matvec_tma_body's y_part): the same bits as the one sum it would have stored;
-// - with weights (r_w [r_parts]; one row), a decode token's expert outputs (a part a choice), r =
-//   sum of r_w[p] * part p, a part of weight 0 not added: moe_combine's sum, bit for bit but
-//   the sign of an all-zero sum, so that the combine needs no launch of its own (the parts are
-//   all written: every choice held).
-// A kernel of its own, so that add_rmsnorm keeps its short code (a small kernel, cold in the
-// instruction cache: ncu, H100, +0.7 us a launch with the loop in it).
-#define SUM_PARTS_AT_ONCE 3
-
-// s = sum over p of c_p * part p in order, from -0 (so that c_0 = 1 leaves part 0's bits:
-// fmaf(1, v, s) is v + s rounded once); parts' loads SUM_PARTS_AT_ONCE at a time, with their
-// weights (no load waits on a weight: a part of weight 0 is read but not added).
-__device__ __forceinline__ void sum_parts(float s[NORM_VALS], const float* r, int parts, i64 stride,
-                                          const float* weights, int n) {
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) s[k] = -0.0f;
-#pragma unroll 1
-    for (int p0 = 0; p0 < parts; p0 += SUM_PARTS_AT_ONCE) {
-        float c[SUM_PARTS_AT_ONCE], v[SUM_PARTS_AT_ONCE][NORM_VALS];
-#pragma unroll
-        for (int u = 0; u < SUM_PARTS_AT_ONCE; u++) {
-            int p = min(p0 + u, parts - 1);
-            c[u] = p0 + u >= parts ? 0.0f : weights ? weights[p] : 1.0f;
-            load_row(v[u], r + p * stride, n);
-        }
-#pragma unroll
-        for (int u = 0; u < SUM_PARTS_AT_ONCE; u++)
-            if (c[u] != 0.0f) {
-#pragma unroll
-                for (int k = 0; k < NORM_VALS; k++) s[k] = fmaf(c[u], v[u][k], s[k]);
-            }
-    }
-}
-
-template <bool PARTS>
-__device__ __forceinline__ void add_rmsnorm_body(float* x, const float* r, int r_parts,
-                                                 i64 r_part, const float* r_w, const float* w,
-                                                 float* y, int n, float eps) {
+// written back (x + r, the f32 sum add_inplace computes), then y = rmsnorm of the new x.
+extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
+                                                               const float* w, float* y, int n,
+                                                               float eps) {
     pdl_enter();
     __shared__ float scratch[32];
     float* xr = x + (i64)blockIdx.x * n;
     const float* rr = r + (i64)blockIdx.x * n;
     float v[NORM_VALS], r_v[NORM_VALS], wv[NORM_VALS];
     load_row(v, xr, n);
-    if (PARTS) {
-        sum_parts(r_v, rr, r_parts, r_part, r_w, n);
-    } else {
-        load_row(r_v, rr, n);
-        load_row(wv, w, n);
-    }
+    load_row(r_v, rr, n);
+    load_row(wv, w, n);
 #pragma unroll
     for (int k = 0; k < NORM_VALS; k++) {
         int i = threadIdx.x + k * blockDim.x;
         v[k] += r_v[k];
         if (i < n) xr[i] = v[k];
     }
-    // The parts' loads take the registers w's would hold: w's loads go out after them, to
-    // arrive during the sum of squares.
-    if (PARTS) load_row(wv, w, n);
     rms_store(v, wv, y + (i64)blockIdx.x * n, n, eps, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const float* r,
-                                                               const float* w, float* y, int n,
-                                                               float eps) {
-    add_rmsnorm_body<false>(x, r, 1, 0, nullptr, w, y, n, eps);
+// add_rmsnorm_cluster: add_rmsnorm of one row of n <= NORM_CLUSTER * CLUSTER_THREADS *
+// CLUSTER_VALS by a cluster of NORM_CLUSTER blocks (sm_90+), each on its slice of the row;
+// their sums of squares meet in distributed shared memory, every block adding the cluster's
+// in the same order (so the same 1 / rms). One block streams a decode row's bytes at a
+// fraction of the GPU's rate: with a token's 9 expert outputs to sum it took 11 us (ncu, H100).
+// r is the sum of r_parts parts r_part apart, added in order:
+// - without weights (r_w null), the partial sums of a product whose k its blocks took in parts
+//   (matvec_tma_body's y_part): the same bits as the one sum it would have stored;
+// - with weights (r_w [r_parts]), a decode token's expert outputs (a part a choice), r = sum
+//   of r_w[p] * part p, a part of weight 0 not added: moe_combine's sum, bit for bit but the
+//   sign of an all-zero sum (the combine needs no launch of its own; the parts are all
+//   written: every choice held).
+#define NORM_CLUSTER 8
+#define CLUSTER_THREADS 256
+#define CLUSTER_VALS 4
+#define SUM_PARTS_AT_ONCE 5
+
+// This thread's values of its block's slice [lo, hi) of a row (0 past hi), loads at once.
+__device__ __forceinline__ void load_slice(float v[CLUSTER_VALS], const float* row, int lo,
+                                           int hi) {
+#pragma unroll
+    for (int k = 0; k < CLUSTER_VALS; k++) {
+        int i = lo + threadIdx.x + k * CLUSTER_THREADS;
+        v[k] = i < hi ? row[i] : 0.0f;
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm_parts(
-    float* x, const float* r, int r_parts, i64 r_part, const float* r_w, const float* w, float* y,
-    int n, float eps) {
-    add_rmsnorm_body<true>(x, r, r_parts, r_part, r_w, w, y, n, eps);
+// s = the slice's sum over p of c_p * part p in order, from -0 (so that c_0 = 1 leaves part
+// 0's bits: fmaf(1, v, s) is v + s rounded once); SUM_PARTS_AT_ONCE parts' loads at a time
+// with their weights (no load waits on a weight: a part of weight 0 is read, not added).
+__device__ __forceinline__ void sum_parts(float s[CLUSTER_VALS], const float* r, int parts,
+                                          i64 stride, const float* weights, int lo, int hi) {
+#pragma unroll
+    for (int k = 0; k < CLUSTER_VALS; k++) s[k] = -0.0f;
+#pragma unroll 1
+    for (int p0 = 0; p0 < parts; p0 += SUM_PARTS_AT_ONCE) {
+        float c[SUM_PARTS_AT_ONCE], v[SUM_PARTS_AT_ONCE][CLUSTER_VALS];
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS_AT_ONCE; u++) {
+            int p = min(p0 + u, parts - 1);
+            c[u] = p0 + u >= parts ? 0.0f : weights ? weights[p] : 1.0f;
+            load_slice(v[u], r + p * stride, lo, hi);
+        }
+#pragma unroll
+        for (int u = 0; u < SUM_PARTS_AT_ONCE; u++)
+            if (c[u] != 0.0f) {
+#pragma unroll
+                for (int k = 0; k < CLUSTER_VALS; k++) s[k] = fmaf(c[u], v[u][k], s[k]);
+            }
+    }
+}
+
+#if __CUDA_ARCH__ >= 900
+#define NORM_CLUSTER_DIMS __cluster_dims__(NORM_CLUSTER, 1, 1)
+#else
+#define NORM_CLUSTER_DIMS
+#endif
+extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
+    add_rmsnorm_cluster(float* x, const float* r, int r_parts, i64 r_part, const float* r_w,
+                        const float* w, float* y, int n, float eps) {
+#if __CUDA_ARCH__ >= 900
+    pdl_enter();
+    __shared__ float scratch[32], block_ss;
+    const int slice = (n + NORM_CLUSTER - 1) / NORM_CLUSTER;
+    const int lo = blockIdx.x * slice, hi = min(n, lo + slice);
+    float v[CLUSTER_VALS], r_v[CLUSTER_VALS], wv[CLUSTER_VALS];
+    load_slice(v, x, lo, hi);
+    load_slice(wv, w, lo, hi);
+    sum_parts(r_v, r, r_parts, r_part, r_w, lo, hi);
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < CLUSTER_VALS; k++) {
+        int i = lo + threadIdx.x + k * CLUSTER_THREADS;
+        v[k] += r_v[k];
+        if (i < hi) x[i] = v[k];
+        ss += v[k] * v[k];
+    }
+    ss = block_sum(ss, scratch);
+    if (threadIdx.x == 0) block_ss = ss;
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
+    // Lane b reads block b's sum (the grid is one cluster: block b is its rank b).
+    float part = 0.0f;
+    int lane = threadIdx.x & 31;
+    if (lane < NORM_CLUSTER) {
+        u32 remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                     : "=r"(remote)
+                     : "r"(shared_addr(&block_ss)), "r"(lane));
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(part) : "r"(remote) : "memory");
+    }
+    // No block leaves while another may still read its sum.
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    const float inv = rsqrtf(warp_sum(part) / (float)n + eps);
+#pragma unroll
+    for (int k = 0; k < CLUSTER_VALS; k++) {
+        int i = lo + threadIdx.x + k * CLUSTER_THREADS;
+        if (i < hi) y[i] = v[k] * inv * wv[k];
+    }
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
 }
 
 // The MLA latent of token t (model/mla.rs): row t of kv [T, dl + dr] -> row t of `cache`

@@ -1524,12 +1524,29 @@ fn rmsnorm_twin(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
 
 #[test]
 fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
     let mut rng = Rng::new("add_rmsnorm");
     let eps = 1e-5;
-    // A latent-sized row and GLM-5's residual width (1024 threads x NORM_VALS), and r as the
-    // partial sums of a product spread over its blocks in parts (Matvec::y_part).
-    for (rows, n, parts) in [(9, 576, 1), (3, 6144, 1), (1, 6144, 2), (2, 7168, 3)] {
+    // A latent-sized row and GLM-5's residual width (1024 threads x NORM_VALS); one row on a
+    // cluster of blocks (sm_90+) and on one block, and there r as the partial sums of a
+    // product spread over its blocks in parts (Matvec::y_part), which only the cluster takes.
+    let clusters = g.clusters;
+    let cases = [
+        (9, 576, 1, false),
+        (3, 6144, 1, false),
+        (1, 6144, 1, false),
+        (1, 576, 1, true),
+        (1, 1000, 2, true),
+        (1, 6144, 2, true),
+        (1, 7168, 3, true),
+        (1, 8192, 1, true),
+    ];
+    for (rows, n, parts, cluster) in cases {
+        if cluster && !clusters {
+            println!("SKIPPED: add_rmsnorm of {n} on a cluster: the GPU has no clusters");
+            continue;
+        }
+        g.clusters = cluster;
         let x: Vec<f32> = rng.normals(rows * n).iter().map(|v| v * 3.0).collect();
         let r = rng.normals(parts * rows * n);
         let w = rng.normals(n);
@@ -1557,7 +1574,7 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
         }
         let sum: Vec<f32> = x.iter().zip(&r_sum).map(|(a, b)| a + b).collect();
         let want_sum: Vec<f64> = sum.iter().map(|&v| v as f64).collect();
-        let what = format!("add_rmsnorm {rows}x{n} of {parts} parts");
+        let what = format!("add_rmsnorm {rows}x{n} of {parts} parts (cluster: {cluster})");
         assert_close(
             &format!("{what}: x"),
             &g.download(&dx).unwrap(),
@@ -1580,6 +1597,10 @@ fn add_rmsnorm_adds_in_place_and_normalizes_the_sum() {
 #[test]
 fn add_rmsnorm_combines_a_tokens_expert_outputs() {
     let Some(g) = gpu() else { return };
+    if !g.clusters {
+        println!("SKIPPED: weighted parts are summed on a cluster: the GPU has no clusters");
+        return;
+    }
     let mut rng = Rng::new("add_rmsnorm weights");
     let eps = 1e-6;
     // A decode token's 9 choices (8 routed and the shared expert at weight 1) at GLM-5's and
@@ -1599,7 +1620,8 @@ fn add_rmsnorm_combines_a_tokens_expert_outputs() {
             g.upload(&weights).unwrap(),
             g.upload(&w).unwrap(),
         );
-        // In one launch, and as moe_combine then add_rmsnorm (the engine's path before).
+        // In one launch, and as moe_combine then add_rmsnorm (the engine's path where the
+        // combine cannot wait for the add: a TP rank's or a batch's).
         let (dx, dy) = (g.upload(&x).unwrap(), poisoned(&g, n));
         g.add_rmsnorm(
             g.ptr(&dx, 0),

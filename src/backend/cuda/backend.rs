@@ -304,7 +304,7 @@ impl Backend for Cuda {
         if x.whole() {
             return stored;
         }
-        // The parts' sum in order, as add_rmsnorm_parts adds them.
+        // The parts' sum in order, as add_rmsnorm_cluster adds them.
         let weights = x
             .weights
             .as_ref()
@@ -1157,7 +1157,7 @@ impl Backend for Cuda {
                 with_shared,
             ));
         }
-        if n == 1 && all_held && whole_output {
+        if n == 1 && all_held && whole_output && self.gpu.clusters {
             // One token: its choices' rows are the parts of the output, weighted by the router
             // where the next residual add reads them (the combine in that launch).
             let out = CudaTensor {

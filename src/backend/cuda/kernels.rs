@@ -55,7 +55,11 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
     let name = match kernel {
         k if k.starts_with("matvec_") || k.starts_with("embed_") => "matvec",
         k if k.starts_with("matmul_") => "matmul",
-        "rmsnorm" | "layernorm" | "add_rmsnorm" | "add_rmsnorm_parts" | "latent_norm_rope"
+        "rmsnorm"
+        | "layernorm"
+        | "add_rmsnorm"
+        | "add_rmsnorm_cluster"
+        | "latent_norm_rope"
         | "latent_rows" => "norm",
         "rope_pairs" => "rope",
         "silu_mul" | "add_inplace" | "copy_block" => "elementwise",

@@ -803,6 +803,11 @@ pub enum EmbedRows {
 
 /// Threads per block of rmsnorm / layernorm for rows of n values: each thread keeps at most
 /// NORM_VALS = 8 of them in registers (kernels/norm.cu), 4 up to rows of 4096.
+/// add_rmsnorm_cluster's blocks (its cluster) and their threads (NORM_CLUSTER and
+/// CLUSTER_THREADS, kernels/norm.cu): a row of up to 8192 values, 4 a thread.
+const NORM_CLUSTER: u32 = 8;
+const NORM_CLUSTER_THREADS: u32 = 256;
+
 fn norm_block(n: usize, kernel: &str) -> Result<u32, CudaError> {
     check(n > 0 && n <= 8 * 1024, kernel, || {
         format!("rows of {n} values (1 ..= 8192)")
@@ -1242,8 +1247,9 @@ impl Gpu {
     /// x += r (written back), then y = rmsnorm(x) * w, row by row ([rows, n], contiguous);
     /// r: (address, parts, weights), the sum in order of that many [rows, n] parts one after
     /// the other: partials (a product with `Matvec::y_part`; weights 0), or with weights
-    /// ([parts] f32, one row) a decode token's expert outputs, part p times weight p, a part
-    /// of weight 0 not added (the MoE combine: moe_combine's sum). See kernels/norm.cu.
+    /// ([parts] f32) a decode token's expert outputs, part p times weight p, a part of weight 0
+    /// not added (the MoE combine: moe_combine's sum). One row goes to a cluster of blocks
+    /// where the GPU has them (sm_90+), the only form that takes parts. See kernels/norm.cu.
     #[allow(clippy::too_many_arguments)]
     pub fn add_rmsnorm(
         &self,
@@ -1257,15 +1263,15 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         let block = norm_block(n, "add_rmsnorm")?;
         check(r_parts >= 1, "add_rmsnorm", || "no part of r".into())?;
-        check(r_weights == 0 || rows == 1, "add_rmsnorm", || {
-            "weighted parts of one row only".into()
-        })?;
-        if r_parts == 1 && r_weights == 0 {
-            launch!(self, "add_rmsnorm", (rows as u32, 1, 1), block, 0; x, r, w, y, n as i32, eps);
-        } else {
-            launch!(self, "add_rmsnorm_parts", (rows as u32, 1, 1), block, 0;
-                x, r, r_parts as i32, (rows * n) as i64, r_weights, w, y, n as i32, eps);
+        if rows == 1 && self.clusters {
+            launch!(self, "add_rmsnorm_cluster", (NORM_CLUSTER, 1, 1), NORM_CLUSTER_THREADS, 0;
+                x, r, r_parts as i32, n as i64, r_weights, w, y, n as i32, eps);
+            return Ok(());
         }
+        check(r_parts == 1 && r_weights == 0, "add_rmsnorm", || {
+            "parts of r: one row, on a GPU with clusters of blocks".into()
+        })?;
+        launch!(self, "add_rmsnorm", (rows as u32, 1, 1), block, 0; x, r, w, y, n as i32, eps);
         Ok(())
     }
 
