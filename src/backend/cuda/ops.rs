@@ -801,13 +801,13 @@ pub enum EmbedRows {
     One(u32),
 }
 
-/// Threads per block of rmsnorm / layernorm for rows of n values: each thread keeps at most
-/// NORM_VALS = 8 of them in registers (kernels/norm.cu), 4 up to rows of 4096.
 /// add_rmsnorm_cluster's blocks (its cluster) and their threads (NORM_CLUSTER and
 /// CLUSTER_THREADS, kernels/norm.cu): a row of up to 8192 values, 4 a thread.
 const NORM_CLUSTER: u32 = 8;
 const NORM_CLUSTER_THREADS: u32 = 256;
 
+/// Threads per block of rmsnorm / layernorm for rows of n values: each thread keeps at most
+/// NORM_VALS = 8 of them in registers (kernels/norm.cu), 4 up to rows of 4096.
 fn norm_block(n: usize, kernel: &str) -> Result<u32, CudaError> {
     check(n > 0 && n <= 8 * 1024, kernel, || {
         format!("rows of {n} values (1 ..= 8192)")
