@@ -12,6 +12,10 @@
 #     tp-synth  TP=2 against TP=1 on the synthetic GLM-5 file: trace diff, decode tokens/s and
 #             all-reduce time per token (MLA_TP_TIMING=1)
 #     bench   bench.sh on the synthetic files (issue 9)
+#     ab      this build's whole-model decode and prefill beside each baseline's (gpu-bundle
+#             --baseline REV), on the synthetic files, the builds alternating AB_ROUNDS times
+#             (default 2); AB_CONTEXT (default 4096): decode also after a prompt that long (0:
+#             not). A table of every build's range at the end (ab.log), the JSON in $WORK/ab
 #
 # synth runs in the background from the start (tp-synth and bench wait for it). Each phase's
 # log goes to $WORK/NAME.log (WORK default /tmp/mla-gpu) and to stdout; at the end the logs and
@@ -143,6 +147,51 @@ phase_tp_synth() {
 phase_bench() {
   wait_synth
   OUT=$work/bench BENCH_WORK=$(dirname "$(synth_file glm5)") timeout 400 bash "$here/bench.sh"
+}
+
+phase_ab() {
+  local m r file rev rounds=${AB_ROUNDS:-2}
+  [ "$(wc -l <"$bin/builds")" -gt 1 ] || { echo "no baseline in this bundle (gpu-bundle --baseline REV)"; return 1; }
+  wait_synth
+  mkdir -p "$work/ab"
+  for m in glm5 ds3; do
+    [ -e "$(synth_file $m)" ] || { echo "no $(synth_file $m) (phase synth)"; continue; }
+    for r in $(seq "$rounds"); do
+      while read -r file rev; do
+        echo "-- $m, round $r, $rev"
+        "$bin/$file" bench --skip-kernels --long-context "${AB_CONTEXT:-4096}" \
+          --model "$(synth_file $m)" --json "$work/ab/$m.$rev.$r.json"
+      done <"$bin/builds"
+    done
+  done
+  # Per model and row, each build's tokens/s over the rounds (min-max) and its share of the
+  # bandwidth bound; the builds in bin/builds' order (this build first).
+  python3 - "$work/ab" "$bin/builds" <<'EOF'
+import collections, glob, json, os, sys
+revs = [line.split()[1] for line in open(sys.argv[2]) if line.strip()]
+runs = collections.defaultdict(list)  # (model, row, rev) -> [(tok_s, of_copy)]
+for path in glob.glob(os.path.join(sys.argv[1], "*.json")):
+    model, rev = os.path.basename(path).split(".")[:2]
+    for row in json.load(open(path))["rows"]:
+        name = row["name"].replace(f" {model}.gguf", "")
+        runs[model, name, rev].append((row["tok_s"], row.get("of_copy")))
+        if "host_us" in row:  # the host's time to queue a step: near the step, it sets the pace
+            runs[model, name + ", host us", rev].append((row["host_us"], None))
+for model in sorted({k[0] for k in runs}):
+    print(f"\n{model}: tokens/s, min-max over the rounds (of the bandwidth bound)")
+    print(f"{'':34}" + "".join(f"{r:>32}" for r in revs))
+    for name in sorted({k[1] for k in runs if k[0] == model}):
+        cells = []
+        for r in revs:
+            v = runs.get((model, name, r), [])
+            t = [x[0] for x in v]
+            c = [x[1] for x in v if x[1] is not None]
+            cell = f"{min(t):,.1f}-{max(t):,.1f}" if t else "-"
+            if c:
+                cell += f" ({100 * min(c):.1f}-{100 * max(c):.1f}%)"
+            cells.append(f"{cell:>32}")
+        print(f"{name:34}" + "".join(cells))
+EOF
 }
 
 if [ "${1:-}" = --phase ]; then

@@ -3,8 +3,12 @@
 //! tests/nvrtc_compile.rs, tests/tp_nccl.rs), and in bin.tar.gz the `cargo-nextest` binary
 //! that runs it, the release `generate` and the `xtask` binary (synth, bench); the golden
 //! fixtures the tests read (models, references, manifest); `run.sh` (xtask/gpu-run.sh: the
-//! phases tests, golden, tp, synth, tp-synth, bench) and `bench.sh`. Binaries are stripped of
-//! symbols and compressed to keep the folder small enough to carry to the GPU host (64 MiB).
+//! phases tests, golden, tp, synth, tp-synth, bench, ab) and `bench.sh`. Binaries are stripped
+//! of symbols and compressed to keep the folder small enough to carry to the GPU host (64 MiB).
+//!
+//! `--baseline REV` adds REV's own `xtask` (built from `git archive REV`, cached under
+//! target/baseline/), so that the phase `ab` times this build's decode and prefill beside
+//! REV's, alternating, in one call: a change is measured against its parent on the same GPU.
 //!
 //! The tests find the fixtures at this machine's workspace path (compiled in), so `run.sh`
 //! points that path at the bundle's copy, or with `--no-fixtures` at the checkout the bundle
@@ -24,6 +28,10 @@ pub struct Args {
     /// placed in (bundle inside the repository root).
     #[arg(long)]
     no_fixtures: bool,
+    /// A git revision whose `xtask` goes into the bundle too (repeatable), for run.sh's phase
+    /// `ab`: whole-model decode and prefill of each build, alternating.
+    #[arg(long)]
+    baseline: Vec<String>,
 }
 
 fn run_cmd(cmd: &mut Command) -> Result<()> {
@@ -96,6 +104,63 @@ fn strip_archive(archive: &Path) -> Result<()> {
     Ok(())
 }
 
+fn git(root: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new("git").current_dir(root).args(args).output()?;
+    if !out.status.success() {
+        bail!(
+            "git {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?.trim().to_string())
+}
+
+/// The release `xtask` of revision `rev` (its commit's short hash, and the binary), built
+/// once from `git archive` into target/baseline/HASH/ (a target folder shared by every
+/// baseline, so that their dependencies build once).
+fn baseline_xtask(root: &Path, cargo: &str, rev: &str) -> Result<(String, PathBuf)> {
+    let hash = git(
+        root,
+        &["rev-parse", "--short=9", &format!("{rev}^{{commit}}")],
+    )?;
+    let dir = root.join("target/baseline").join(&hash);
+    let binary = dir.join("xtask");
+    if binary.exists() {
+        return Ok((hash, binary));
+    }
+    let src = dir.join("src");
+    if src.exists() {
+        std::fs::remove_dir_all(&src)?;
+    }
+    std::fs::create_dir_all(&src)?;
+    let archive = dir.join("src.tar");
+    run_cmd(Command::new("git").current_dir(root).args([
+        "archive",
+        "--output",
+        &archive.display().to_string(),
+        &hash,
+    ]))?;
+    run_cmd(
+        Command::new("tar")
+            .arg("-xf")
+            .arg(&archive)
+            .arg("-C")
+            .arg(&src),
+    )?;
+    let target = root.join("target/baseline/target");
+    run_cmd(
+        Command::new(cargo)
+            .current_dir(&src)
+            .env("CARGO_TARGET_DIR", &target)
+            .args(["build", "--release", "-p", "xtask"]),
+    )?;
+    std::fs::copy(target.join("release/xtask"), &binary)?;
+    std::fs::remove_dir_all(&src)?;
+    std::fs::remove_file(&archive)?;
+    Ok((hash, binary))
+}
+
 pub fn run(args: Args) -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -142,12 +207,31 @@ pub fn run(args: Args) -> Result<()> {
     }
     let bin = out.join("bin");
     std::fs::create_dir_all(&bin)?;
-    for (from, to) in [
-        (PathBuf::from(nextest), "cargo-nextest"),
-        (root.join("target/release/generate"), "generate"),
-        (std::env::current_exe()?, "xtask"),
-    ] {
-        run_cmd(Command::new("strip").arg("-o").arg(bin.join(to)).arg(&from))?;
+    let mut executables = vec![
+        (PathBuf::from(nextest), "cargo-nextest".to_string()),
+        (root.join("target/release/generate"), "generate".to_string()),
+        (std::env::current_exe()?, "xtask".to_string()),
+    ];
+    // bin/builds: one line per xtask that phase ab times, "FILE REVISION", this build first.
+    let this = git(
+        &root,
+        &[
+            "describe",
+            "--always",
+            "--dirty",
+            "--abbrev=9",
+            "--exclude=*",
+        ],
+    )?;
+    let mut builds = format!("xtask {this}\n");
+    for rev in &args.baseline {
+        let (hash, binary) = baseline_xtask(&root, &cargo, rev)?;
+        builds += &format!("xtask-{hash} {hash}\n");
+        executables.push((binary, format!("xtask-{hash}")));
+    }
+    std::fs::write(bin.join("builds"), builds)?;
+    for (from, to) in &executables {
+        run_cmd(Command::new("strip").arg("-o").arg(bin.join(to)).arg(from))?;
     }
     run_cmd(
         Command::new("tar")
