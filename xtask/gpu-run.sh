@@ -15,7 +15,8 @@
 #     ab      this build's whole-model decode and prefill beside each baseline's (gpu-bundle
 #             --baseline REV), on the synthetic files, the builds alternating AB_ROUNDS times
 #             (default 2); AB_CONTEXT (default 4096): decode also after a prompt that long (0:
-#             not). A table of every build's range at the end (ab.log), the JSON in $WORK/ab
+#             not). A table of every build's range at the end (ab.log), the JSON in $WORK/ab;
+#             then this build's GLM-5 decode on the chain clock (bench --chain-clock)
 #
 # synth runs in the background from the start (tp-synth and bench wait for it). Each phase's
 # log goes to $WORK/NAME.log (WORK default /tmp/mla-gpu) and to stdout; at the end the logs and
@@ -192,6 +193,8 @@ for model in sorted({k[0] for k in runs}):
             cells.append(f"{cell:>32}")
         print(f"{name:34}" + "".join(cells))
 EOF
+  echo "-- this build's decode steps on the chain clock (glm5)"
+  "$bin/xtask" bench --chain-clock --tokens 16 --model "$(synth_file glm5)" --json "$work/ab/chain-glm5.json"
 }
 
 if [ "${1:-}" = --phase ]; then

@@ -72,9 +72,14 @@ pub struct Args {
     /// Like --profile-token, for one prefill of this many tokens (after a warm-up prefill).
     #[arg(long)]
     profile_prefill: Option<usize>,
-    /// With --profile-token: the profiled token follows a prompt of this many tokens.
+    /// With --profile-token or --chain-clock: the decode follows a prompt of this many tokens.
     #[arg(long, default_value_t = 0)]
     profile_context: usize,
+    /// After loading the first model, time --tokens decode steps by the chain clock (every
+    /// launch stamps when the one before it ended: MLA_CHAIN_CLOCK=1, set here) and print
+    /// what each launch of a step adds as the chain runs, in order and per kernel.
+    #[arg(long)]
+    chain_clock: bool,
 }
 
 /// The bench's own kernels: a random fill, the mma.sync rate and an empty kernel.
@@ -1217,7 +1222,82 @@ fn profile_one_step(path: &Path, prefill: Option<usize>, context: usize) -> Resu
     Ok(())
 }
 
+/// `--chain-clock`: the model's decode steps (after a prompt of `context` tokens, at least 8)
+/// on the chain clock, printed as each launch's share of a step and written to `json`.
+fn chain_clock_decode(
+    path: &Path,
+    steps: usize,
+    context: usize,
+    json: Option<&Path>,
+) -> Result<()> {
+    // Before the GPU is opened: the kernels compile with the stamps (kernels::chain_clock).
+    std::env::set_var("MLA_CHAIN_CLOCK", "1");
+    let file = Arc::new(GgufFile::open(path)?);
+    let cfg = ModelConfig::from_gguf(&file)?;
+    let model = Model::load(cfg.clone(), Cuda::new(0)?, &GgufTensors(file))?;
+    let gpu = &model.backend.gpu;
+    let prompt = token_ids(context.max(8), cfg.n_vocab);
+    let mut cache = model.new_cache(prompt.len() + steps + 16);
+    drop(model.forward_last(&mut cache, &prompt)?);
+    // Steps as the bench's decode takes them (the GPU a step ahead of the host), the first
+    // launch of each noted; 3 of warm-up, then the clock.
+    let mut before: Option<<Cuda as Backend>::Pick> = None;
+    let mut starts = Vec::new();
+    for i in 0..3 + steps + 1 {
+        if i == 3 {
+            gpu.chain_clock_start()?;
+        }
+        starts.push(gpu.chain_clock_launches());
+        let logits = match &before {
+            Some(pick) => model.forward_pick(&mut cache, pick)?,
+            None => model.forward(&mut cache, &[1], &mut Taps::none())?,
+        };
+        if let Some(pick) = before.replace(model.backend.argmax_pick(&logits)) {
+            model.backend.pick_id(&pick);
+        }
+    }
+    let stamps = gpu.chain_clock_read()?;
+    let chain = crate::chain::Chain::from_stamps(&stamps, &starts[3..])?;
+    println!(
+        "{}: {} decode steps after {} positions on the chain clock, {:.1} us a step",
+        path.display(),
+        chain.steps,
+        prompt.len(),
+        chain.step_us
+    );
+    println!("in chain order, what each launch adds (from the end of the one before to its own):");
+    for (i, (name, us)) in chain.launches.iter().enumerate() {
+        println!("{i:4} {name:<36} {us:8.1} us");
+    }
+    println!("per kernel, a step:");
+    let by_kernel = chain.by_kernel();
+    for (name, n, us) in &by_kernel {
+        let share = 100.0 * us / chain.step_us;
+        println!("{us:10.1} us {share:5.1}% {n:4}  {name}");
+    }
+    if let Some(json) = json {
+        let doc = json!({
+            "model": path.display().to_string(), "context": prompt.len(), "steps": chain.steps,
+            "step_us": chain.step_us,
+            "launches": chain.launches.iter().map(|(k, us)| json!({"kernel": k, "us": us})).collect::<Vec<_>>(),
+            "by_kernel": by_kernel.iter().map(|(k, n, us)| json!({"kernel": k, "launches": n, "us": us})).collect::<Vec<_>>(),
+        });
+        std::fs::write(json, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| json.display().to_string())?;
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> Result<()> {
+    if args.chain_clock {
+        let path = args.model.first().context("--chain-clock needs --model")?;
+        return chain_clock_decode(
+            path,
+            args.tokens,
+            args.profile_context,
+            args.json.as_deref(),
+        );
+    }
     if args.profile_token || args.profile_prefill.is_some() {
         let path = args.model.first().context("profiling needs --model")?;
         return profile_one_step(path, args.profile_prefill, args.profile_context);

@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the project's developer commands (golden, gpu-bundle, bench, synth, slice).
 
 mod bench;
+mod chain;
 mod golden;
 mod gpu_bundle;
 mod slice;

@@ -11,7 +11,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::error::CudaError;
-use super::kernels::{family_of, max_dynamic_smem, Family, FAMILIES};
+use super::kernels::{chain_clock, family_of, max_dynamic_smem, Family, FAMILIES};
 use super::nvrtc::cached_cubin;
 
 /// A raw device address (CUdeviceptr) handed to a kernel; 0 means "absent" for optional
@@ -60,6 +60,26 @@ pub struct Gpu {
     /// Grow-only counter and per-block pairs of `argmax_row` (ops.rs), the counter zero
     /// between launches.
     pub(super) argmax_work: Mutex<Option<CudaSlice<i32>>>,
+    /// The chain clock's stamps and launches, where `kernels::chain_clock` is on.
+    chain_clock: Option<ChainClock>,
+}
+
+/// CHAIN_CLOCK_STAMPS of kernels/common.cuh.
+const CHAIN_CLOCK_STAMPS: usize = 8192;
+
+/// The chain clock (kernels/common.cuh): the buffer every module's `mla_chain_clock` points
+/// at ([0] the stamps taken, then (grid id, ns) pairs), and the kernels launched since
+/// `chain_clock_start`, in order.
+struct ChainClock {
+    stamps: CudaSlice<u64>,
+    launches: Mutex<Vec<String>>,
+}
+
+fn no_chain_clock() -> CudaError {
+    CudaError::Shape {
+        kernel: "chain clock".into(),
+        what: "off: set MLA_CHAIN_CLOCK=1 before the GPU is opened".into(),
+    }
 }
 
 /// Whether the CUDA driver library can be loaded at all.
@@ -123,6 +143,13 @@ impl Gpu {
         let stream = ctx.default_stream();
         let pick_stream = ctx.new_stream()?;
         let dependent_launch = major >= 9 && std::env::var("MLA_PDL").map_or(true, |v| v != "0");
+        let chain_clock = match chain_clock() {
+            true => Some(ChainClock {
+                stamps: stream.alloc_zeros(1 + 2 * CHAIN_CLOCK_STAMPS)?,
+                launches: Mutex::default(),
+            }),
+            false => None,
+        };
         let bulk_copies = major >= 9 && std::env::var("MLA_BULK").map_or(true, |v| v != "0");
         Ok(Gpu {
             dependent_launch,
@@ -143,6 +170,7 @@ impl Gpu {
             route_done: Mutex::default(),
             combine_done: Mutex::default(),
             argmax_work: Mutex::default(),
+            chain_clock,
         })
     }
 
@@ -154,6 +182,11 @@ impl Gpu {
         }
         let cubin = cached_cubin(family, &self.arch)?;
         let m = self.ctx.load_module(Ptx::from_binary(cubin))?;
+        if let Some(clock) = &self.chain_clock {
+            let address = self.ptr(&clock.stamps, 0).to_le_bytes();
+            let mut global = m.get_global("mla_chain_clock", &self.stream)?;
+            self.stream.memcpy_htod(&address, &mut global)?;
+        }
         modules.insert(family.name, m.clone());
         Ok(m)
     }
@@ -281,6 +314,81 @@ impl Gpu {
         Ok(self.stream.synchronize()?)
     }
 
+    /// Whether the kernels stamp the chain clock (MLA_CHAIN_CLOCK=1).
+    pub fn has_chain_clock(&self) -> bool {
+        self.chain_clock.is_some()
+    }
+
+    /// Notes a launch for the chain clock (nothing without it).
+    pub fn chain_clock_note(&self, kernel: &str) {
+        if let Some(clock) = &self.chain_clock {
+            clock.launches.lock().unwrap().push(kernel.to_string());
+        }
+    }
+
+    /// The launches noted since `chain_clock_start` so far.
+    pub fn chain_clock_launches(&self) -> usize {
+        self.chain_clock
+            .as_ref()
+            .map_or(0, |c| c.launches.lock().unwrap().len())
+    }
+
+    /// Starts the chain clock over, in stream order: stamps of work queued before are dropped.
+    pub fn chain_clock_start(&self) -> Result<(), CudaError> {
+        let clock = self.chain_clock.as_ref().ok_or_else(no_chain_clock)?;
+        // SAFETY: the buffer's first 8 bytes (the count), on the stream that uses it.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.ptr(&clock.stamps, 0),
+                0,
+                8,
+                self.stream.cu_stream(),
+            )
+        }?;
+        clock.launches.lock().unwrap().clear();
+        Ok(())
+    }
+
+    /// Every launch since `chain_clock_start`, in order, with the global timer (ns) when its
+    /// first block's first thread was through its wait: the time the launch before it ended,
+    /// or for a launch without programmatic dependence, when it began. Waits for the work.
+    pub fn chain_clock_read(&self) -> Result<Vec<(String, u64)>, CudaError> {
+        let clock = self.chain_clock.as_ref().ok_or_else(no_chain_clock)?;
+        self.sync()?;
+        let buf = self.download(&clock.stamps)?;
+        let taken = buf[0] as usize;
+        let launches = clock.launches.lock().unwrap();
+        let mismatch = |what: String| CudaError::Shape {
+            kernel: "chain clock".into(),
+            what,
+        };
+        if taken > CHAIN_CLOCK_STAMPS {
+            return Err(mismatch(format!(
+                "{taken} stamps, room for {CHAIN_CLOCK_STAMPS}: time fewer launches"
+            )));
+        }
+        // A launch whose thread waited twice stamped twice under one grid id.
+        let mut stamps: Vec<(u64, u64)> = Vec::with_capacity(taken);
+        for pair in buf[1..1 + 2 * taken].chunks_exact(2) {
+            if stamps.last().is_none_or(|&(grid, _)| grid != pair[0]) {
+                stamps.push((pair[0], pair[1]));
+            }
+        }
+        if stamps.len() != launches.len() {
+            return Err(mismatch(format!(
+                "{} launches stamped, {} noted: a kernel that does not wait (pdl_wait) in its \
+                 first block's first thread",
+                stamps.len(),
+                launches.len()
+            )));
+        }
+        Ok(launches
+            .iter()
+            .zip(stamps)
+            .map(|(name, (_, ns))| (name.clone(), ns))
+            .collect())
+    }
+
     /// The raw address of element `offset` of `buf`.
     pub fn ptr<T>(&self, buf: &CudaSlice<T>, offset: usize) -> DevicePtrRaw {
         let (p, _record) = buf.device_ptr(&self.stream);
@@ -324,6 +432,7 @@ macro_rules! launch {
         // and of the declared types, after checking shapes; addresses come from the caller's
         // live buffers.
         unsafe { $gpu.launch_raw(&f, $grid, $block, $smem, &mut params, $dependent) }?;
+        $gpu.chain_clock_note(&$kernel);
     }};
 }
 pub(crate) use launch;

@@ -15,10 +15,22 @@ pub struct Family {
     body: &'static str,
 }
 
+/// Whether the kernels stamp the chain clock (MLA_CHAIN_CLOCK=1; common.cuh, `Gpu::chain_clock`):
+/// a diagnostic of what each launch adds to decode as it runs. The define changes the source,
+/// so its cubins are cached apart from the plain ones.
+pub fn chain_clock() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLA_CHAIN_CLOCK").is_ok_and(|v| v == "1"))
+}
+
 impl Family {
     /// The full program text NVRTC compiles.
     pub fn source(&self) -> String {
-        let mut s = String::from(COMMON);
+        let mut s = String::new();
+        if chain_clock() {
+            s.push_str("#define MLA_CHAIN_CLOCK\n");
+        }
+        s.push_str(COMMON);
         if self.quant {
             s.push_str(QUANT);
         }

@@ -1,0 +1,145 @@
+//! What each launch of a decode step adds to the chain as it runs (`xtask bench --chain-clock`).
+//!
+//! ncu times kernels one at a time, caches flushed, none overlapping the next, so its sum
+//! overstates a decode step of ~50 short launches that programmatic dependent launch runs
+//! back to back. The chain clock (kernels/common.cuh, `Gpu::chain_clock_read`) stamps, per
+//! launch, when its wait returned: when the launch before it ended. A launch's share of the
+//! step is then the stamp of the launch after it minus its own: from the end of the one
+//! before to its own end, its tail and the hand-over included, its overlap with the one before
+//! left out, and the steps' shares add up to the step's time. One launch stamps late: a MoE
+//! gate-up pair with the shared expert among the choices (`matvec_tma_q4_k` with ids), whose
+//! first block takes a shared group before it waits for the router; part of the pair's time is
+//! then counted to the router before it (their sum is right). The stamps cost a launch one
+//! atomic and two stores; compare the step's time with the bench's plain decode.
+
+use anyhow::{bail, Result};
+
+/// One decode step's launches in chain order, each with the microseconds it added.
+pub struct Chain {
+    /// (kernel, us added), the mean over the steps.
+    pub launches: Vec<(String, f64)>,
+    /// The mean time from a step's first stamp to the next step's.
+    pub step_us: f64,
+    /// The steps averaged.
+    pub steps: usize,
+}
+
+impl Chain {
+    /// From the stamps of consecutive steps ((kernel, ns), in launch order) and the index where
+    /// each step's launches begin. The last step only ends the one before (its last launch has
+    /// no successor), so at least two are needed; every step must launch the same kernels.
+    pub fn from_stamps(stamps: &[(String, u64)], step_starts: &[usize]) -> Result<Chain> {
+        if step_starts.len() < 2 || *step_starts.last().unwrap() >= stamps.len() {
+            bail!("the chain clock needs two steps or more, the last with a stamp");
+        }
+        let step = |i: usize| &stamps[step_starts[i]..step_starts[i + 1]];
+        let first = step(0);
+        let mut added = vec![0.0; first.len()];
+        let steps = step_starts.len() - 1;
+        for (i, &start) in step_starts[..steps].iter().enumerate() {
+            let launches = step(i);
+            if launches.len() != first.len() || launches.iter().zip(first).any(|(a, b)| a.0 != b.0)
+            {
+                bail!(
+                    "step {i} launched other kernels than step 0 ({} against {})",
+                    launches.len(),
+                    first.len()
+                );
+            }
+            for (j, sum) in added.iter_mut().enumerate() {
+                let g = start + j;
+                *sum += stamps[g + 1].1.saturating_sub(stamps[g].1) as f64 / 1e3;
+            }
+        }
+        let span = stamps[step_starts[steps]].1 - stamps[step_starts[0]].1;
+        Ok(Chain {
+            launches: first
+                .iter()
+                .zip(added)
+                .map(|((name, _), us)| (name.clone(), us / steps as f64))
+                .collect(),
+            step_us: span as f64 / 1e3 / steps as f64,
+            steps,
+        })
+    }
+
+    /// Per kernel: (kernel, launches a step, us a step), the most time first.
+    pub fn by_kernel(&self) -> Vec<(String, usize, f64)> {
+        let mut rows: Vec<(String, usize, f64)> = Vec::new();
+        for (name, us) in &self.launches {
+            match rows.iter_mut().find(|r| r.0 == *name) {
+                Some(r) => (r.1, r.2) = (r.1 + 1, r.2 + us),
+                None => rows.push((name.clone(), 1, *us)),
+            }
+        }
+        rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stamps(steps: &[&[(&str, u64)]]) -> (Vec<(String, u64)>, Vec<usize>) {
+        let mut all = Vec::new();
+        let mut starts = Vec::new();
+        for s in steps {
+            starts.push(all.len());
+            all.extend(s.iter().map(|&(n, t)| (n.to_string(), t)));
+        }
+        (all, starts)
+    }
+
+    #[test]
+    fn a_launch_adds_the_time_to_the_next_stamp_and_the_steps_add_up() {
+        // Two steps of embed -> matvec -> argmax, the second 2 us slower in its matvec; a third
+        // step only ends the second.
+        let (all, starts) = stamps(&[
+            &[("embed", 0), ("matvec", 3_000), ("argmax", 13_000)],
+            &[("embed", 15_000), ("matvec", 18_000), ("argmax", 30_000)],
+            &[("embed", 32_000)],
+        ]);
+        let chain = Chain::from_stamps(&all, &starts).unwrap();
+        assert_eq!(chain.steps, 2);
+        let want = [("embed", 3.0), ("matvec", 11.0), ("argmax", 2.0)];
+        for ((name, us), (want_name, want_us)) in chain.launches.iter().zip(want) {
+            assert_eq!(name, want_name);
+            assert!(
+                (us - want_us).abs() < 1e-9,
+                "{name}: {us} against {want_us}"
+            );
+        }
+        assert!((chain.step_us - 16.0).abs() < 1e-9);
+        let added: f64 = chain.launches.iter().map(|l| l.1).sum();
+        assert!((added - chain.step_us).abs() < 1e-9);
+    }
+
+    #[test]
+    fn launches_of_one_kernel_add_up_by_kernel() {
+        let (all, starts) = stamps(&[
+            &[
+                ("norm", 0),
+                ("matvec", 1_000),
+                ("norm", 5_000),
+                ("matvec", 6_000),
+            ],
+            &[("norm", 10_000)],
+        ]);
+        let by = Chain::from_stamps(&all, &starts).unwrap().by_kernel();
+        assert_eq!(by[0], ("matvec".to_string(), 2, 8.0));
+        assert_eq!(by[1], ("norm".to_string(), 2, 2.0));
+    }
+
+    #[test]
+    fn steps_that_launch_other_kernels_are_refused() {
+        let (all, starts) = stamps(&[
+            &[("embed", 0), ("matvec", 1_000)],
+            &[("embed", 2_000), ("norm", 3_000)],
+            &[("embed", 4_000)],
+        ]);
+        assert!(Chain::from_stamps(&all, &starts).is_err());
+        let (all, starts) = stamps(&[&[("embed", 0)]]);
+        assert!(Chain::from_stamps(&all, &starts).is_err());
+    }
+}
