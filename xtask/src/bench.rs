@@ -1265,22 +1265,25 @@ fn chain_clock_decode(
         prompt.len(),
         chain.step_us
     );
-    println!("in chain order, what each launch adds (from the end of the one before to its own):");
+    println!(
+        "in chain order, what each launch adds (from the end of the one before to its own), \
+         over the {} steps that launched step 0's kernels:",
+        chain.same_steps
+    );
     for (i, (name, us)) in chain.launches.iter().enumerate() {
         println!("{i:4} {name:<36} {us:8.1} us");
     }
-    println!("per kernel, a step:");
-    let by_kernel = chain.by_kernel();
-    for (name, n, us) in &by_kernel {
+    println!("per kernel, a step (us, share, launches):");
+    for (name, n, us) in &chain.by_kernel {
         let share = 100.0 * us / chain.step_us;
-        println!("{us:10.1} us {share:5.1}% {n:4}  {name}");
+        println!("{us:10.1} us {share:5.1}% {n:6.2}  {name}");
     }
     if let Some(json) = json {
         let doc = json!({
             "model": path.display().to_string(), "context": prompt.len(), "steps": chain.steps,
-            "step_us": chain.step_us,
+            "step_us": chain.step_us, "same_steps": chain.same_steps,
             "launches": chain.launches.iter().map(|(k, us)| json!({"kernel": k, "us": us})).collect::<Vec<_>>(),
-            "by_kernel": by_kernel.iter().map(|(k, n, us)| json!({"kernel": k, "launches": n, "us": us})).collect::<Vec<_>>(),
+            "by_kernel": chain.by_kernel.iter().map(|(k, n, us)| json!({"kernel": k, "launches": n, "us": us})).collect::<Vec<_>>(),
         });
         std::fs::write(json, serde_json::to_string_pretty(&doc)?)
             .with_context(|| json.display().to_string())?;
