@@ -9,8 +9,8 @@
 # 2. measures the ceilings and every decode / prefill kernel meanwhile (kernels.json),
 # 3. times whole-model decode and prefill, one process per file: first with MLA_PDL=0 (kernels
 #    launched one after the other, model-NAME-no-pdl.json), then as shipped (model-NAME.json),
-# 4. the chain clock: each launch's share of a decode step as the steps run back to back
-#    (chain-MODEL-CONTEXT.json),
+# 4. the chain clock: each launch's share of a decode step as the steps run back to back,
+#    short and after 4096 positions (chain-MODEL.json),
 # 5. ncu: one decode token of the first model (launches and kernel time per token,
 #    ncu-token.csv), one 512-token prefill of each (ncu-prefill-MODEL.csv) and the main decode
 #    and prefill kernels (ncu-kernels.txt).
@@ -78,11 +78,8 @@ EOF
   done
 
   for m in $models; do
-    for ctx in 0 4096; do
-      echo "== chain clock: $m decode after $ctx positions, what each launch adds as the chain runs"
-      "$x" bench --chain-clock --tokens 16 --profile-context $ctx --model "$work/$m.gguf" \
-        --json "$out/chain-$m-$ctx.json"
-    done
+    echo "== chain clock: $m decode, short and after 4096 positions, what each launch adds"
+    "$x" bench --chain-clock --tokens 16 --model "$work/$m.gguf" --json "$out/chain-$m.json"
   done
 
   first=${models%% *}

@@ -194,7 +194,8 @@ for model in sorted({k[0] for k in runs}):
         print(f"{name:34}" + "".join(cells))
 EOF
   echo "-- this build's decode steps on the chain clock (glm5)"
-  "$bin/xtask" bench --chain-clock --tokens 16 --model "$(synth_file glm5)" --json "$work/ab/chain-glm5.json"
+  "$bin/xtask" bench --chain-clock --tokens 16 --long-context "${AB_CONTEXT:-4096}" \
+    --model "$(synth_file glm5)" --json "$work/chain-glm5.json"
 }
 
 if [ "${1:-}" = --phase ]; then

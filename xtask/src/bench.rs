@@ -72,12 +72,13 @@ pub struct Args {
     /// Like --profile-token, for one prefill of this many tokens (after a warm-up prefill).
     #[arg(long)]
     profile_prefill: Option<usize>,
-    /// With --profile-token or --chain-clock: the decode follows a prompt of this many tokens.
+    /// With --profile-token: the profiled token follows a prompt of this many tokens.
     #[arg(long, default_value_t = 0)]
     profile_context: usize,
     /// After loading the first model, time --tokens decode steps by the chain clock (every
-    /// launch stamps when the one before it ended: MLA_CHAIN_CLOCK=1, set here) and print
-    /// what each launch of a step adds as the chain runs, in order and per kernel.
+    /// launch stamps when the one before it ended: MLA_CHAIN_CLOCK=1, set here), after a short
+    /// prompt and after --long-context positions, and print what each launch of a step adds
+    /// as the chain runs, in order and per kernel.
     #[arg(long)]
     chain_clock: bool,
 }
@@ -1222,69 +1223,68 @@ fn profile_one_step(path: &Path, prefill: Option<usize>, context: usize) -> Resu
     Ok(())
 }
 
-/// `--chain-clock`: the model's decode steps (after a prompt of `context` tokens, at least 8)
-/// on the chain clock, printed as each launch's share of a step and written to `json`.
-fn chain_clock_decode(
-    path: &Path,
-    steps: usize,
-    context: usize,
-    json: Option<&Path>,
-) -> Result<()> {
+/// `--chain-clock`: the model's decode steps on the chain clock after a short prompt and,
+/// where `long` > 0, after `long` positions, printed as each launch's share of a step and
+/// written to `json`.
+fn chain_clock_decode(path: &Path, steps: usize, long: usize, json: Option<&Path>) -> Result<()> {
     // Before the GPU is opened: the kernels compile with the stamps (kernels::chain_clock).
     std::env::set_var("MLA_CHAIN_CLOCK", "1");
     let file = Arc::new(GgufFile::open(path)?);
     let cfg = ModelConfig::from_gguf(&file)?;
     let model = Model::load(cfg.clone(), Cuda::new(0)?, &GgufTensors(file))?;
     let gpu = &model.backend.gpu;
-    let prompt = token_ids(context.max(8), cfg.n_vocab);
-    let mut cache = model.new_cache(prompt.len() + steps + 16);
-    drop(model.forward_last(&mut cache, &prompt)?);
-    // Steps as the bench's decode takes them (the GPU a step ahead of the host), the first
-    // launch of each noted; 3 of warm-up, then the clock.
-    let mut before: Option<<Cuda as Backend>::Pick> = None;
-    let mut starts = Vec::new();
-    for i in 0..3 + steps + 1 {
-        if i == 3 {
-            gpu.chain_clock_start()?;
+    let mut docs = Vec::new();
+    for context in [8, long].into_iter().filter(|&c| c > 0) {
+        let prompt = token_ids(context, cfg.n_vocab);
+        let mut cache = model.new_cache(prompt.len() + steps + 16);
+        drop(model.forward_last(&mut cache, &prompt)?);
+        // Steps as the bench's decode takes them (the GPU a step ahead of the host), the first
+        // launch of each noted; 3 of warm-up, then the clock.
+        let mut before: Option<<Cuda as Backend>::Pick> = None;
+        let mut starts = Vec::new();
+        for i in 0..3 + steps + 1 {
+            if i == 3 {
+                gpu.chain_clock_start()?;
+            }
+            starts.push(gpu.chain_clock_launches());
+            let logits = match &before {
+                Some(pick) => model.forward_pick(&mut cache, pick)?,
+                None => model.forward(&mut cache, &[1], &mut Taps::none())?,
+            };
+            if let Some(pick) = before.replace(model.backend.argmax_pick(&logits)) {
+                model.backend.pick_id(&pick);
+            }
         }
-        starts.push(gpu.chain_clock_launches());
-        let logits = match &before {
-            Some(pick) => model.forward_pick(&mut cache, pick)?,
-            None => model.forward(&mut cache, &[1], &mut Taps::none())?,
-        };
-        if let Some(pick) = before.replace(model.backend.argmax_pick(&logits)) {
-            model.backend.pick_id(&pick);
+        let stamps = gpu.chain_clock_read()?;
+        let chain = crate::chain::Chain::from_stamps(&stamps, &starts[3..])?;
+        println!(
+            "{}: {} decode steps after {context} positions on the chain clock, {:.1} us a step",
+            path.display(),
+            chain.steps,
+            chain.step_us
+        );
+        println!(
+            "in chain order, what each launch adds (from the end of the one before to its \
+             own), over the {} steps that launched step 0's kernels:",
+            chain.same_steps
+        );
+        for (i, (name, us)) in chain.launches.iter().enumerate() {
+            println!("{i:4} {name:<36} {us:8.1} us");
         }
-    }
-    let stamps = gpu.chain_clock_read()?;
-    let chain = crate::chain::Chain::from_stamps(&stamps, &starts[3..])?;
-    println!(
-        "{}: {} decode steps after {} positions on the chain clock, {:.1} us a step",
-        path.display(),
-        chain.steps,
-        prompt.len(),
-        chain.step_us
-    );
-    println!(
-        "in chain order, what each launch adds (from the end of the one before to its own), \
-         over the {} steps that launched step 0's kernels:",
-        chain.same_steps
-    );
-    for (i, (name, us)) in chain.launches.iter().enumerate() {
-        println!("{i:4} {name:<36} {us:8.1} us");
-    }
-    println!("per kernel, a step (us, share, launches):");
-    for (name, n, us) in &chain.by_kernel {
-        let share = 100.0 * us / chain.step_us;
-        println!("{us:10.1} us {share:5.1}% {n:6.2}  {name}");
-    }
-    if let Some(json) = json {
-        let doc = json!({
-            "model": path.display().to_string(), "context": prompt.len(), "steps": chain.steps,
-            "step_us": chain.step_us, "same_steps": chain.same_steps,
+        println!("per kernel, a step (us, share, launches):");
+        for (name, n, us) in &chain.by_kernel {
+            let share = 100.0 * us / chain.step_us;
+            println!("{us:10.1} us {share:5.1}% {n:6.2}  {name}");
+        }
+        docs.push(json!({
+            "context": context, "steps": chain.steps, "step_us": chain.step_us,
+            "same_steps": chain.same_steps,
             "launches": chain.launches.iter().map(|(k, us)| json!({"kernel": k, "us": us})).collect::<Vec<_>>(),
             "by_kernel": chain.by_kernel.iter().map(|(k, n, us)| json!({"kernel": k, "launches": n, "us": us})).collect::<Vec<_>>(),
-        });
+        }));
+    }
+    if let Some(json) = json {
+        let doc = json!({"model": path.display().to_string(), "chains": docs});
         std::fs::write(json, serde_json::to_string_pretty(&doc)?)
             .with_context(|| json.display().to_string())?;
     }
@@ -1294,12 +1294,7 @@ fn chain_clock_decode(
 pub fn run(args: Args) -> Result<()> {
     if args.chain_clock {
         let path = args.model.first().context("--chain-clock needs --model")?;
-        return chain_clock_decode(
-            path,
-            args.tokens,
-            args.profile_context,
-            args.json.as_deref(),
-        );
+        return chain_clock_decode(path, args.tokens, args.long_context, args.json.as_deref());
     }
     if args.profile_token || args.profile_prefill.is_some() {
         let path = args.model.first().context("profiling needs --model")?;
