@@ -24,16 +24,14 @@ typedef unsigned long long u64;
 // Without the launch attribute (or before sm_90) both are no-ops.
 #ifdef MLA_CHAIN_CLOCK
 // The chain clock, a diagnostic (MLA_CHAIN_CLOCK=1 puts the define before every family:
-// kernels.rs). Thread 0 of block 0 stamps the global timer as its wait returns, once the
-// kernel before has ended (or, launched without the attribute, as it starts), so that the
+// kernels.rs). One thread (pdl_wait's `stamps`) stamps the global timer as its wait returns,
+// once the kernel before has ended (or, launched without the attribute, as it starts), so that the
 // host reads what each launch adds to the chain as it runs; ncu runs kernels one at a time.
 // device.rs points every module's mla_chain_clock at one buffer: [0] the stamps taken, then
 // (grid id, ns) pairs; a thread that waits twice stamps twice under one grid id.
 #define CHAIN_CLOCK_STAMPS 8192
 __device__ u64* mla_chain_clock;
 __device__ __forceinline__ void chain_stamp() {
-    if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y | threadIdx.z) != 0)
-        return;
     u64 t, grid;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
@@ -44,12 +42,16 @@ __device__ __forceinline__ void chain_stamp() {
     }
 }
 #endif
-__device__ __forceinline__ void pdl_wait() {
+// Thread 0 of block 0: the chain clock's stamper unless a kernel names another.
+__device__ __forceinline__ bool first_thread_of_grid() {
+    return (blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y | threadIdx.z) == 0;
+}
+__device__ __forceinline__ void pdl_wait(bool stamps = first_thread_of_grid()) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 #ifdef MLA_CHAIN_CLOCK
-    chain_stamp();
+    if (stamps) chain_stamp();
 #endif
 }
 __device__ __forceinline__ void pdl_launch_next() {

@@ -1358,11 +1358,15 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                        items);
     };
     // Whether this thread has waited for the router (a consumer then lets the next kernel
-    // launch, as pdl_enter does): before its first group of a routed choice.
+    // launch, as pdl_enter does): before its first group of a routed choice. The chain clock
+    // (common.cuh) stamps from the first block whose first group is routed: block 0's first
+    // may be the shared expert's, done before it waits.
     bool routed = !ids;
+    const bool stamps =
+        threadIdx.x == 0 && (int)blockIdx.x == (rot && tiles < (int)gridDim.x ? tiles : 0);
     auto route = [&](bool consumer) {
         if (routed) return;
-        pdl_wait();
+        pdl_wait(stamps);
         if (consumer) pdl_launch_next();
         routed = true;
     };

@@ -6,11 +6,11 @@
 //! launch, when its wait returned: when the launch before it ended. A launch's share of the
 //! step is then the stamp of the launch after it minus its own: from the end of the one
 //! before to its own end, its tail and the hand-over included, its overlap with the one before
-//! left out, and the steps' shares add up to the step's time. One launch stamps late: a MoE
-//! gate-up pair with the shared expert among the choices (`matvec_tma_q4_k` with ids), whose
-//! first block takes a shared group before it waits for the router; part of the pair's time is
-//! then counted to the router before it (their sum is right). The stamps cost a launch one
-//! atomic and two stores; compare the step's time with the bench's plain decode.
+//! left out, and the steps' shares add up to the step's time. The stamping thread is the
+//! grid's first unless its kernel waits late there (the MoE gate-up's block 0 takes a group of
+//! the shared expert before it waits for the router; the first block whose first group is
+//! routed stamps instead). The stamps cost a launch one atomic and two stores; compare the
+//! step's time with the bench's plain decode.
 
 use anyhow::{bail, Result};
 
