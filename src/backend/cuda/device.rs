@@ -143,12 +143,13 @@ impl Gpu {
         let stream = ctx.default_stream();
         let pick_stream = ctx.new_stream()?;
         let dependent_launch = major >= 9 && std::env::var("MLA_PDL").map_or(true, |v| v != "0");
-        let chain_clock = match chain_clock() {
-            true => Some(ChainClock {
+        let chain_clock = if chain_clock() {
+            Some(ChainClock {
                 stamps: stream.alloc_zeros(1 + 2 * CHAIN_CLOCK_STAMPS)?,
                 launches: Mutex::default(),
-            }),
-            false => None,
+            })
+        } else {
+            None
         };
         let bulk_copies = major >= 9 && std::env::var("MLA_BULK").map_or(true, |v| v != "0");
         Ok(Gpu {
@@ -314,11 +315,6 @@ impl Gpu {
         Ok(self.stream.synchronize()?)
     }
 
-    /// Whether the kernels stamp the chain clock (MLA_CHAIN_CLOCK=1).
-    pub fn has_chain_clock(&self) -> bool {
-        self.chain_clock.is_some()
-    }
-
     /// Notes a launch for the chain clock (nothing without it).
     pub fn chain_clock_note(&self, kernel: &str) {
         if let Some(clock) = &self.chain_clock {
@@ -350,7 +346,7 @@ impl Gpu {
     }
 
     /// Every launch since `chain_clock_start`, in order, with the global timer (ns) when its
-    /// first block's first thread was through its wait: the time the launch before it ended,
+    /// stamping thread (common.cuh) was through its wait: the time the launch before it ended,
     /// or for a launch without programmatic dependence, when it began. Waits for the work.
     pub fn chain_clock_read(&self) -> Result<Vec<(String, u64)>, CudaError> {
         let clock = self.chain_clock.as_ref().ok_or_else(no_chain_clock)?;
@@ -376,8 +372,8 @@ impl Gpu {
         }
         if stamps.len() != launches.len() {
             return Err(mismatch(format!(
-                "{} launches stamped, {} noted: a kernel that does not wait (pdl_wait) in its \
-                 first block's first thread",
+                "{} launches stamped, {} noted: a kernel whose stamping thread does not wait \
+                 (pdl_wait)",
                 stamps.len(),
                 launches.len()
             )));
