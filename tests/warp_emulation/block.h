@@ -110,8 +110,8 @@ inline uint4 ld_stream16(const u8* p) { uint4 v; std::memcpy(&v, p, 16); return 
 inline void prefetch_l2(const void*) {}
 inline uint2 ld_cached8(const u8* p) { uint2 v; std::memcpy(&v, p, 8); return v; }
 
-// Programmatic dependent launch: one kernel at a time here.
-inline void pdl_wait() {}
+// Programmatic dependent launch: one kernel at a time here (and no chain clock to stamp).
+inline void pdl_wait(bool stamps = false) {}
 inline void pdl_launch_next() {}
 inline void pdl_enter() {}
 
