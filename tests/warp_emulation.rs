@@ -879,6 +879,16 @@ fn bulk_copy_kernels_match_f64() {
                 spread: true,
                 ..one_matrix("40 x 16 256-blocks in parts of 8 spread over 5 blocks", 40, 16, Some(8), 5)
             },
+            TmaCase {
+                spread: true,
+                ..one_matrix(
+                    "40 x 36 256-blocks in 4 parts of 10 (the last 6) spread over 7 blocks",
+                    40,
+                    36,
+                    Some(10),
+                    7,
+                )
+            },
         ];
         for (i, c) in cases.iter().enumerate() {
             check_tma(&h, ty, c, 10 + i as u64);
