@@ -141,9 +141,11 @@ fn baseline_xtask(root: &Path, cargo: &str, rev: &str) -> Result<(String, PathBu
         &archive.display().to_string(),
         &hash,
     ]))?;
+    // -m: the files dated now, so that cargo, whose target folder the baselines share, sees
+    // them newer than another baseline's build and compiles them.
     run_cmd(
         Command::new("tar")
-            .arg("-xf")
+            .arg("-xmf")
             .arg(&archive)
             .arg("-C")
             .arg(&src),
