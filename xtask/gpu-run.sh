@@ -14,7 +14,7 @@
 #     bench   bench.sh on the synthetic files (issue 9)
 #     ab      this build's whole-model decode and prefill beside each baseline's (gpu-bundle
 #             --baseline REV), on the synthetic files, the builds alternating AB_ROUNDS times
-#             (default 2); AB_CONTEXT (default 4096): decode also after a prompt that long (0:
+#             (default 2; ABBA order); AB_CONTEXT (default 4096): decode also after a prompt that long (0:
 #             not). A table of every build's range at the end (ab.log), the JSON in $WORK/ab;
 #             then this build's GLM-5 decode on the chain clock (bench --chain-clock)
 #
@@ -151,18 +151,21 @@ phase_bench() {
 }
 
 phase_ab() {
-  local m r file rev rounds=${AB_ROUNDS:-2}
+  local m r file rev order rounds=${AB_ROUNDS:-2}
   [ "$(wc -l <"$bin/builds")" -gt 1 ] || { echo "no baseline in this bundle (gpu-bundle --baseline REV)"; return 1; }
   wait_synth
   mkdir -p "$work/ab"
   for m in glm5 ds3; do
     [ -e "$(synth_file $m)" ] || { echo "no $(synth_file $m) (phase synth)"; continue; }
     for r in $(seq "$rounds"); do
-      while read -r file rev; do
+      # The builds in turn, the order reversed every other round (ABBA...): a drift of the
+      # GPU's clocks over the call then weighs on every build alike.
+      order=cat; [ $((r % 2)) = 0 ] && order=tac
+      $order "$bin/builds" | while read -r file rev; do
         echo "-- $m, round $r, $rev"
         "$bin/$file" bench --skip-kernels --long-context "${AB_CONTEXT:-4096}" \
           --model "$(synth_file $m)" --json "$work/ab/$m.$rev.$r.json"
-      done <"$bin/builds"
+      done
     done
   done
   # Per model and row, each build's tokens/s over the rounds (min-max) and its share of the
@@ -174,6 +177,8 @@ runs = collections.defaultdict(list)  # (model, row, rev) -> [(tok_s, of_copy)]
 for path in glob.glob(os.path.join(sys.argv[1], "*.json")):
     model, rev = os.path.basename(path).split(".")[:2]
     for row in json.load(open(path))["rows"]:
+        if row.get("section") != "model" or "tok_s" not in row:
+            continue  # the ceilings, or a model that failed
         name = row["name"].replace(f" {model}.gguf", "")
         runs[model, name, rev].append((row["tok_s"], row.get("of_copy")))
         if "host_us" in row:  # the host's time to queue a step: near the step, it sets the pace
