@@ -1252,8 +1252,7 @@ struct TcQ6kTile {
 // attn_output: 384 tiles over 264 blocks, of which 120 take two), the blocks take the units
 // (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
 // rows, at y + p * y_part: add_rmsnorm_cluster sums them in part order, so the rows come out the
-// same bits as above in the same parts (matvec_tma_spread_<type>; ops.rs may spread shorter
-// parts than the walk's, spread_part_k). Dynamic shared memory tma_smem_bytes(kpart)
+// same bits as above (matvec_tma_spread_<type>). Dynamic shared memory tma_smem_bytes(kpart)
 // (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written

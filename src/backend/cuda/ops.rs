@@ -461,43 +461,11 @@ pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
     256 * blocks.div_ceil(parts).next_multiple_of(tile.block_step())
 }
 
-/// 256-blocks a stage of the bulk-copy kernels (kernels/matvec.cu's TMA_BLOCKS).
-const TMA_BLOCKS: usize = 8;
-
-/// The part of k (elements) in which `tiles` tiles of one matrix whose rows need parts
-/// (tma_part_k) take least time spread over a wave of `slots` blocks as units (part, tile)
-/// taken in turn, or None where each block walking its tiles through all their parts takes no
-/// longer (`Gpu::spread_parts`). Time in stages, a part's last counted whole: the walk takes
-/// ceil(tiles / slots) rounds of a row's stages, a spread ceil(units / slots) rounds of a
-/// part's. Beyond the fewest parts that fit, parts as short as 2 stages are tried (each unit
-/// also pays a barrier and its rows' store, not counted); ties keep fewer parts. GLM-5's
-/// attn_output (384 tiles of 64 blocks on 264 blocks): 2 parts, 16 -> 12 stages (measured:
-/// 29.4 -> 27.0 us on an H100, thirty-second look); DeepSeek-V3's (448 tiles): 4 parts of 16
-/// blocks, 16 -> 14 stages, and its dense down (72 blocks) 3 of 24, 20 -> 18 (not yet timed).
-fn spread_part_k(tile: TmaTile, k: usize, tiles: usize, slots: usize) -> Option<usize> {
-    let nb = k / 256;
-    let fewest = tma_part_k(tile, k) / 256;
-    if nb.div_ceil(fewest) < 2 {
-        return None;
-    }
-    let stages = |blocks: usize| blocks.div_ceil(TMA_BLOCKS);
-    let parts = |part: usize| nb.div_ceil(part);
-    let row_stages: usize = (0..parts(fewest))
-        .map(|p| stages(fewest.min(nb - p * fewest)))
-        .sum();
-    let walk = tiles.div_ceil(slots) * row_stages;
-    let spread = |part: usize| (parts(part) * tiles).div_ceil(slots) * stages(part);
-    let mut best = (spread(fewest), fewest);
-    for p in parts(fewest) + 1.. {
-        let part = nb.div_ceil(p).next_multiple_of(tile.block_step());
-        if part < 2 * TMA_BLOCKS {
-            break;
-        }
-        if spread(part) < best.0 {
-            best = (spread(part), part);
-        }
-    }
-    (best.0 < walk).then_some(256 * best.1)
+/// Whether `tiles` tiles of `parts` parts each take fewer part-times on a wave of `slots`
+/// blocks as units (part, tile) taken in turn than as tiles each walked through all parts by
+/// one block (`Gpu::spread_parts`).
+fn spreads(parts: usize, tiles: usize, slots: usize) -> bool {
+    parts > 1 && (parts * tiles).div_ceil(slots) < parts * tiles.div_ceil(slots)
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
@@ -550,27 +518,24 @@ impl Gpu {
     }
 
     /// How many partial outputs `matvec` writes for `a` with a `y_part`: more than 1 where
-    /// `a`, one matrix on the bulk-copy kernel with k in parts, takes less time on its wave of
-    /// blocks as units (part, tile) taken in turn than as tiles each walked through all parts
-    /// by one block (`spread_part_k`: GLM-5's attn_output, 384 tiles of 2 parts over an H200's
-    /// 264 blocks, 3 rounds of units instead of 4), else 1 (no y_part).
+    /// `a`, one matrix on the bulk-copy kernel with k in parts, takes fewer rounds of its wave
+    /// of blocks as units (part, tile) taken in turn than as tiles each walked through all
+    /// parts by one block (GLM-5's attn_output, 384 tiles of 2 parts over an H200's 264
+    /// blocks: 3 rounds of units instead of 4), else 1 (no y_part).
     pub fn spread_parts(&self, a: &Matvec) -> Result<usize, CudaError> {
         let single = a.batch == 1 && a.ids == 0 && a.pair == 0 && !a.transposed;
         if !(single && self.on_tensor_cores(a) && self.uses_bulk_copies(a)) {
             return Ok(1);
         }
-        Ok(self.spread_kpart(a)?.map_or(1, |kpart| a.k.div_ceil(kpart)))
-    }
-
-    /// The part of k of `a`'s units where `a` spreads (`spread_part_k`), a single matrix on
-    /// the bulk-copy kernel.
-    fn spread_kpart(&self, a: &Matvec) -> Result<Option<usize>, CudaError> {
         let tile = tma_tile(a.ty).expect("a tensor-core type");
-        // The wave of the fewest parts' kernel: shorter parts need less shared memory, so as
-        // many blocks or more.
-        let smem = tma_smem_bytes(tile, tma_part_k(tile, a.k));
-        let slots = self.wave_blocks(tile.spread, 288, smem)?;
-        Ok(spread_part_k(tile, a.k, a.rows.div_ceil(16), slots))
+        let kpart = tma_part_k(tile, a.k);
+        let parts = a.k.div_ceil(kpart);
+        let slots = self.wave_blocks(tile.spread, 288, tma_smem_bytes(tile, kpart))?;
+        Ok(if spreads(parts, a.rows.div_ceil(16), slots) {
+            parts
+        } else {
+            1
+        })
     }
 
     /// Whether the tensor-core product `a` goes to matvec_tma_items_<type>.
@@ -645,8 +610,6 @@ impl Gpu {
                 let smem = tma_smem_bytes(tile, kpart);
                 if a.y_part > 0 {
                     // A unit per part of each tile (spread_parts checked a single matrix).
-                    let kpart = self.spread_kpart(a)?.expect("checked by spread_parts");
-                    let smem = tma_smem_bytes(tile, kpart);
                     let units = tiles * a.k.div_ceil(kpart);
                     let slots = self.wave_blocks(tile.spread, 288, smem)?;
                     launch!(self, tile.spread, (units.min(slots) as u32, 1, 1), 288, smem as u32;
@@ -2075,50 +2038,20 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{
-        cp_plan, cp_splits, spread_part_k, tc8_tiles_per_block, tma_tile, CpPlan, TMA_BLOCKS,
-    };
-    use crate::gguf::GgmlType;
+    use super::{cp_plan, cp_splits, spreads, tc8_tiles_per_block, CpPlan};
 
     #[test]
     fn spreads_where_the_units_take_fewer_rounds() {
         // An H200 or H100: 132 SMs x 2 blocks of matvec_tma_q4_k; tiles of 16 rows.
-        let q4 = tma_tile(GgmlType::Q4_K).unwrap();
-        let blocks = |kpart: Option<usize>| kpart.map(|k| k / 256);
-        assert_eq!(
-            blocks(spread_part_k(q4, 16384, 384, 264)),
-            Some(32),
-            "GLM-5 attn_output: 2 parts, 16 -> 12 stages (4 parts tie)"
+        assert!(spreads(2, 384, 264), "GLM-5 attn_output: 4 -> 3 part-times");
+        assert!(
+            !spreads(2, 448, 264),
+            "DS3 attn_output: 4 part-times either way"
         );
-        assert_eq!(
-            blocks(spread_part_k(q4, 12288, 384, 264)),
-            Some(24),
-            "GLM-5 dense down: 2 parts, 12 -> 9 stages"
-        );
-        assert_eq!(
-            blocks(spread_part_k(q4, 16384, 448, 264)),
-            Some(16),
-            "DS3 attn_output: 2 parts tie the walk (16 stages), 4 take 14"
-        );
-        assert_eq!(
-            blocks(spread_part_k(q4, 18432, 448, 264)),
-            Some(24),
-            "DS3 dense down: 2 parts of 36 tie (20 stages), 3 of 24 take 18"
-        );
-        assert_eq!(
-            blocks(spread_part_k(q4, 16384, 264, 264)),
-            None,
-            "a full wave of tiles: walked, 8 stages, against 8 spread"
-        );
-        assert_eq!(
-            spread_part_k(q4, 7168, 100, 264),
-            None,
-            "one part: nothing to spread"
-        );
-        // IQ4_XS parts are of whole pairs of blocks (136-byte blocks, 16-byte copies).
-        let iq4 = tma_tile(GgmlType::IQ4_XS).unwrap();
-        let part = spread_part_k(iq4, 18432, 448, 264).unwrap() / 256;
-        assert!(part.is_multiple_of(2) && part >= 2 * TMA_BLOCKS, "{part}");
+        assert!(!spreads(3, 448, 264), "DS3 dense down: 6 either way");
+        assert!(spreads(2, 132, 264), "half a wave of tiles: 2 -> 1");
+        assert!(!spreads(1, 100, 264), "one part: nothing to spread");
+        assert!(!spreads(2, 264, 264), "a full wave: 2 either way");
     }
 
     #[test]
