@@ -128,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
 // their sums of squares meet in distributed shared memory, every block adding the cluster's
 // in the same order (so the same 1 / rms). One block streams a decode row's bytes at a
 // fraction of the GPU's rate: with a token's 9 expert outputs to sum it took 11 us (ncu, H100).
-// r is the sum of r_parts parts n apart, added in order:
+// r is the sum of r_parts parts r_part apart, added in order:
 // - without weights (r_w null), the partial sums of a product whose k its blocks took in parts
 //   (matvec_tma_body's y_part): the same bits as the one sum it would have stored;
 // - with weights (r_w [r_parts]), a decode token's expert outputs (a part a choice), r = sum
@@ -177,20 +177,12 @@ __device__ __forceinline__ void sum_parts(float s[CLUSTER_VALS], const float* r,
 
 #if __CUDA_ARCH__ >= 900
 #define NORM_CLUSTER_DIMS __cluster_dims__(NORM_CLUSTER, 1, 1)
-// The cluster's barrier in its two halves: what a block wrote before it arrives is seen by the
-// others once they have waited.
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 #else
 #define NORM_CLUSTER_DIMS
 #endif
 extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
-    add_rmsnorm_cluster(float* x, const float* r, int r_parts, const float* r_w, const float* w,
-                        float* y, int n, float eps) {
+    add_rmsnorm_cluster(float* x, const float* r, int r_parts, i64 r_part, const float* r_w,
+                        const float* w, float* y, int n, float eps) {
 #if __CUDA_ARCH__ >= 900
     pdl_enter();
     __shared__ float scratch[32], block_ss;
@@ -199,7 +191,7 @@ extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
     float v[CLUSTER_VALS], r_v[CLUSTER_VALS], wv[CLUSTER_VALS];
     load_slice(v, x, lo, hi);
     load_slice(wv, w, lo, hi);
-    sum_parts(r_v, r, r_parts, n, r_w, lo, hi);
+    sum_parts(r_v, r, r_parts, r_part, r_w, lo, hi);
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < CLUSTER_VALS; k++) {
@@ -210,8 +202,8 @@ extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
     }
     ss = block_sum(ss, scratch);
     if (threadIdx.x == 0) block_ss = ss;
-    cluster_arrive();
-    cluster_wait();
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
     // Lane b reads block b's sum (the grid is one cluster: block b is its rank b).
     float part = 0.0f;
     int lane = threadIdx.x & 31;
@@ -223,14 +215,14 @@ extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
         asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(part) : "r"(remote) : "memory");
     }
     // No block leaves while another may still read its sum.
-    cluster_arrive();
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
     const float inv = rsqrtf(warp_sum(part) / (float)n + eps);
 #pragma unroll
     for (int k = 0; k < CLUSTER_VALS; k++) {
         int i = lo + threadIdx.x + k * CLUSTER_THREADS;
         if (i < hi) y[i] = v[k] * inv * wv[k];
     }
-    cluster_wait();
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }
 

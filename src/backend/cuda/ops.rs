@@ -1265,7 +1265,7 @@ impl Gpu {
         check(r_parts >= 1, "add_rmsnorm", || "no part of r".into())?;
         if rows == 1 && self.clusters {
             launch!(self, "add_rmsnorm_cluster", (NORM_CLUSTER, 1, 1), NORM_CLUSTER_THREADS, 0;
-                x, r, r_parts as i32, r_weights, w, y, n as i32, eps);
+                x, r, r_parts as i32, n as i64, r_weights, w, y, n as i32, eps);
             return Ok(());
         }
         check(r_parts == 1 && r_weights == 0, "add_rmsnorm", || {
