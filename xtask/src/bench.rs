@@ -1057,15 +1057,7 @@ impl Bench {
         let mut before: Option<<Cuda as Backend>::Pick> = None;
         let mut step = |cache: &mut Cache<Cuda>| -> Result<(f64, f64)> {
             let t = Instant::now();
-            let logits = match &before {
-                Some(pick) => model.forward_pick(cache, pick)?,
-                None => model.forward(cache, &[1], &mut Taps::none())?,
-            };
-            let picked = before.replace(model.backend.argmax_pick(&logits));
-            let queued = t.elapsed().as_secs_f64();
-            if let Some(pick) = picked {
-                model.backend.pick_id(&pick);
-            }
+            let queued = greedy_step(&model, cache, &mut before)?;
             Ok((t.elapsed().as_secs_f64(), queued))
         };
         let mut decode_secs = |cache: &mut Cache<Cuda>| -> Result<(f64, f64)> {
@@ -1127,6 +1119,28 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// One greedy decode step as `generate` takes it: the forward queued on the GPU's pick of the
+/// token before (`before`, then this step's pick), then that pick read back, so that the GPU
+/// runs a step ahead of the host. Returns the host's seconds to queue the step (its launches
+/// and allocations, before the read-back).
+fn greedy_step(
+    model: &Model<Cuda>,
+    cache: &mut Cache<Cuda>,
+    before: &mut Option<<Cuda as Backend>::Pick>,
+) -> Result<f64> {
+    let t = Instant::now();
+    let logits = match before.as_ref() {
+        Some(pick) => model.forward_pick(cache, pick)?,
+        None => model.forward(cache, &[1], &mut Taps::none())?,
+    };
+    let picked = before.replace(model.backend.argmax_pick(&logits));
+    let queued = t.elapsed().as_secs_f64();
+    if let Some(pick) = picked {
+        model.backend.pick_id(&pick);
+    }
+    Ok(queued)
 }
 
 /// `n` token ids spread over the vocabulary (the same for every run).
@@ -1247,13 +1261,7 @@ fn chain_clock_decode(path: &Path, steps: usize, long: usize, json: Option<&Path
                 gpu.chain_clock_start()?;
             }
             starts.push(gpu.chain_clock_launches());
-            let logits = match &before {
-                Some(pick) => model.forward_pick(&mut cache, pick)?,
-                None => model.forward(&mut cache, &[1], &mut Taps::none())?,
-            };
-            if let Some(pick) = before.replace(model.backend.argmax_pick(&logits)) {
-                model.backend.pick_id(&pick);
-            }
+            greedy_step(&model, &mut cache, &mut before)?;
         }
         let stamps = gpu.chain_clock_read()?;
         let chain = crate::chain::Chain::from_stamps(&stamps, &starts[3..])?;

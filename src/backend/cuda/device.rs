@@ -10,7 +10,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::error::CudaError;
+use super::error::{check, CudaError};
 use super::kernels::{chain_clock, family_of, max_dynamic_smem, Family, FAMILIES};
 use super::nvrtc::cached_cubin;
 
@@ -354,15 +354,9 @@ impl Gpu {
         let buf = self.download(&clock.stamps)?;
         let taken = buf[0] as usize;
         let launches = clock.launches.lock().unwrap();
-        let mismatch = |what: String| CudaError::Shape {
-            kernel: "chain clock".into(),
-            what,
-        };
-        if taken > CHAIN_CLOCK_STAMPS {
-            return Err(mismatch(format!(
-                "{taken} stamps, room for {CHAIN_CLOCK_STAMPS}: time fewer launches"
-            )));
-        }
+        check(taken <= CHAIN_CLOCK_STAMPS, "chain clock", || {
+            format!("{taken} stamps, room for {CHAIN_CLOCK_STAMPS}: time fewer launches")
+        })?;
         // A launch whose thread waited twice stamped twice under one grid id.
         let mut stamps: Vec<(u64, u64)> = Vec::with_capacity(taken);
         for pair in buf[1..1 + 2 * taken].chunks_exact(2) {
@@ -370,14 +364,14 @@ impl Gpu {
                 stamps.push((pair[0], pair[1]));
             }
         }
-        if stamps.len() != launches.len() {
-            return Err(mismatch(format!(
+        check(stamps.len() == launches.len(), "chain clock", || {
+            format!(
                 "{} launches stamped, {} noted: a kernel whose stamping thread does not wait \
                  (pdl_wait)",
                 stamps.len(),
                 launches.len()
-            )));
-        }
+            )
+        })?;
         Ok(launches
             .iter()
             .zip(stamps)
