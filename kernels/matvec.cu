@@ -35,11 +35,17 @@
 // at ~6 instructions per weight and row (ncu), which is what matvec_tc_q4_k below avoids.
 #define MATVEC_ROWS 4
 
-// Items 1 and 2 of a parts launch (see the top), or w1 null.
+// Items 1 and 2 of a parts launch (see the top), or w1 null. In matvec_latent_<type>'s launch
+// (`done`: 3 counters, zero before the launch and after it) the parts are MLA's q_a, kv_a and
+// indexer key of one token, and `latent` norms them (its qx, kv and kx are y, y1 and y2): the
+// last block of item 0 to finish norms the query, of item 1 the latent, of item 2 the key
+// (parts_tail below), so that the token needs no latent_norm_rope launch.
 struct MatvecParts {
     const u8 *w1, *w2;
     int rows1, rows2;
     float *y1, *y2;
+    int* done;
+    LatentNorm latent;
 };
 
 // A piece function: acc[r] += (piece p of block blk[r]) . (the x values of that piece), for
@@ -427,6 +433,37 @@ __device__ __forceinline__ void generic_piece(const u8* const* blk, int p, const
         acc[r] += v[0] * x0.x + v[1] * x0.y + v[2] * x0.z + v[3] * x0.w;
         acc[r] += v[4] * x1.x + v[5] * x1.y + v[6] * x1.z + v[7] * x1.w;
     }
+}
+
+// The values a thread of a parts launch's tail holds of each row (ops.rs checks the widths
+// against the block: GLM-5's 2048-value query, 512-value latent and 128-value key on 128
+// threads), few where the rows are short, so that the tail adds no registers to the kernel.
+#define TAIL_QUERY_VALS 16
+#define TAIL_LATENT_VALS 4
+#define TAIL_KEY_VALS 2
+
+// The end of every block of a parts launch with a latent (MatvecParts): the block's rows
+// counted in behind a fence, and the last block of its item norms that item's row (its other
+// blocks' rows read through L2).
+__device__ __forceinline__ void parts_tail(const MatvecParts& parts) {
+    __shared__ float scratch[32];
+    __shared__ bool last;
+    __threadfence();  // this block's rows before the count that lets another block read them
+    __syncthreads();
+    const int item = blockIdx.y;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(parts.done + item, 1) == (int)gridDim.x - 1;
+        if (last) parts.done[item] = 0;  // for the next launch (stream order)
+    }
+    __syncthreads();
+    if (!last || (item == 0 && !parts.latent.qx)) return;
+    __threadfence();
+    if (item == 0)
+        query_row<TAIL_QUERY_VALS, true>(parts.latent, 0, scratch);
+    else if (item == 1)
+        latent_row<TAIL_LATENT_VALS, true>(parts.latent, 0, scratch);
+    else
+        key_row<TAIL_KEY_VALS, true>(parts.latent, 0, scratch);
 }
 
 // The rows of one block of threads (see the launch geometry above) with PIECES pieces per
@@ -2071,11 +2108,11 @@ __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int
         matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>, HALF>(
             w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride, parts);
     } else if constexpr (!F::ALIGN16) {
-        matvec_body<ELEMS, BYTES, F::PIECES, F::FN, HALF>(w, mat_stride, ids, rows, k, row_bytes, x,
-                                                    x_group, x_stride, y, y_stride, parts);
+        matvec_body<ELEMS, BYTES, F::PIECES, F::FN, HALF>(
+            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride, parts);
     } else if (((addresses | mat_stride | row_bytes) & 15) == 0) {
-        matvec_body<ELEMS, BYTES, F::PIECES, F::FN, HALF>(w, mat_stride, ids, rows, k, row_bytes, x,
-                                                    x_group, x_stride, y, y_stride, parts);
+        matvec_body<ELEMS, BYTES, F::PIECES, F::FN, HALF>(
+            w, mat_stride, ids, rows, k, row_bytes, x, x_group, x_stride, y, y_stride, parts);
     } else {
         // A 16-byte piece type at an odd address (never seen in practice): the unit walk.
         matvec_body<ELEMS, BYTES, ELEMS / 8, generic_piece<DQ8>, HALF>(
@@ -2106,6 +2143,26 @@ __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int
     }
 
 FOR_EACH_QTYPE(DEFINE_MATVEC)
+
+// The parts launch of MLA's q_a, kv_a and indexer key with the latent's norms in its last
+// blocks (MatvecParts::done, parts_tail), for the types these take in the models' files; a
+// kernel of its own, so that the others keep their code and registers (the tail would take
+// matvec_q5_0, MLA's k_b, from 48 to 56). Others take matvec_<type> and latent_norm_rope.
+#define DEFINE_MATVEC_LATENT(name, elems, bytes)                                            \
+    extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS) matvec_latent_##name(  \
+        const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,        \
+        const float* x, int x_group, i64 x_stride, float* y, i64 y_stride,                  \
+        MatvecParts parts) {                                                                \
+        matvec_dispatch<elems, bytes, dq8_##name, false>(w, mat_stride, ids, rows, k,       \
+                                                         row_bytes, x, x_group, x_stride, y, \
+                                                         y_stride, parts);                   \
+        parts_tail(parts);                                                                  \
+    }
+DEFINE_MATVEC_LATENT(q4_k, 256, 144)
+DEFINE_MATVEC_LATENT(q5_k, 256, 176)
+DEFINE_MATVEC_LATENT(q6_k, 256, 210)
+DEFINE_MATVEC_LATENT(q8_0, 32, 34)
+DEFINE_MATVEC_LATENT(iq4_xs, 256, 136)
 
 // Half-warp row groups for the types of MLA's per-head k_b (rows of 128 values: 16 pieces or
 // fewer). The host takes them through `matvec_half_kernel` (ops.rs).

@@ -11,42 +11,8 @@
 //   query latent's rmsnorm and the indexer key's layernorm (+ rope) in the same launch; and
 //   latent_rows, the cache's rows back as f32
 //
-// Thread i holds values i, i + blockDim.x, ... of its row in registers (at most NORM_VALS;
-// the launch picks blockDim.x >= n / NORM_VALS, n <= 8192), so x, w and b are read once, every
-// load of a thread issued before the first use: a decode row is one block on one SM, and its
-// time is the memory latency, paid once rather than once per value.
-
-#define NORM_VALS 8
-
-// This thread's values of a row of n (0 past the end), all loads issued at once.
-__device__ __forceinline__ void load_row(float v[NORM_VALS], const float* row, int n) {
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        v[k] = i < n ? row[i] : 0.0f;
-    }
-}
-
-// 1 / sqrt(mean(v^2) + eps) for a row of n held as load_row leaves it.
-__device__ __forceinline__ float rms_inv(const float v[NORM_VALS], int n, float eps,
-                                         float* scratch) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) ss += v[k] * v[k];
-    ss = block_sum(ss, scratch);
-    return rsqrtf(ss / (float)n + eps);
-}
-
-// y = v / sqrt(mean(v^2) + eps) * w for a row of n held as load_row leaves it (w likewise).
-__device__ __forceinline__ void rms_store(const float v[NORM_VALS], const float wv[NORM_VALS],
-                                          float* y, int n, float eps, float* scratch) {
-    float inv = rms_inv(v, n, eps, scratch);
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        if (i < n) y[i] = v[k] * inv * wv[k];
-    }
-}
+// The row helpers (load_row, rms_store, layernorm_rope_row, the latent's rows) are in
+// common.cuh: the matvec parts launch (matvec.cu) norms the latent with them too.
 
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x_stride,
                                                            const float* w, float* y,
@@ -57,39 +23,6 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x
     load_row(v, x + blockIdx.x * x_stride, n);
     load_row(wv, w, n);
     rms_store(v, wv, y + blockIdx.x * y_stride, n, eps, scratch);
-}
-
-// Row xr of n values layer-normed into yr (w, b), then with dr > 0 its first dr values
-// rotated as adjacent pairs at position `pos`, as rope_pairs turns them.
-__device__ __forceinline__ void layernorm_rope_row(const float* xr, const float* w,
-                                                   const float* b, float* yr, int n, float eps,
-                                                   int dr, float pos, const float* inv_freq,
-                                                   float mscale, float* scratch) {
-    float v[NORM_VALS], wv[NORM_VALS], bv[NORM_VALS];
-    load_row(v, xr, n);
-    load_row(wv, w, n);
-    load_row(bv, b, n);
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) s += v[k];
-    float mean = block_sum(s, scratch) / (float)n;
-    float var = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        float c = v[k] - mean;
-        if (i < n) var += c * c;
-    }
-    float inv = rsqrtf(block_sum(var, scratch) / (float)n + eps);
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        if (i < n) yr[i] = (v[k] - mean) * inv * wv[k] + bv[k];
-    }
-    if (dr == 0) return;
-    __syncthreads();  // a pair's two values come from different threads
-    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x)
-        rope_pair(yr[2 * i], yr[2 * i + 1], pos, inv_freq[i], mscale, yr + 2 * i);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) layernorm(
@@ -226,59 +159,22 @@ extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
 #endif
 }
 
-// The MLA latent of token t (model/mla.rs): row t of kv [T, dl + dr] -> row t of `cache`
-// in the latent cache format (common.cuh; the caller points it at the first row to fill):
-//   c_kv = rmsnorm(kv[t, 0..dl)) * w                  at dims 0 .. dl
-//   k_pe = kv[t, dl..dl+dr) rotated as adjacent pairs at position pos0 + t, exactly as
-//          rope_pairs turns them (angle = f32 pos * inv_freq[i])  at dims LATENT_ROPE_AT ..
-// each value as its hi and lo bf16 parts; the row's other dims are left as they are (zero).
-// With qx (not null), blocks (t, 1) also norm the query latent: qy[t] = rmsnorm(qx[t]) * qw,
-// rows of dq (q-LoRA's q_a: the two norms of MLA in one launch). With kx (not null), the next
-// blocks (t, 1 or 2) put the DSA indexer's key of token t into its cache row, rows of dk:
-// ky[t] = layernorm(kx[t]) (kw, kb, k_eps), its first dr values roped as k_pe (what
-// layernorm with dr does; one launch fewer a layer). Grid (T, 1 + (qx != 0) + (kx != 0)),
-// block x >= max(dl, dq, dk) / NORM_VALS (the norm launch of the widest row).
-// dl <= LATENT_ROPE_AT, dr <= LATENT_DIMS - LATENT_ROPE_AT, dr <= dk.
-extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(
-    const float* kv, const float* w, u16* cache, int dl, int dr, int pos0,
-    const float* inv_freq, float mscale, float eps, const float* qx, const float* qw, float* qy,
-    int dq, const float* kx, const float* kw, const float* kb, float* ky, int dk, float k_eps) {
+// latent_norm_rope: the MLA latent of T tokens into their cache rows, with the query latent's
+// rmsnorm (a.qx not null) and the indexer key's layernorm + rope (a.kx not null) in the same
+// launch: block (t, y) takes row y of token t (common.cuh: latent_row, then query_row and
+// key_row where given). Grid (T, 1 + (qx != 0) + (kx != 0)), block x >=
+// max(dl, dq, dk) / NORM_VALS (the norm launch of the widest row). For one token the
+// CUDA-core parts launch that makes kv, qx and kx does it in its last blocks instead
+// (matvec.cu, parts_tail).
+extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(LatentNorm a) {
     pdl_enter();
     __shared__ float scratch[32];
-    float pos = (float)(pos0 + (int)blockIdx.x);
-    if (blockIdx.y == 1 && qx) {
-        float v[NORM_VALS], wv[NORM_VALS];
-        load_row(v, qx + (i64)blockIdx.x * dq, dq);
-        load_row(wv, qw, dq);
-        rms_store(v, wv, qy + (i64)blockIdx.x * dq, dq, eps, scratch);
-        return;
-    }
-    if (blockIdx.y > 0) {
-        layernorm_rope_row(kx + (i64)blockIdx.x * dk, kw, kb, ky + (i64)blockIdx.x * dk, dk,
-                           k_eps, dr, pos, inv_freq, mscale, scratch);
-        return;
-    }
-    const float* xr = kv + blockIdx.x * (i64)(dl + dr);
-    u16* yr = cache + blockIdx.x * (i64)(2 * LATENT_DIMS);
-
-    // k_pe: one pair per thread (a loop for widths past the block).
-    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x) {
-        float y[2];
-        rope_pair(xr[dl + 2 * i], xr[dl + 2 * i + 1], pos, inv_freq[i], mscale, y);
-        latent_store(yr, LATENT_ROPE_AT + 2 * i, y[0]);
-        latent_store(yr, LATENT_ROPE_AT + 2 * i + 1, y[1]);
-    }
-
-    // c_kv: as rmsnorm.
-    float v[NORM_VALS], wv[NORM_VALS];
-    load_row(v, xr, dl);
-    load_row(wv, w, dl);
-    const float inv = rms_inv(v, dl, eps, scratch);
-#pragma unroll
-    for (int k = 0; k < NORM_VALS; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        if (i < dl) latent_store(yr, i, v[k] * inv * wv[k]);
-    }
+    if (blockIdx.y == 0)
+        latent_row<NORM_VALS, false>(a, blockIdx.x, scratch);
+    else if (blockIdx.y == 1 && a.qx)
+        query_row<NORM_VALS, false>(a, blockIdx.x, scratch);
+    else
+        key_row<NORM_VALS, false>(a, blockIdx.x, scratch);
 }
 
 // Rows 0 .. gridDim.x of a latent cache back as f32 (x_hi + x_lo): c_kv [rows, dl] and k_pe

@@ -288,7 +288,11 @@ fn indexer_scores<B: Backend>(model: &Model<B>, il: usize, x: &[f32]) -> Vec<Vec
     let q_a = b.rms_norm(&b.linear(&x, a), norm, LATENT_NORM_EPS);
     let mut keys = b.zeros(n, ix.head_dim);
     let x_k = b.linear(&x, &w.k);
-    b.index_key_append(0, dsa::new_keys(w, &mut keys, &x_k), &model.rope);
+    b.index_key_append(
+        0,
+        dsa::key_projection(w, &mut keys).with_keys(&x_k),
+        &model.rope,
+    );
     let (q, head_weights) = dsa::queries(model, w, ix, &x, &q_a, 0);
     let host = |t: &B::Tensor| {
         let (rows, cols) = b.shape(t);

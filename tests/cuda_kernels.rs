@@ -16,7 +16,7 @@ use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
 use mla_engine::backend::cuda::ops::{
     latent_split, tma_part_k, tma_smem_bytes, tma_tile, AttentionPrefill, Combine, EmbedRows,
-    KeyRowsNorm, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm,
+    KeyRowsNorm, LatentNorm, Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm,
     KERNEL_TYPES, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::backend::cuda::{Cuda, CudaError, DevicePtrRaw as Ptr, Gpu};
@@ -553,7 +553,7 @@ fn matvec_parts_match_dequantized_dot() {
                 y: g.ptr(dy, 0),
             })
             .collect();
-        g.matvec_parts(t, k, g.ptr(&dx, 0), &parts).unwrap();
+        g.matvec_parts(t, k, g.ptr(&dx, 0), &parts, None).unwrap();
         for (i, (&r, w)) in rows.iter().zip(&ws).enumerate() {
             let wf = dequant_rows(t, w, r, k);
             let want: Vec<f64> = (0..r).map(|j| dot64(&wf[j * k..][..k], &x)).collect();
@@ -1757,21 +1757,20 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             width: dk,
             eps: k_eps,
         };
-        g.latent_norm_rope(
+        let latent = LatentNorm::new(
             g.ptr(&dkv, 0),
             g.ptr(&dw, 0),
             g.ptr(&dc, row0 * 2 * LATENT_DIMS),
             tokens,
-            dl,
-            dr,
+            (dl, dr),
             row0,
-            g.ptr(&df, 0),
-            mscale,
+            (g.ptr(&df, 0), mscale),
             eps,
             (dq > 0).then_some(&query),
             (dk > 0).then_some(&keys),
         )
         .unwrap();
+        g.latent_norm_rope(tokens, &latent).unwrap();
         if dk > 0 {
             let got = g.download(&dky).unwrap();
             let want: Vec<f64> = (0..tokens)
@@ -1851,6 +1850,145 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
                 "latent_rows {dl}+{dr}: row {}",
                 r0 + r
             );
+        }
+    }
+}
+
+/// One token's q_a, kv_a and indexer key (GLM-5's shapes, and DeepSeek-V3's without the key)
+/// with the latent's norms in the tail of their parts launch (matvec_latent_<type>): the
+/// products equal their dequantized f64 dots, the norms of those outputs equal the f64 twins,
+/// twice in a row (the tail puts its counters back), and the cache rows around the token's
+/// keep their values.
+#[test]
+fn matvec_parts_tail_norms_the_latent() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new("matvec_parts_tail");
+    let (eps, k_eps, mscale) = (1e-6, 1e-6, 1.2f32);
+    for (t, k, dq, dk) in [
+        (GgmlType::Q4_K, 6144, 2048, 128),
+        (GgmlType::Q8_0, 7168, 1536, 0),
+    ] {
+        let (dl, dr, ctx, pos) = (512, 64, 12, 7);
+        let rows: Vec<usize> = [dq, dl + dr, dk].into_iter().filter(|&r| r > 0).collect();
+        let ws: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&r| random_rows(&mut rng, t, r, k))
+            .collect();
+        let dws: Vec<_> = ws.iter().map(|w| g.upload(w).unwrap()).collect();
+        let dys: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
+        let parts: Vec<MatvecPart> = rows
+            .iter()
+            .zip(dws.iter().zip(&dys))
+            .map(|(&rows, (dw, dy))| MatvecPart {
+                w: g.ptr(dw, 0),
+                rows,
+                y: g.ptr(dy, 0),
+            })
+            .collect();
+        let (w, qw, kw, kb) = (
+            rng.normals(dl),
+            rng.normals(dq),
+            rng.normals(dk),
+            rng.normals(dk),
+        );
+        let inv_freq: Vec<f32> = (0..dr / 2)
+            .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
+            .collect();
+        let cache = latent_split(&rng.normals(ctx * (dl + dr)), dl, dr).unwrap();
+        let key_cache = rng.normals(ctx * dk.max(1));
+        let (dw, dqw, dkw, dkb, df) = (
+            g.upload(&w).unwrap(),
+            g.upload(&qw).unwrap(),
+            g.upload(&kw).unwrap(),
+            g.upload(&kb).unwrap(),
+            g.upload(&inv_freq).unwrap(),
+        );
+        let (dc, dkc, dqy) = (
+            g.upload(&cache).unwrap(),
+            g.upload(&key_cache).unwrap(),
+            poisoned(&g, dq),
+        );
+        let query = RowsNorm {
+            x: parts[0].y,
+            w: g.ptr(&dqw, 0),
+            y: g.ptr(&dqy, 0),
+            width: dq,
+        };
+        let keys = KeyRowsNorm {
+            x: if dk > 0 { parts[2].y } else { 0 },
+            w: g.ptr(&dkw, 0),
+            b: g.ptr(&dkb, 0),
+            y: g.ptr(&dkc, pos * dk),
+            rows: 1,
+            width: dk,
+            eps: k_eps,
+        };
+        let latent = LatentNorm::new(
+            parts[1].y,
+            g.ptr(&dw, 0),
+            g.ptr(&dc, pos * 2 * LATENT_DIMS),
+            1,
+            (dl, dr),
+            pos,
+            (g.ptr(&df, 0), mscale),
+            eps,
+            Some(&query),
+            (dk > 0).then_some(&keys),
+        )
+        .unwrap();
+        assert!(
+            g.parts_norm_latent(t, &latent),
+            "{t}: the tail takes GLM-5's widths"
+        );
+        for round in 0..2 {
+            let x = rng.normals(k);
+            let dx = g.upload(&x).unwrap();
+            g.matvec_parts(t, k, g.ptr(&dx, 0), &parts, Some(&latent))
+                .unwrap();
+            let ys: Vec<Vec<f32>> = dys.iter().map(|d| g.download(d).unwrap()).collect();
+            for (i, (&r, w)) in rows.iter().zip(&ws).enumerate() {
+                let wf = dequant_rows(t, w, r, k);
+                let want: Vec<f64> = (0..r).map(|j| dot64(&wf[j * k..][..k], &x)).collect();
+                let what = format!("{t} round {round} part {i}");
+                assert_close(&what, &ys[i], &want, F32_OP);
+            }
+            let what = |s: &str| format!("{t} round {round}: the tail's {s}");
+            let q = g.download(&dqy).unwrap();
+            assert_close(&what("query"), &q, &rmsnorm_twin(&ys[0], &qw, eps), F32_OP);
+            let kv = &ys[1];
+            let mut want = rmsnorm_twin(&kv[..dl], &w, eps);
+            for i in 0..dr / 2 {
+                let angle = ((pos as f32) * inv_freq[i]) as f64;
+                let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
+                let (x0, x1) = (kv[dl + 2 * i] as f64, kv[dl + 2 * i + 1] as f64);
+                want.extend([x0 * c - x1 * s, x0 * s + x1 * c]);
+            }
+            let planes = g.download(&dc).unwrap();
+            let row = |r: usize| &planes[2 * LATENT_DIMS * r..2 * LATENT_DIMS * (r + 1)];
+            let dims = (0..dl).chain(LATENT_ROPE_AT..LATENT_ROPE_AT + dr);
+            assert_close(
+                &what("latent"),
+                &latent_values(row(pos), dims),
+                &want,
+                F32_OP,
+            );
+            for r in (0..ctx).filter(|&r| r != pos) {
+                assert_eq!(
+                    row(r),
+                    &cache[2 * LATENT_DIMS * r..][..2 * LATENT_DIMS],
+                    "row {r}"
+                );
+            }
+            if dk > 0 {
+                let got = g.download(&dkc).unwrap();
+                let want = layernorm_rope_twin(&ys[2], (&kw, &kb), k_eps, (&inv_freq, pos, mscale));
+                assert_close(&what("key"), &got[pos * dk..][..dk], &want, F32_OP);
+                for (i, (&a, &b)) in got.iter().zip(&key_cache).enumerate() {
+                    if i / dk != pos {
+                        assert_eq!(a.to_bits(), b.to_bits(), "index keys: value {i} touched");
+                    }
+                }
+            }
         }
     }
 }

@@ -92,6 +92,7 @@ const PIECES: &[Piece] = &[
     Def("common.cuh", "__device__ float block_max("),
     Line("matvec.cu", "#define MATVEC_WIDE_WARPS "),
     Line("matvec.cu", "#define MATVEC_ROWS "),
+    Def("common.cuh", "struct LatentNorm {"),
     Def("matvec.cu", "struct MatvecParts {"),
     Line("matvec.cu", "typedef void (*PieceFn)("),
     Def("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),

@@ -81,6 +81,63 @@ pub struct IndexKeys<'a, B: Backend + ?Sized> {
     pub eps: f32,
 }
 
+/// A layer's first projections of x and the norms that put their latent parts into the caches
+/// (`Backend::latent_projections`).
+pub struct LatentProjections<'a, B: Backend + ?Sized> {
+    /// The query's projection: q-LoRA's a, or all of q.
+    pub q: &'a B::Weight,
+    /// q-LoRA's latent norm; None without q-LoRA.
+    pub q_norm: Option<&'a B::Weight>,
+    pub kv_a: &'a B::Weight,
+    pub kv_norm: &'a B::Weight,
+    /// The epsilon of both RMS norms.
+    pub eps: f32,
+    /// In DSA layers with an indexer: its key's projection and the keys' cache.
+    pub index: Option<IndexKeyProjection<'a, B>>,
+}
+
+/// The DSA indexer's key projection `w` (indexer.attn_k) of n positions, whose outputs go into
+/// `keys` as `IndexKeys` says.
+pub struct IndexKeyProjection<'a, B: Backend + ?Sized> {
+    pub w: &'a B::Weight,
+    pub keys: &'a mut B::Tensor,
+    /// The layer norm's weight and bias.
+    pub norm: (&'a B::Weight, &'a B::Weight),
+    pub eps: f32,
+}
+
+impl<'a, B: Backend + ?Sized> IndexKeyProjection<'a, B> {
+    /// The keys on their way into the cache, given the projection's output `x_k` [n, d].
+    pub fn with_keys(self, x_k: &'a B::Tensor) -> IndexKeys<'a, B> {
+        IndexKeys {
+            keys: self.keys,
+            x_k,
+            norm: self.norm,
+            eps: self.eps,
+        }
+    }
+}
+
+/// `Backend::latent_projections` as its parts: `linears` of x, then `latent_append` of their
+/// outputs.
+pub fn latent_projections_apart<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    p: LatentProjections<'_, B>,
+    cache: &mut B::Latent,
+    row0: usize,
+    rope: &Rope,
+) -> (B::Tensor, Option<B::Tensor>) {
+    let mut ws = vec![p.q, p.kv_a];
+    ws.extend(p.index.as_ref().map(|ix| ix.w));
+    let mut of_x = b.linears(x, &ws).into_iter();
+    let (x_q, kv, x_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
+    let index_keys = p.index.zip(x_k.as_ref()).map(|(ix, x_k)| ix.with_keys(x_k));
+    let query = p.q_norm.map(|norm| (&x_q, norm));
+    let q_a = b.latent_append(cache, row0, &kv, p.kv_norm, p.eps, rope, query, index_keys);
+    (x_q, q_a)
+}
+
 /// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by
 /// the CUDA backend.
 pub trait Backend: Send + Sync {
@@ -228,6 +285,21 @@ pub trait Backend: Send + Sync {
         query: Option<(&Self::Tensor, &Self::Weight)>,
         index_keys: Option<IndexKeys<'_, Self>>,
     ) -> Option<Self::Tensor>;
+
+    /// A layer's first projections of x (`LatentProjections`: the query's, kv_a's and the
+    /// indexer key's) with their latent parts normed into the caches at positions
+    /// `row0..row0+n` (`latent_append`): returns the query's projection x_q and, with q-LoRA,
+    /// its latent normed (q_a). A GPU runs the norms in the products' launch for one token.
+    fn latent_projections(
+        &self,
+        x: &Self::Tensor,
+        p: LatentProjections<'_, Self>,
+        cache: &mut Self::Latent,
+        row0: usize,
+        rope: &Rope,
+    ) -> (Self::Tensor, Option<Self::Tensor>) {
+        latent_projections_apart(self, x, p, cache, row0, rope)
+    }
 
     // ----- matrix products ----------------------------------------------------------------
 

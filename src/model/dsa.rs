@@ -8,7 +8,7 @@
 //! that is used) does not change and it is left out.
 
 use super::Model;
-use crate::backend::{Backend, IndexKeys};
+use crate::backend::{Backend, IndexKeyProjection};
 use crate::config::IndexerConfig;
 use crate::weights::Indexer;
 
@@ -51,17 +51,15 @@ impl<I> Selection<I> {
     }
 }
 
-/// This batch's indexer keys on their way into `keys` (`x_k` = indexer.attn_k x, [n, d],
-/// computed with the layer's other projections of x): `Backend::latent_append` stores them
-/// with the latent.
-pub fn new_keys<'a, B: Backend>(
+/// The indexer key's projection of a batch, its outputs on their way into `keys`
+/// (`Backend::latent_projections` stores them with the latent).
+pub fn key_projection<'a, B: Backend>(
     w: &'a Indexer<B::Weight>,
     keys: &'a mut B::Tensor,
-    x_k: &'a B::Tensor,
-) -> IndexKeys<'a, B> {
-    IndexKeys {
+) -> IndexKeyProjection<'a, B> {
+    IndexKeyProjection {
+        w: &w.k,
         keys,
-        x_k,
         norm: (&w.k_norm, &w.k_norm_bias),
         eps: K_NORM_EPS,
     }

@@ -10,7 +10,7 @@
 //! query, where the absorbed form reads 576 values per position instead of H*(dn+dr+dv).
 
 use super::{dsa, Cache, Model, Taps};
-use crate::backend::Backend;
+use crate::backend::{Backend, LatentProjections};
 use crate::weights::QueryProj;
 
 /// RMSNorm epsilon of q_a_norm and kv_a_norm: the reference models build these two norms
@@ -34,46 +34,35 @@ pub fn attention<B: Backend>(
     let (n, _) = b.shape(x);
     let indexer = m.weights.layers[il].indexer.as_ref();
 
-    // The projections of x, one launch on a GPU: the query's (q-LoRA's a, or all of q), the
-    // latent's [n, kv_lora + dr] and, in DSA layers with an indexer, the indexer key's [n, d].
-    let q_x = match &w.q {
-        QueryProj::Lora { a, .. } => a,
-        QueryProj::Direct(wq) => wq,
+    // The projections of x, one launch on a GPU for a token: the query's (q-LoRA's a, or all of
+    // q) x_q, and the latent [n, kv_lora + dr] straight into the cache, c_kv normed and k_pe
+    // roped; with q-LoRA, its latent q_a [n, q_lora] normed in the same pass, and in DSA layers
+    // with an indexer, its keys [n, d] into their cache.
+    let (q_x, q_norm) = match &w.q {
+        QueryProj::Lora { a, norm, .. } => (a, Some(norm)),
+        QueryProj::Direct(wq) => (wq, None),
     };
-    let mut of_x: Vec<&B::Weight> = vec![q_x, &w.kv_a_mqa];
-    of_x.extend(indexer.map(|ix| &ix.k));
-    let mut of_x = b.linears(x, &of_x).into_iter();
-    let (x_q, kv, x_index_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
-
-    // The latent of these positions, straight into the cache: c_kv [n, kv_lora] normed,
-    // k_pe [n, dr] roped; with q-LoRA, its latent q_a [n, q_lora] normed in the same pass, and
-    // in layers with an indexer, its keys [n, d] into their cache.
-    let q_norm = match &w.q {
-        QueryProj::Lora { norm, .. } => Some((&x_q, norm)),
-        QueryProj::Direct(_) => None,
-    };
-    let index_keys = indexer.zip(x_index_k.as_ref()).map(|(ix, x_k)| {
-        let keys = cache.index_keys[il]
-            .as_mut()
-            .expect("allocated for full indexer layers");
-        dsa::new_keys(ix, keys, x_k)
-    });
-    let q_a = b.latent_append(
-        &mut cache.latent[il],
-        pos0,
-        &kv,
-        &w.kv_a_norm,
-        LATENT_NORM_EPS,
-        &m.rope,
+    let projections = LatentProjections {
+        q: q_x,
         q_norm,
-        index_keys,
-    );
+        kv_a: &w.kv_a_mqa,
+        kv_norm: &w.kv_a_norm,
+        eps: LATENT_NORM_EPS,
+        index: indexer.map(|ix| {
+            let keys = cache.index_keys[il]
+                .as_mut()
+                .expect("allocated for full indexer layers");
+            dsa::key_projection(ix, keys)
+        }),
+    };
+    let (x_q, q_a) = b.latent_projections(x, projections, &mut cache.latent[il], pos0, &m.rope);
 
     // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a feeds DSA too.
     let mut q = match &w.q {
-        QueryProj::Lora { b: q_b, .. } => {
-            b.linear(q_a.as_ref().expect("latent_append norms the query"), q_b)
-        }
+        QueryProj::Lora { b: q_b, .. } => b.linear(
+            q_a.as_ref().expect("latent_projections norms the query"),
+            q_b,
+        ),
         QueryProj::Direct(_) => x_q,
     };
     taps.tensor(b, || format!("L{il}.q"), &q);

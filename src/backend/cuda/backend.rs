@@ -17,10 +17,12 @@ use super::device::{DevicePtrRaw, Gpu};
 use super::error::CudaError;
 use super::kernels::LATENT_DIMS;
 use super::ops::{
-    latent_fits, route_f32_takes, AttentionPrefill, Combine, EmbedRows, KeyRowsNorm, Matmul,
-    Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
+    latent_fits, route_f32_takes, AttentionPrefill, Combine, EmbedRows, KeyRowsNorm, LatentNorm,
+    Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
-use crate::backend::{Backend, BackendError, IndexKeys, Rope, WeightRole};
+use crate::backend::{
+    latent_projections_apart, Backend, BackendError, IndexKeys, LatentProjections, Rope, WeightRole,
+};
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
 use crate::weights::{DenseFfn, TensorRef};
@@ -578,49 +580,57 @@ impl Backend for Cuda {
         query: Option<(&CudaTensor, &CudaWeight)>,
         index_keys: Option<IndexKeys<'_, Self>>,
     ) -> Option<CudaTensor> {
-        let dr = rope.rot_dims();
-        assert!(
-            (kv.cols, dr) == (cache.kv_lora + cache.dr, cache.dr)
-                && row0 + kv.rows <= cache.rows.rows,
-            "latent_append: [{}, {}] at row {row0} of {} positions of {} + {}",
-            kv.rows,
-            kv.cols,
-            cache.rows.rows,
-            cache.kv_lora,
-            cache.dr
-        );
-        let q_out = query.map(|(x, _)| {
-            assert_eq!(x.rows, kv.rows, "latent_append: query rows");
-            self.empty(x.rows, x.cols)
-        });
-        let q_norm = query.zip(q_out.as_ref()).map(|((x, qw), y)| RowsNorm {
-            x: self.p(x, 0),
-            w: self.w(qw),
-            y: self.p(y, 0),
-            width: x.cols,
-        });
-        let keys = index_keys.map(|k| {
-            assert_eq!(k.x_k.rows, kv.rows, "latent_append: index key rows");
-            self.index_key_rows(row0, k)
-        });
+        let (latent, q_a) = self.latent_norm(cache, row0, kv, (w, eps), rope, query, index_keys);
         ok(
-            self.gpu.latent_norm_rope(
-                self.p(kv, 0),
-                self.w(w),
-                self.p(&cache.rows, row0 * LATENT_DIMS),
-                kv.rows,
-                cache.kv_lora,
-                dr,
-                row0,
-                self.constant(&rope.inv_freq),
-                rope.cos_sin_scale,
-                eps,
-                q_norm.as_ref(),
-                keys.as_ref(),
-            ),
+            self.gpu.latent_norm_rope(kv.rows, &latent),
             "latent_norm_rope",
         );
-        q_out
+        q_a
+    }
+
+    fn latent_projections(
+        &self,
+        x: &CudaTensor,
+        p: LatentProjections<'_, Self>,
+        cache: &mut CudaLatent,
+        row0: usize,
+        rope: &Rope,
+    ) -> (CudaTensor, Option<CudaTensor>) {
+        let mut ws = vec![p.q, p.kv_a];
+        ws.extend(p.index.as_ref().map(|ix| ix.w));
+        if !self.takes_parts(x, &ws) {
+            return latent_projections_apart(self, x, p, cache, row0, rope);
+        }
+        // One token: the products in one launch, whose last blocks norm their rows where its
+        // kernel takes them (Gpu::matvec_parts; H100: latent_norm_rope took ~4.3 us a layer
+        // of a GLM-5 token, docs/performance.md), else latent_norm_rope after it.
+        let ys: Vec<CudaTensor> = ws.iter().map(|w| self.empty(1, w.dim(1))).collect();
+        let index_keys = p.index.zip(ys.get(2)).map(|(ix, x_k)| ix.with_keys(x_k));
+        let query = p.q_norm.map(|norm| (&ys[0], norm));
+        let (latent, q_a) = self.latent_norm(
+            cache,
+            row0,
+            &ys[1],
+            (p.kv_norm, p.eps),
+            rope,
+            query,
+            index_keys,
+        );
+        let tail = self.gpu.parts_norm_latent(ws[0].ty, &latent);
+        ok(
+            self.gpu.matvec_parts(
+                ws[0].ty,
+                x.cols,
+                self.p(x, 0),
+                &self.parts_of(&ws, &ys),
+                tail.then_some(&latent),
+            ),
+            "latent_projections",
+        );
+        if !tail {
+            ok(self.gpu.latent_norm_rope(1, &latent), "latent_norm_rope");
+        }
+        (ys.into_iter().next().unwrap(), q_a)
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
@@ -695,18 +705,14 @@ impl Backend for Cuda {
             return ws.iter().map(|w| self.linear(x, w)).collect();
         }
         let ys: Vec<CudaTensor> = ws.iter().map(|w| self.empty(1, w.dim(1))).collect();
-        let parts: Vec<MatvecPart> = ws
-            .iter()
-            .zip(&ys)
-            .map(|(w, y)| MatvecPart {
-                w: self.w(w),
-                rows: w.dim(1),
-                y: self.p(y, 0),
-            })
-            .collect();
         ok(
-            self.gpu
-                .matvec_parts(ws[0].ty, x.cols, self.p(x, 0), &parts),
+            self.gpu.matvec_parts(
+                ws[0].ty,
+                x.cols,
+                self.p(x, 0),
+                &self.parts_of(ws, &ys),
+                None,
+            ),
             "linears",
         );
         ys
@@ -742,7 +748,8 @@ impl Backend for Cuda {
             y: self.p(&gu, at),
         });
         ok(
-            self.gpu.matvec_parts(gate.ty, k, self.p(x, 0), &parts),
+            self.gpu
+                .matvec_parts(gate.ty, k, self.p(x, 0), &parts, None),
             "gate and up",
         );
         let y = self.empty(n, f);
@@ -1221,6 +1228,72 @@ impl Cuda {
             width: d,
             eps: k.eps,
         }
+    }
+
+    /// The matrices of a parts launch and their outputs.
+    fn parts_of(&self, ws: &[&CudaWeight], ys: &[CudaTensor]) -> Vec<MatvecPart> {
+        ws.iter()
+            .zip(ys)
+            .map(|(w, y)| MatvecPart {
+                w: self.w(w),
+                rows: w.dim(1),
+                y: self.p(y, 0),
+            })
+            .collect()
+    }
+
+    /// `latent_append`'s norms of the rows of kv (and of the query and index keys) into
+    /// `cache` from row0, as `LatentNorm` (ops.rs) gives them to a launch, and the query's
+    /// output.
+    #[allow(clippy::too_many_arguments)]
+    fn latent_norm(
+        &self,
+        cache: &CudaLatent,
+        row0: usize,
+        kv: &CudaTensor,
+        (w, eps): (&CudaWeight, f32),
+        rope: &Rope,
+        query: Option<(&CudaTensor, &CudaWeight)>,
+        index_keys: Option<IndexKeys<'_, Self>>,
+    ) -> (LatentNorm, Option<CudaTensor>) {
+        let dr = rope.rot_dims();
+        assert!(
+            (kv.cols, dr) == (cache.kv_lora + cache.dr, cache.dr)
+                && row0 + kv.rows <= cache.rows.rows,
+            "latent_append: [{}, {}] at row {row0} of {} positions of {} + {}",
+            kv.rows,
+            kv.cols,
+            cache.rows.rows,
+            cache.kv_lora,
+            cache.dr
+        );
+        let q_out = query.map(|(x, _)| {
+            assert_eq!(x.rows, kv.rows, "latent_append: query rows");
+            self.empty(x.rows, x.cols)
+        });
+        let q_norm = query.zip(q_out.as_ref()).map(|((x, qw), y)| RowsNorm {
+            x: self.p(x, 0),
+            w: self.w(qw),
+            y: self.p(y, 0),
+            width: x.cols,
+        });
+        let keys = index_keys.map(|k| {
+            assert_eq!(k.x_k.rows, kv.rows, "latent_append: index key rows");
+            self.index_key_rows(row0, k)
+        });
+        let latent = LatentNorm::new(
+            self.p(kv, 0),
+            self.w(w),
+            self.p(&cache.rows, row0 * LATENT_DIMS),
+            kv.rows,
+            (cache.kv_lora, dr),
+            row0,
+            (self.constant(&rope.inv_freq), rope.cos_sin_scale),
+            eps,
+            q_norm.as_ref(),
+            keys.as_ref(),
+        );
+        (ok(latent, "latent_norm_rope"), q_out)
     }
 
     /// Whether `linears(x, ws)` runs as one parts launch (`Gpu::matvec_parts`): one token, two

@@ -137,7 +137,8 @@ struct TcCombine {
 // SAFETY: plain integers in the kernel's C layout (8-byte addresses, a 4-byte int, padding).
 unsafe impl cudarc::driver::DeviceRepr for TcCombine {}
 
-/// The kernel's MatvecParts (kernels/matvec.cu): items 1 and 2 of a parts launch, or all 0.
+/// The kernel's MatvecParts (kernels/matvec.cu): items 1 and 2 of a parts launch, or all 0;
+/// in matvec_latent_<type>'s, the counters of its tail and the latent's norms.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct MatvecParts {
@@ -147,9 +148,119 @@ struct MatvecParts {
     rows2: i32,
     y1: Ptr,
     y2: Ptr,
+    done: Ptr,
+    latent: LatentNorm,
 }
 // SAFETY: plain integers in the kernel's C layout (8-byte addresses, 4-byte ints).
 unsafe impl cudarc::driver::DeviceRepr for MatvecParts {}
+
+/// The norms that put tokens' MLA latents into their cache (kernels/common.cuh, LatentNorm),
+/// checked by `LatentNorm::new`: what latent_norm_rope runs, or for one token the tail of the
+/// parts launch that makes kv, the query latent and the index key (`Gpu::matvec_parts`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct LatentNorm {
+    kv: Ptr,
+    w: Ptr,
+    cache: Ptr,
+    inv_freq: Ptr,
+    qx: Ptr,
+    qw: Ptr,
+    qy: Ptr,
+    kx: Ptr,
+    kw: Ptr,
+    kb: Ptr,
+    ky: Ptr,
+    dl: i32,
+    dr: i32,
+    dq: i32,
+    dk: i32,
+    pos0: i32,
+    mscale: f32,
+    eps: f32,
+    k_eps: f32,
+}
+// SAFETY: plain integers and floats in the kernel's C layout (8-byte addresses, then 4-byte
+// ints and floats: 120 bytes).
+unsafe impl cudarc::driver::DeviceRepr for LatentNorm {}
+
+impl LatentNorm {
+    /// The MLA latent of `rows` tokens: row t of kv [rows, dl + dr] -> row t of `cache`
+    /// (pointing at the first row to fill, in the latent cache format: `latent_split`), c_kv
+    /// RMS-normed with w, k_pe roped at position pos0 + t (inv_freq: [dr / 2] f32); with
+    /// `query`, its rows RMS-normed too (q-LoRA's latent, the same eps), and with `keys`,
+    /// theirs layer-normed and their first dr values roped as k_pe (the DSA indexer's keys of
+    /// the same tokens). See kernels/common.cuh.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        kv: Ptr,
+        w: Ptr,
+        cache: Ptr,
+        rows: usize,
+        (dl, dr): (usize, usize),
+        pos0: usize,
+        (inv_freq, mscale): (Ptr, f32),
+        eps: f32,
+        query: Option<&RowsNorm>,
+        keys: Option<&KeyRowsNorm>,
+    ) -> Result<LatentNorm, CudaError> {
+        check(
+            dr.is_multiple_of(2) && pos0 + rows <= i32::MAX as usize,
+            "latent_norm_rope",
+            || format!("rope width {dr}, positions up to {}", pos0 + rows),
+        )?;
+        check(
+            keys.is_none_or(|k| k.rows == rows && dr <= k.width),
+            "latent_norm_rope",
+            || format!("index keys of {rows} tokens, {dr} roped values each"),
+        )?;
+        latent_fits("latent_norm_rope", dl, dr)?;
+        let (qx, qw, qy) = query.map_or((0, 0, 0), |q| (q.x, q.w, q.y));
+        let (kx, kw, kb, ky, k_eps) =
+            keys.map_or((0, 0, 0, 0, 0.0), |k| (k.x, k.w, k.b, k.y, k.eps));
+        Ok(LatentNorm {
+            kv,
+            w,
+            cache,
+            inv_freq,
+            qx,
+            qw,
+            qy,
+            kx,
+            kw,
+            kb,
+            ky,
+            dl: dl as i32,
+            dr: dr as i32,
+            dq: query.map_or(0, |q| q.width) as i32,
+            dk: keys.map_or(0, |k| k.width) as i32,
+            pos0: pos0 as i32,
+            mscale,
+            eps,
+            k_eps,
+        })
+    }
+
+    /// Whether the tail of a parts launch of type `ty` takes these norms (matvec_latent_<type>:
+    /// its types, and rows as wide as its 128 threads hold, kernels/matvec.cu's TAIL_*_VALS).
+    fn in_tail_of(&self, ty: GgmlType) -> bool {
+        let threads = 32 * MATVEC_WARPS as i32;
+        LATENT_TAIL_TYPES.contains(&ty)
+            && self.dq <= 16 * threads
+            && self.dl <= 4 * threads
+            && self.dk <= 2 * threads
+    }
+}
+
+/// The types of matvec_latent_<type> (kernels/matvec.cu): those MLA's q_a and kv_a take in the
+/// models' files.
+const LATENT_TAIL_TYPES: [GgmlType; 5] = [
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+    GgmlType::IQ4_XS,
+];
 
 /// One matrix of a parts launch (`Gpu::matvec_parts`): y = W x.
 #[derive(Clone, Copy)]
@@ -699,6 +810,11 @@ impl Gpu {
         Ok(())
     }
 
+    /// Whether `matvec_parts` of type `ty` runs `latent`'s norms in its tail.
+    pub fn parts_norm_latent(&self, ty: GgmlType, latent: &LatentNorm) -> bool {
+        latent.in_tail_of(ty)
+    }
+
     /// Whether `a` runs on the CUDA-core matvec kernel, the one `matvec_parts` launches.
     pub fn on_cuda_cores(&self, a: &Matvec) -> bool {
         let readable = a.ty.row_bytes(a.k).is_some();
@@ -707,13 +823,17 @@ impl Gpu {
 
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
     /// projections of one activation (MLA's q_a, kv_a and the indexer key; a shared expert's
-    /// gate and up) in one launch of the CUDA-core kernel instead of one each.
+    /// gate and up) in one launch of the CUDA-core kernel instead of one each. With `latent`
+    /// (where `parts_norm_latent` says so), the parts are one token's query latent (or without
+    /// q-LoRA its query), kv and index key, and the launch's last blocks run their norms into
+    /// the caches as latent_norm_rope would.
     pub fn matvec_parts(
         &self,
         ty: GgmlType,
         k: usize,
         x: Ptr,
         parts: &[MatvecPart],
+        latent: Option<&LatentNorm>,
     ) -> Result<(), CudaError> {
         let (_, rb) = typed_rows("matvec", ty, k)?;
         check(
@@ -729,17 +849,32 @@ impl Gpu {
             })
         };
         let (p0, p1, p2) = (part(0), part(1), part(2));
-        let extra = MatvecParts {
+        let mut extra = MatvecParts {
             w1: p1.w,
             w2: p2.w,
             rows1: p1.rows as i32,
             rows2: p2.rows as i32,
             y1: p1.y,
             y2: p2.y,
+            ..MatvecParts::default()
         };
         // The grid of the longest part; the others' surplus blocks find no rows and return.
         let rows = parts.iter().map(|p| p.rows).max().unwrap();
-        let (kernel, grid_x, block) = matvec_geometry(ty, rows, 1, k, rb)?;
+        let (mut kernel, grid_x, block) = matvec_geometry(ty, rows, 1, k, rb)?;
+        if let Some(a) = latent {
+            check(
+                a.in_tail_of(ty)
+                    && block == 32 * MATVEC_WARPS as u32
+                    && (a.qx == 0 || a.qx == p0.y)
+                    && a.kv == p1.y
+                    && a.kx == if parts.len() == 3 { p2.y } else { 0 },
+                "matvec_parts",
+                || format!("a latent's norms in the tail of a {ty} parts launch"),
+            )?;
+            kernel = typed_kernel("matvec_latent", ty)?;
+            extra.done = self.zeroed_counters(&self.latent_done, 3)?;
+            extra.latent = *a;
+        }
         launch!(self, kernel, (grid_x, parts.len() as u32, 1), block, 0;
             p0.w, 0i64, 0 as Ptr, p0.rows as i32, k as i32, rb as i64, x, 1i32, 0i64, p0.y, 0i64,
             extra);
@@ -1275,56 +1410,15 @@ impl Gpu {
         Ok(())
     }
 
-    /// The MLA latent of `rows` tokens: row t of kv [rows, dl + dr] -> row t of `cache`
-    /// (pointing at the first row to fill, in the latent cache format: `latent_split`), c_kv
-    /// RMS-normed with w, k_pe roped at position pos0 + t (inv_freq: [dr / 2] f32); with
-    /// `query`, its rows RMS-normed in the same launch (q-LoRA's latent, the same eps), and with
-    /// `keys`, theirs layer-normed and their first dr values roped as k_pe (the DSA indexer's
-    /// keys of the same tokens). See kernels/norm.cu.
-    #[allow(clippy::too_many_arguments)]
-    pub fn latent_norm_rope(
-        &self,
-        kv: Ptr,
-        w: Ptr,
-        cache: Ptr,
-        rows: usize,
-        dl: usize,
-        dr: usize,
-        pos0: usize,
-        inv_freq: Ptr,
-        mscale: f32,
-        eps: f32,
-        query: Option<&RowsNorm>,
-        keys: Option<&KeyRowsNorm>,
-    ) -> Result<(), CudaError> {
-        let dq = query.map_or(0, |q| q.width);
-        let dk = keys.map_or(0, |k| k.width);
-        let block = norm_block(dl.max(dq).max(dk), "latent_norm_rope")?;
-        check(
-            dr.is_multiple_of(2) && pos0 + rows <= i32::MAX as usize,
-            "latent_norm_rope",
-            || format!("rope width {dr}, positions up to {}", pos0 + rows),
-        )?;
-        check(
-            keys.is_none_or(|k| k.rows == rows && dr <= k.width),
-            "latent_norm_rope",
-            || format!("index keys of {rows} tokens, {dr} roped values each"),
-        )?;
-        latent_fits("latent_norm_rope", dl, dr)?;
+    /// The latent's norms of `rows` tokens in a launch of their own (`LatentNorm::new`; see
+    /// kernels/norm.cu).
+    pub fn latent_norm_rope(&self, rows: usize, a: &LatentNorm) -> Result<(), CudaError> {
+        let block = norm_block(a.dl.max(a.dq).max(a.dk) as usize, "latent_norm_rope")?;
         if rows == 0 {
             return Ok(());
         }
-        let (qx, qw, qy) = query.map_or((0, 0, 0), |q| (q.x, q.w, q.y));
-        let (kx, kw, kb, ky, k_eps) =
-            keys.map_or((0, 0, 0, 0, 0.0), |k| (k.x, k.w, k.b, k.y, k.eps));
-        let grid = (
-            rows as u32,
-            1 + query.is_some() as u32 + keys.is_some() as u32,
-            1,
-        );
-        launch!(self, "latent_norm_rope", grid, block, 0;
-            kv, w, cache, dl as i32, dr as i32, pos0 as i32, inv_freq, mscale, eps, qx, qw, qy,
-            dq as i32, kx, kw, kb, ky, dk as i32, k_eps);
+        let grid = (rows as u32, 1 + (a.qx != 0) as u32 + (a.kx != 0) as u32, 1);
+        launch!(self, "latent_norm_rope", grid, block, 0; *a);
         Ok(())
     }
 
