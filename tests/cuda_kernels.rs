@@ -10,7 +10,8 @@
 mod common;
 
 use common::{
-    attend, attention_want, dot64, keep_mask, roped_q_pe, span_table, visible_keys, AttentionShape,
+    attend, attention_want, dot64, keep_mask, layernorm_rope_twin, rmsnorm_twin, roped_q_pe,
+    span_table, visible_keys, AttentionShape,
 };
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
@@ -1484,42 +1485,6 @@ fn norms_match() {
         };
         assert_close(what, &y, &want, F32_OP);
     }
-}
-
-/// f64 twin of layernorm over one row (weight, bias), its first 2 * inv_freq.len() values
-/// then roped as adjacent pairs at position `pos` (cos and sin scaled by `mscale`).
-fn layernorm_rope_twin(
-    x: &[f32],
-    (w, b): (&[f32], &[f32]),
-    eps: f32,
-    (inv_freq, pos, mscale): (&[f32], usize, f32),
-) -> Vec<f64> {
-    let n = x.len() as f64;
-    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
-    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
-    let inv = 1.0 / (var + eps as f64).sqrt();
-    let mut row: Vec<f64> = (0..x.len())
-        .map(|i| (x[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64)
-        .collect();
-    for (i, &f) in inv_freq.iter().enumerate() {
-        // The angle is an f32 product, as in rope_pairs.
-        let angle = (pos as f32 * f) as f64;
-        let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
-        let (a, b) = (row[2 * i], row[2 * i + 1]);
-        row[2 * i] = a * c - b * s;
-        row[2 * i + 1] = a * s + b * c;
-    }
-    row
-}
-
-/// f64 twin of rmsnorm over one row.
-fn rmsnorm_twin(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
-    let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
-    let inv = 1.0 / (ms + eps as f64).sqrt();
-    x.iter()
-        .zip(w)
-        .map(|(&v, &g)| v as f64 * inv * g as f64)
-        .collect()
 }
 
 #[test]

@@ -27,13 +27,20 @@
 //!   a shared-memory copy out of bounds or misaligned is refused, and the harness runs under
 //!   AddressSanitizer where the compiler has it (reads past a buffer).
 //!
+//! - The CUDA-core parts launch of MLA's q_a, kv_a and indexer key with the latent's norms in
+//!   its last blocks (`matvec_latent_<type>`: matvec_body, then parts_tail), against the f64
+//!   norms of its rows.
+//!
 //! The bound is the GPU tests' for these kernels (cuda_kernels, F32_OP), so that a change of
 //! a kernel can be checked before a GPU runs it. Needs a C++20 compiler (`$CXX`, else g++);
 //! without one the tests print SKIPPED.
 
 mod common;
 
-use common::{attention_want, keep_mask, roped_q_pe, span_table, AttentionShape};
+use common::{
+    attention_want, keep_mask, layernorm_rope_twin, rmsnorm_twin, roped_q_pe, span_table,
+    AttentionShape,
+};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -89,11 +96,50 @@ const PIECES: &[Piece] = &[
         "__device__ __forceinline__ float2 rope_cos_sin(",
     ),
     Def("common.cuh", "__device__ __forceinline__ void rope_turn("),
+    Def("common.cuh", "__device__ __forceinline__ void rope_pair("),
+    Def("common.cuh", "__device__ __forceinline__ void latent_store("),
     Def("common.cuh", "__device__ float block_max("),
+    Line("common.cuh", "#define NORM_VALS "),
+    Def(
+        "common.cuh",
+        "template <int V = NORM_VALS, bool L2 = false>\n__device__ __forceinline__ void load_row(",
+    ),
+    Def(
+        "common.cuh",
+        "template <int V = NORM_VALS>\n__device__ __forceinline__ float rms_inv(",
+    ),
+    Def(
+        "common.cuh",
+        "template <int V = NORM_VALS>\n__device__ __forceinline__ void rms_store(",
+    ),
+    Def(
+        "common.cuh",
+        "template <int V = NORM_VALS, bool L2 = false>\n__device__ __forceinline__ void layernorm_rope_row(",
+    ),
+    Def("common.cuh", "struct LatentNorm {"),
+    Def(
+        "common.cuh",
+        "template <int V, bool L2>\n__device__ __forceinline__ void latent_row(",
+    ),
+    Def(
+        "common.cuh",
+        "template <int V, bool L2>\n__device__ __forceinline__ void query_row(",
+    ),
+    Def(
+        "common.cuh",
+        "template <int V, bool L2>\n__device__ __forceinline__ void key_row(",
+    ),
+    Line("matvec.cu", "#define MATVEC_WARPS "),
     Line("matvec.cu", "#define MATVEC_WIDE_WARPS "),
     Line("matvec.cu", "#define MATVEC_ROWS "),
-    Def("common.cuh", "struct LatentNorm {"),
     Def("matvec.cu", "struct MatvecParts {"),
+    Line("matvec.cu", "#define TAIL_QUERY_VALS "),
+    Line("matvec.cu", "#define TAIL_LATENT_VALS "),
+    Line("matvec.cu", "#define TAIL_KEY_VALS "),
+    Def(
+        "matvec.cu",
+        "__device__ __forceinline__ void parts_tail(",
+    ),
     Line("matvec.cu", "typedef void (*PieceFn)("),
     Def("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),
     Def("matvec.cu", "__device__ __forceinline__ float byte_f("),
@@ -1040,6 +1086,98 @@ fn cuda_core_q2_k_and_q3_k_pieces_match_f64() {
             let what = format!("matvec {ty:?} {rows} x {}, {grid} blocks", 256 * nb);
             check_outputs(&what, &h.run(args), &want);
         }
+    }
+}
+
+/// The parts launch of MLA's q_a, kv_a and indexer key with the latent's norms in its tail
+/// (matvec_body then parts_tail, as matvec_latent_<type> runs them; the harness
+/// matvec_tail.cpp) against f64: the parts' rows, then the last block of each part norms its
+/// row (the query; the latent into its cache row, c_kv normed and k_pe roped; the key normed
+/// and roped into its cache row) as the f64 twins of those rows say, the rows before the
+/// token's untouched and the counters back at zero. GLM-5's widths on a small k, and
+/// DeepSeek-V3's without a key (on a block more than it needs).
+#[test]
+fn parts_tail_norms_the_latent_as_f64() {
+    let Some(h) = Emulation::build("matvec_tail") else {
+        return;
+    };
+    let ty = GgmlType::Q2_K;
+    // The grid covers the query's groups of 4 rows, 4 groups a block (Gpu::matvec_parts).
+    for (dq, dk, grid, seed) in [(2048, 128, 128, 90), (1536, 0, 97, 91)] {
+        let (dl, dr, nb, pos) = (512, 64, 2, 37);
+        let mut rng = Rng::new(seed);
+        let rows = [dq, dl + dr, dk];
+        let w: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&r| random_rows(ty, r, nb, &mut rng))
+            .collect();
+        let x = random_x(nb, &mut rng);
+        let (qw, kvw) = (normals(&mut rng, dq), normals(&mut rng, dl));
+        let (kw, kb) = (normals(&mut rng, dk), normals(&mut rng, dk));
+        let inv_freq: Vec<f32> = (0..dr / 2)
+            .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
+            .collect();
+        let (mscale, eps, k_eps) = (1.2f32, 1e-6f32, 1e-5f32);
+        let args = Args::default()
+            .i32(dq as i32)
+            .i32((dl + dr) as i32)
+            .i32(dk as i32)
+            .i32(256 * nb as i32)
+            .i64((ty.type_size() * nb) as i64)
+            .bytes(&w[0])
+            .bytes(&w[1])
+            .bytes(&w[2])
+            .floats(&x)
+            .floats(&qw)
+            .floats(&kvw)
+            .floats(&kw)
+            .floats(&kb)
+            .floats(&inv_freq)
+            .i32(dl as i32)
+            .i32(dr as i32)
+            .i32(pos as i32)
+            .f32(mscale)
+            .f32(eps)
+            .f32(k_eps)
+            .i32(grid);
+        let got = h.run(args);
+        let what = |s: &str| format!("parts tail {dq} + {} + {dk}, {grid} blocks: {s}", dl + dr);
+        let mut at = 0;
+        let mut take = |n: usize| {
+            at += n;
+            &got[at - n..at]
+        };
+        let ys: Vec<&[f32]> = rows.iter().map(|&r| take(r)).collect();
+        for (i, y) in ys.iter().enumerate().filter(|(_, y)| !y.is_empty()) {
+            let want: Vec<Option<f64>> = products(ty, &w[i], &x).into_iter().map(Some).collect();
+            check_outputs(&what(&format!("part {i}")), y, &want);
+        }
+        let some = |v: Vec<f64>| v.into_iter().map(Some).collect::<Vec<_>>();
+        check_outputs(
+            &what("query"),
+            take(dq),
+            &some(rmsnorm_twin(ys[0], &qw, eps)),
+        );
+        let kv = ys[1];
+        let mut want = rmsnorm_twin(&kv[..dl], &kvw, eps);
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let angle = (pos as f32 * f) as f64;
+            let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
+            let (x0, x1) = (kv[dl + 2 * i] as f64, kv[dl + 2 * i + 1] as f64);
+            want.extend([x0 * c - x1 * s, x0 * s + x1 * c]);
+        }
+        check_outputs(&what("latent"), take(dl + dr), &some(want));
+        if dk > 0 {
+            let want = layernorm_rope_twin(ys[2], (&kw, &kb), k_eps, (&inv_freq, pos, mscale));
+            check_outputs(&what("key"), take(dk), &some(want));
+        }
+        assert_eq!(
+            take(1),
+            [1.0],
+            "{}",
+            what("the rows before the token's touched")
+        );
+        assert_eq!(take(3), [0.0; 3], "{}", what("counters left"));
     }
 }
 

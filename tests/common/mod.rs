@@ -194,6 +194,42 @@ pub fn span_table(spans: &[(usize, usize, usize)]) -> Vec<i32> {
         .collect()
 }
 
+/// f64 twin of layernorm over one row (weight, bias), its first 2 * inv_freq.len() values
+/// then roped as adjacent pairs at position `pos` (cos and sin scaled by `mscale`).
+pub fn layernorm_rope_twin(
+    x: &[f32],
+    (w, b): (&[f32], &[f32]),
+    eps: f32,
+    (inv_freq, pos, mscale): (&[f32], usize, f32),
+) -> Vec<f64> {
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+    let inv = 1.0 / (var + eps as f64).sqrt();
+    let mut row: Vec<f64> = (0..x.len())
+        .map(|i| (x[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64)
+        .collect();
+    for (i, &f) in inv_freq.iter().enumerate() {
+        // The angle is an f32 product, as in rope_pairs.
+        let angle = (pos as f32 * f) as f64;
+        let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
+        let (a, b) = (row[2 * i], row[2 * i + 1]);
+        row[2 * i] = a * c - b * s;
+        row[2 * i + 1] = a * s + b * c;
+    }
+    row
+}
+
+/// f64 twin of rmsnorm over one row.
+pub fn rmsnorm_twin(x: &[f32], w: &[f32], eps: f32) -> Vec<f64> {
+    let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps as f64).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(&v, &g)| v as f64 * inv * g as f64)
+        .collect()
+}
+
 /// The dot product of two f32 rows in f64.
 pub fn dot64(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
