@@ -442,6 +442,17 @@ __device__ __forceinline__ void generic_piece(const u8* const* blk, int p, const
 #define TAIL_LATENT_VALS 4
 #define TAIL_KEY_VALS 2
 
+// The weights of the norm that item `item`'s tail runs into L2 from block 0 of the item, as
+// the launch starts (a token's other bytes have taken them out since the last one).
+__device__ __forceinline__ void parts_tail_prefetch(const LatentNorm& a, int item) {
+    if (blockIdx.x != 0) return;
+    const int i = 32 * threadIdx.x;  // a 128-byte line a thread
+    if (item == 0 && a.qx && i < a.dq) prefetch_l2(a.qw + i);
+    if (item == 1 && i < a.dl) prefetch_l2(a.w + i);
+    if (item == 1 && i < a.dr / 2) prefetch_l2(a.inv_freq + i);
+    if (item == 2 && i < a.dk) prefetch_l2(a.kw + i), prefetch_l2(a.kb + i);
+}
+
 // The end of every block of a parts launch with a latent (MatvecParts): the block's rows
 // counted in behind a fence, and the last block of its item norms that item's row (its other
 // blocks' rows read through L2).
@@ -1594,7 +1605,11 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
     const int g1 = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     init_stage_barriers(full, empty, TMI_WARPS, 1);
-    pdl_wait();  // the ids come from the router, x from the kernel before
+    // x comes from the kernel before, the ids from the router. Without ids (MLA's v_b) the
+    // producer copies weights only, so it starts while the kernel before still runs, as
+    // matvec_tma_body's does (v_b's stages hold most of its matrix: MLA's few blocks leave
+    // the SMs free for them).
+    if (warp != TMI_WARPS || ids) pdl_wait();
     // Item i's matrix, and whether this rank holds it.
     auto item = [&](int i) {
         return tc_item(i, items, w, nullptr, sw, nullptr, mat_stride, ids, 1);
@@ -2153,6 +2168,7 @@ FOR_EACH_QTYPE(DEFINE_MATVEC)
         const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,        \
         const float* x, int x_group, i64 x_stride, float* y, i64 y_stride,                  \
         MatvecParts parts) {                                                                \
+        parts_tail_prefetch(parts.latent, blockIdx.y);                                      \
         matvec_dispatch<elems, bytes, dq8_##name, false>(w, mat_stride, ids, rows, k,       \
                                                          row_bytes, x, x_group, x_stride, y, \
                                                          y_stride, parts);                   \

@@ -192,8 +192,10 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_route_f32(
     __shared__ bool last;
     const int e = blockIdx.x, t = blockIdx.y, n4 = dim / 4;
     const float4* wr = (const float4*)(w + (i64)e * dim);
-    // The router row into L2 while the previous kernel finishes (x may not be read yet).
+    // The router row into L2 while the previous kernel finishes (x may not be read yet), and
+    // the bias that the routing block reads (a 128-byte line a block).
     for (int i = threadIdx.x * 8; i < n4; i += blockDim.x * 8) prefetch_l2(wr + i);
+    if (bias && threadIdx.x == 0 && 32 * e < n_exp) prefetch_l2(bias + 32 * e);
     pdl_enter();
     const float4* xr = (const float4*)(x + (i64)t * dim);
     float acc = 0.0f;

@@ -117,13 +117,15 @@ extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
     add_rmsnorm_cluster(float* x, const float* r, int r_parts, i64 r_part, const float* r_w,
                         const float* w, float* y, int n, float eps) {
 #if __CUDA_ARCH__ >= 900
-    pdl_enter();
     __shared__ float scratch[32], block_ss;
     const int slice = (n + NORM_CLUSTER - 1) / NORM_CLUSTER;
     const int lo = blockIdx.x * slice, hi = min(n, lo + slice);
     float v[CLUSTER_VALS], r_v[CLUSTER_VALS], wv[CLUSTER_VALS];
-    load_slice(v, x, lo, hi);
+    // The norm's weights while the kernel before ends: a token's other bytes have taken them
+    // out of L2 since the last one.
     load_slice(wv, w, lo, hi);
+    pdl_enter();
+    load_slice(v, x, lo, hi);
     sum_parts(r_v, r, r_parts, r_part, r_w, lo, hi);
     float ss = 0.0f;
 #pragma unroll
