@@ -17,11 +17,11 @@
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(const float* x, i64 x_stride,
                                                            const float* w, float* y,
                                                            i64 y_stride, int n, float eps) {
-    pdl_enter();
     __shared__ float scratch[32];
     float v[NORM_VALS], wv[NORM_VALS];
+    load_row(wv, w, n);  // the weights while the kernel before ends
+    pdl_enter();
     load_row(v, x + blockIdx.x * x_stride, n);
-    load_row(wv, w, n);
     rms_store(v, wv, y + blockIdx.x * y_stride, n, eps, scratch);
 }
 
