@@ -966,7 +966,7 @@ __device__ __forceinline__ TcItem tc_item(int b, int items, const u8* w, const u
         sw = sw2;
         bi = b - items / 2;
     }
-    i64 id = ids ? ids[bi] : bi;
+    i64 id = ids ? __ldcg(ids + bi) : bi;  // through L2: see matvec_tma_items_body
     TcItem it;
     it.mat = id == MOE_SHARED ? sw : w + id * mat_stride;
     it.xi = bi / x_group;
@@ -1605,11 +1605,13 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
     const int g1 = (int)((i64)(blockIdx.x + 1) * groups / gridDim.x);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     init_stage_barriers(full, empty, TMI_WARPS, 1);
-    // x comes from the kernel before, the ids from the router. Without ids (MLA's v_b) the
-    // producer copies weights only, so it starts while the kernel before still runs, as
-    // matvec_tma_body's does (v_b's stages hold most of its matrix: MLA's few blocks leave
-    // the SMs free for them).
-    if (warp != TMI_WARPS || ids) pdl_wait();
+    // x comes from the kernel before, so the consumers wait for it. The producer reads the
+    // weights and the ids only, and starts while the kernel before still runs, as
+    // matvec_tma_body's does: the ids come from the router (the MoE downs), two launches back
+    // at least, which every kernel lets launch only after its own wait, so they are written
+    // when this kernel starts; tc_item reads them through L2. (v_b's stages hold most of its
+    // matrix, and MLA's few blocks leave the SMs free for them.)
+    if (warp != TMI_WARPS) pdl_wait();
     // Item i's matrix, and whether this rank holds it.
     auto item = [&](int i) {
         return tc_item(i, items, w, nullptr, sw, nullptr, mat_stride, ids, 1);
