@@ -539,33 +539,55 @@ fn matvec_parts_match_dequantized_dot() {
     ] {
         let x = rng.normals(k);
         let dx = g.upload(&x).unwrap();
-        let ws: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|&r| random_rows(&mut rng, t, r, k))
-            .collect();
-        let dws: Vec<_> = ws.iter().map(|w| g.upload(w).unwrap()).collect();
-        let dys: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
-        let parts: Vec<MatvecPart> = rows
-            .iter()
-            .zip(dws.iter().zip(&dys))
-            .map(|(&rows, (dw, dy))| MatvecPart {
-                w: g.ptr(dw, 0),
-                rows,
-                y: g.ptr(dy, 0),
-            })
-            .collect();
-        g.matvec_parts(t, k, g.ptr(&dx, 0), &parts, None).unwrap();
-        for (i, (&r, w)) in rows.iter().zip(&ws).enumerate() {
+        let case = random_parts(&g, &mut rng, t, rows, k);
+        g.matvec_parts(t, k, g.ptr(&dx, 0), &case.parts, None)
+            .unwrap();
+        case.check(&g, &format!("matvec_parts {t}"), t, k, &x);
+    }
+}
+
+/// Random matrices of one type for a parts launch, on the GPU, and their outputs (poisoned).
+struct PartsCase {
+    ws: Vec<Vec<u8>>,
+    _dws: Vec<cudarc::driver::CudaSlice<u8>>,
+    dys: Vec<cudarc::driver::CudaSlice<f32>>,
+    parts: Vec<MatvecPart>,
+}
+
+fn random_parts(g: &Gpu, rng: &mut Rng, t: GgmlType, rows: &[usize], k: usize) -> PartsCase {
+    let ws: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(rng, t, r, k)).collect();
+    let dws: Vec<_> = ws.iter().map(|w| g.upload(w).unwrap()).collect();
+    let dys: Vec<_> = rows.iter().map(|&r| poisoned(g, r)).collect();
+    let parts = rows
+        .iter()
+        .zip(dws.iter().zip(&dys))
+        .map(|(&rows, (dw, dy))| MatvecPart {
+            w: g.ptr(dw, 0),
+            rows,
+            y: g.ptr(dy, 0),
+        })
+        .collect();
+    PartsCase {
+        ws,
+        _dws: dws,
+        dys,
+        parts,
+    }
+}
+
+impl PartsCase {
+    /// Each part's output against its dequantized f64 product with x; returns the outputs.
+    fn check(&self, g: &Gpu, what: &str, t: GgmlType, k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+        let mut ys = Vec::new();
+        for (i, (part, w)) in self.parts.iter().zip(&self.ws).enumerate() {
+            let r = part.rows;
             let wf = dequant_rows(t, w, r, k);
-            let want: Vec<f64> = (0..r).map(|j| dot64(&wf[j * k..][..k], &x)).collect();
-            let y = g.download(&dys[i]).unwrap();
-            assert_close(
-                &format!("matvec_parts {t} part {i} ({r} rows)"),
-                &y,
-                &want,
-                F32_OP,
-            );
+            let want: Vec<f64> = (0..r).map(|j| dot64(&wf[j * k..][..k], x)).collect();
+            let y = g.download(&self.dys[i]).unwrap();
+            assert_close(&format!("{what} part {i} ({r} rows)"), &y, &want, F32_OP);
+            ys.push(y);
         }
+        ys
     }
 }
 
@@ -1835,21 +1857,8 @@ fn matvec_parts_tail_norms_the_latent() {
     ] {
         let (dl, dr, ctx, pos) = (512, 64, 12, 7);
         let rows: Vec<usize> = [dq, dl + dr, dk].into_iter().filter(|&r| r > 0).collect();
-        let ws: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|&r| random_rows(&mut rng, t, r, k))
-            .collect();
-        let dws: Vec<_> = ws.iter().map(|w| g.upload(w).unwrap()).collect();
-        let dys: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
-        let parts: Vec<MatvecPart> = rows
-            .iter()
-            .zip(dws.iter().zip(&dys))
-            .map(|(&rows, (dw, dy))| MatvecPart {
-                w: g.ptr(dw, 0),
-                rows,
-                y: g.ptr(dy, 0),
-            })
-            .collect();
+        let case = random_parts(&g, &mut rng, t, &rows, k);
+        let parts = &case.parts;
         let (w, qw, kw, kb) = (
             rng.normals(dl),
             rng.normals(dq),
@@ -1908,15 +1917,9 @@ fn matvec_parts_tail_norms_the_latent() {
         for round in 0..2 {
             let x = rng.normals(k);
             let dx = g.upload(&x).unwrap();
-            g.matvec_parts(t, k, g.ptr(&dx, 0), &parts, Some(&latent))
+            g.matvec_parts(t, k, g.ptr(&dx, 0), parts, Some(&latent))
                 .unwrap();
-            let ys: Vec<Vec<f32>> = dys.iter().map(|d| g.download(d).unwrap()).collect();
-            for (i, (&r, w)) in rows.iter().zip(&ws).enumerate() {
-                let wf = dequant_rows(t, w, r, k);
-                let want: Vec<f64> = (0..r).map(|j| dot64(&wf[j * k..][..k], &x)).collect();
-                let what = format!("{t} round {round} part {i}");
-                assert_close(&what, &ys[i], &want, F32_OP);
-            }
+            let ys = case.check(&g, &format!("{t} round {round}"), t, k, &x);
             let what = |s: &str| format!("{t} round {round}: the tail's {s}");
             let q = g.download(&dqy).unwrap();
             assert_close(&what("query"), &q, &rmsnorm_twin(&ys[0], &qw, eps), F32_OP);
