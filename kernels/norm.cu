@@ -71,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(float* x, const f
 #define NORM_CLUSTER 8
 #define CLUSTER_THREADS 256
 #define CLUSTER_VALS 4
-#define SUM_PARTS_AT_ONCE 5
+#define SUM_PARTS_AT_ONCE 9
 
 // This thread's values of its block's slice [lo, hi) of a row (0 past hi), loads at once.
 __device__ __forceinline__ void load_slice(float v[CLUSTER_VALS], const float* row, int lo,
@@ -85,7 +85,9 @@ __device__ __forceinline__ void load_slice(float v[CLUSTER_VALS], const float* r
 
 // s = the slice's sum over p of c_p * part p in order, from -0 (so that c_0 = 1 leaves part
 // 0's bits: fmaf(1, v, s) is v + s rounded once); SUM_PARTS_AT_ONCE parts' loads at a time
-// with their weights (no load waits on a weight: a part of weight 0 is read, not added).
+// with their weights (no load waits on a weight: a part of weight 0 is read, not added), as
+// many as a token's 8 expert outputs and its shared expert's, one round trip (5 at a time
+// took two; the parts past the last are not read).
 __device__ __forceinline__ void sum_parts(float s[CLUSTER_VALS], const float* r, int parts,
                                           i64 stride, const float* weights, int lo, int hi) {
 #pragma unroll
@@ -95,9 +97,9 @@ __device__ __forceinline__ void sum_parts(float s[CLUSTER_VALS], const float* r,
         float c[SUM_PARTS_AT_ONCE], v[SUM_PARTS_AT_ONCE][CLUSTER_VALS];
 #pragma unroll
         for (int u = 0; u < SUM_PARTS_AT_ONCE; u++) {
-            int p = min(p0 + u, parts - 1);
-            c[u] = p0 + u >= parts ? 0.0f : weights ? weights[p] : 1.0f;
-            load_slice(v[u], r + p * stride, lo, hi);
+            const int p = p0 + u;
+            c[u] = p >= parts ? 0.0f : weights ? weights[p] : 1.0f;
+            load_slice(v[u], r + p * stride, lo, p < parts ? hi : lo);
         }
 #pragma unroll
         for (int u = 0; u < SUM_PARTS_AT_ONCE; u++)
