@@ -1155,18 +1155,36 @@ fn embed_every_type_matches_dequantize() {
         let (dw, di) = (g.upload(&w).unwrap(), g.upload(&ids).unwrap());
         let dy = poisoned(&g, ids.len() * n);
         let rows = EmbedRows::Ids(g.ptr(&di, 0), ids.len());
-        g.embed(t, g.ptr(&dw, 0), n, rows, g.ptr(&dy, 0)).unwrap();
+        g.embed(t, g.ptr(&dw, 0), n, rows, g.ptr(&dy, 0), None)
+            .unwrap();
         let y = g.download(&dy).unwrap();
         let want: Vec<f64> = ids
             .iter()
             .flat_map(|&i| wf[i as usize * n..][..n].iter().map(|&v| v as f64))
             .collect();
         assert_close(&format!("embed {t}"), &y, &want, 1e-12);
-        // One decode token, its id by value.
-        let one = poisoned(&g, n);
+        // One decode token, its id by value, with its row normed in the launch (the first
+        // layer's attn_norm).
+        let (one, normed) = (poisoned(&g, n), poisoned(&g, n));
+        let norm_w = rng.normals(n);
+        let dn = g.upload(&norm_w).unwrap();
+        let norm = RowsNorm {
+            x: g.ptr(&one, 0),
+            w: g.ptr(&dn, 0),
+            y: g.ptr(&normed, 0),
+            width: n,
+        };
         let id = ids[3] as u32;
-        g.embed(t, g.ptr(&dw, 0), n, EmbedRows::One(id), g.ptr(&one, 0))
-            .unwrap();
+        let rows = EmbedRows::One(id);
+        g.embed(
+            t,
+            g.ptr(&dw, 0),
+            n,
+            rows,
+            g.ptr(&one, 0),
+            Some((&norm, 1e-6)),
+        )
+        .unwrap();
         let y = g.download(&one).unwrap();
         assert_close(
             &format!("embed {t}, one id"),
@@ -1174,6 +1192,9 @@ fn embed_every_type_matches_dequantize() {
             &want[3 * n..4 * n],
             1e-12,
         );
+        let h = g.download(&normed).unwrap();
+        let h_want = rmsnorm_twin(&y, &norm_w, 1e-6);
+        assert_close(&format!("embed {t}, normed"), &h, &h_want, F32_OP);
     }
 }
 

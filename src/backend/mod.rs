@@ -81,6 +81,12 @@ pub struct IndexKeys<'a, B: Backend + ?Sized> {
     pub eps: f32,
 }
 
+/// The tokens a forward embeds: ids from the host, or one greedy pick left where it was made.
+pub enum Tokens<'a, B: Backend + ?Sized> {
+    Ids(&'a [u32]),
+    Pick(&'a B::Pick),
+}
+
 /// A layer's first projections of x and the norms that put their latent parts into the caches
 /// (`Backend::latent_projections`).
 pub struct LatentProjections<'a, B: Backend + ?Sized> {
@@ -206,6 +212,24 @@ pub trait Backend: Send + Sync {
 
     /// `embed` of the one token `pick` holds, read where it is: the host need not have seen it.
     fn embed_pick(&self, table: &Self::Weight, pick: &Self::Pick) -> Self::Tensor;
+
+    /// The embedding of `tokens` (`embed` or `embed_pick`) and its RMSNorm with `w` (the first
+    /// layer's attn_norm): (x, rms_norm(x, w, eps)). A GPU norms each row in the embedding's
+    /// launch.
+    fn embed_norm(
+        &self,
+        table: &Self::Weight,
+        tokens: &Tokens<'_, Self>,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> (Self::Tensor, Self::Tensor) {
+        let x = match tokens {
+            Tokens::Ids(ids) => self.embed(table, ids),
+            Tokens::Pick(pick) => self.embed_pick(table, pick),
+        };
+        let h = self.rms_norm(&x, w, eps);
+        (x, h)
+    }
 
     /// RMSNorm of each row: `x` [n, d], `w` {d} -> `x / sqrt(mean(x^2) + eps) * w`.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32) -> Self::Tensor;

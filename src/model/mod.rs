@@ -10,7 +10,7 @@ pub mod mla;
 pub mod moe;
 pub mod rope;
 
-use crate::backend::{Backend, Communicator, Rope, SingleRank};
+use crate::backend::{Backend, Communicator, Rope, SingleRank, Tokens};
 use crate::config::ConfigError;
 use crate::config::ModelConfig;
 use crate::gguf::{GgufError, GgufFile};
@@ -213,7 +213,7 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         taps: &mut Taps,
     ) -> Result<B::Tensor, ForwardError> {
-        self.run(cache, Input::Ids(tokens), taps, false)
+        self.run(cache, Tokens::Ids(tokens), taps, false)
     }
 
     /// One decode step of greedy generation whose token is `pick` (the argmax of the previous
@@ -224,7 +224,7 @@ impl<B: Backend> Model<B> {
         cache: &mut Cache<B>,
         pick: &B::Pick,
     ) -> Result<B::Tensor, ForwardError> {
-        self.run(cache, Input::Pick(pick), &mut Taps::none(), false)
+        self.run(cache, Tokens::Pick(pick), &mut Taps::none(), false)
     }
 
     /// Like `forward`, but only the last token's logits [1, V]: what generation needs after a
@@ -234,13 +234,13 @@ impl<B: Backend> Model<B> {
         cache: &mut Cache<B>,
         tokens: &[u32],
     ) -> Result<B::Tensor, ForwardError> {
-        self.run(cache, Input::Ids(tokens), &mut Taps::none(), true)
+        self.run(cache, Tokens::Ids(tokens), &mut Taps::none(), true)
     }
 
     fn run(
         &self,
         cache: &mut Cache<B>,
-        input: Input<B>,
+        input: Tokens<B>,
         taps: &mut Taps,
         last_only: bool,
     ) -> Result<B::Tensor, ForwardError> {
@@ -248,13 +248,13 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let w = &self.weights;
         let n = match input {
-            Input::Ids(tokens) => tokens.len(),
-            Input::Pick(_) => 1, // an argmax of the logits: always in the vocabulary
+            Tokens::Ids(tokens) => tokens.len(),
+            Tokens::Pick(_) => 1, // an argmax of the logits: always in the vocabulary
         };
         if n == 0 {
             return Err(ForwardError::Empty);
         }
-        if let Input::Ids(tokens) = input {
+        if let Tokens::Ids(tokens) = input {
             if let Some((index, &id)) = tokens
                 .iter()
                 .enumerate()
@@ -275,10 +275,9 @@ impl<B: Backend> Model<B> {
         }
         let pos0 = cache.len;
 
-        let mut x = match input {
-            Input::Ids(tokens) => b.embed(&w.token_embd, tokens),
-            Input::Pick(pick) => b.embed_pick(&w.token_embd, pick),
-        }; // [n, E]
+        // The embedding [n, E] with the first layer's attn_norm (one launch on a GPU).
+        let (mut x, h0) = b.embed_norm(&w.token_embd, &input, &w.layers[0].attn_norm, cfg.rms_eps);
+        let mut h0 = Some(h0);
         taps.tensor(b, || "embed".into(), &x);
 
         // DSA: the last full indexer's selection, reused by the shared layers after it.
@@ -287,7 +286,10 @@ impl<B: Backend> Model<B> {
         // of a layer waits here for the next layer's attn_norm (or the final norm).
         let mut ffn_out: Option<B::Tensor> = None;
         for (il, lw) in w.layers.iter().enumerate() {
-            let h = residual_norm(b, &mut x, ffn_out.take(), &lw.attn_norm, cfg.rms_eps);
+            let h = match ffn_out.take() {
+                Some(y) => b.add_rms_norm(&mut x, &y, &lw.attn_norm, cfg.rms_eps),
+                None => h0.take().expect("layer 0's norm comes with the embedding"),
+            };
             if il > 0 {
                 taps.tensor(b, || format!("L{}.h_out", il - 1), &x);
             }
@@ -320,7 +322,8 @@ impl<B: Backend> Model<B> {
             x = b.slice(&x, n - 1..n, 0..cfg.n_embd);
             ffn_out = ffn_out.map(|y| b.slice(&y, n - 1..n, 0..cfg.n_embd));
         }
-        let h = residual_norm(b, &mut x, ffn_out, &w.output_norm, cfg.rms_eps);
+        let y = ffn_out.expect("every model has a layer (config)");
+        let h = b.add_rms_norm(&mut x, &y, &w.output_norm, cfg.rms_eps);
         if let Some(last) = w.layers.len().checked_sub(1) {
             taps.tensor(b, || format!("L{last}.h_out"), &x);
         }
@@ -329,27 +332,6 @@ impl<B: Backend> Model<B> {
         let logits = self.comm.all_gather_cols(b, logits);
         taps.tensor(b, || "logits".into(), &logits);
         Ok(logits)
-    }
-}
-
-/// The tokens a forward embeds: ids from the host, or one greedy pick left where it was made.
-enum Input<'a, B: Backend> {
-    Ids(&'a [u32]),
-    Pick(&'a B::Pick),
-}
-
-/// `x += y` (the previous layer's output; None before the first layer), then the RMSNorm of
-/// `x`: one fused step on the residual stream.
-fn residual_norm<B: Backend>(
-    b: &B,
-    x: &mut B::Tensor,
-    y: Option<B::Tensor>,
-    w: &B::Weight,
-    eps: f32,
-) -> B::Tensor {
-    match y {
-        Some(y) => b.add_rms_norm(x, &y, w, eps),
-        None => b.rms_norm(x, w, eps),
     }
 }
 

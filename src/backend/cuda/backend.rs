@@ -21,7 +21,8 @@ use super::ops::{
     Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{
-    latent_projections_apart, Backend, BackendError, IndexKeys, LatentProjections, Rope, WeightRole,
+    latent_projections_apart, Backend, BackendError, IndexKeys, LatentProjections, Rope, Tokens,
+    WeightRole,
 };
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
@@ -440,32 +441,27 @@ impl Backend for Cuda {
     }
 
     fn embed(&self, table: &CudaWeight, tokens: &[u32]) -> CudaTensor {
-        let e = table.ne[0];
-        let y = self.empty(tokens.len(), e);
-        let dids;
-        let rows = if let [token] = tokens {
-            EmbedRows::One(*token)
-        } else {
-            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-            dids = self.upload_i32(&ids);
-            EmbedRows::Ids(self.gpu.ptr(&dids, 0), tokens.len())
-        };
-        let embedded = self
-            .gpu
-            .embed(table.ty, self.w(table), e, rows, self.p(&y, 0));
-        ok(embedded, "embed");
-        y
+        self.embed_rows(table, &Tokens::Ids(tokens), None).0
     }
 
     fn embed_pick(&self, table: &CudaWeight, pick: &CudaPick) -> CudaTensor {
-        let e = table.ne[0];
-        let y = self.empty(1, e);
-        let rows = EmbedRows::Ids(self.gpu.ptr(&pick.id, 0), 1);
-        let embedded = self
-            .gpu
-            .embed(table.ty, self.w(table), e, rows, self.p(&y, 0));
-        ok(embedded, "embed");
-        y
+        self.embed_rows(table, &Tokens::Pick(pick), None).0
+    }
+
+    fn embed_norm(
+        &self,
+        table: &CudaWeight,
+        tokens: &Tokens<'_, Self>,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> (CudaTensor, CudaTensor) {
+        if !Gpu::embed_norms(table.ne[0]) {
+            let (x, _) = self.embed_rows(table, tokens, None);
+            let h = self.rms_norm(&x, w, eps);
+            return (x, h);
+        }
+        let (x, h) = self.embed_rows(table, tokens, Some((w, eps)));
+        (x, h.expect("normed in the launch"))
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> CudaTensor {
@@ -1228,6 +1224,47 @@ impl Cuda {
             width: d,
             eps: k.eps,
         }
+    }
+
+    /// The embedding rows of `tokens` and, with `norm`, their RMSNorm in the same launch.
+    fn embed_rows(
+        &self,
+        table: &CudaWeight,
+        tokens: &Tokens<'_, Self>,
+        norm: Option<(&CudaWeight, f32)>,
+    ) -> (CudaTensor, Option<CudaTensor>) {
+        let e = table.ne[0];
+        let dids;
+        let (rows, n) = match tokens {
+            Tokens::Ids([token]) => (EmbedRows::One(*token), 1),
+            Tokens::Ids(ids) => {
+                let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+                dids = self.upload_i32(&ids);
+                (EmbedRows::Ids(self.gpu.ptr(&dids, 0), ids.len()), ids.len())
+            }
+            Tokens::Pick(pick) => (EmbedRows::Ids(self.gpu.ptr(&pick.id, 0), 1), 1),
+        };
+        let y = self.empty(n, e);
+        let h = norm.map(|_| self.empty(n, e));
+        let rows_norm = norm.zip(h.as_ref()).map(|((w, eps), h)| {
+            let norm = RowsNorm {
+                x: self.p(&y, 0),
+                w: self.w(w),
+                y: self.p(h, 0),
+                width: e,
+            };
+            (norm, eps)
+        });
+        let embedded = self.gpu.embed(
+            table.ty,
+            self.w(table),
+            e,
+            rows,
+            self.p(&y, 0),
+            rows_norm.as_ref().map(|(n, eps)| (n, *eps)),
+        );
+        ok(embedded, "embed");
+        (y, h)
     }
 
     /// The matrices of a parts launch and their outputs.

@@ -908,7 +908,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// y[t, :] = dequantized row t of `rows` of the [_, n] matrix w.
+    /// y[t, :] = dequantized row t of `rows` of the [_, n] matrix w; with `norm` (its x is y),
+    /// also its rows RMS-normed (eps) in the same launch, where `embed_norms(n)`.
     pub fn embed(
         &self,
         ty: GgmlType,
@@ -916,17 +917,34 @@ impl Gpu {
         n: usize,
         rows: EmbedRows,
         y: Ptr,
+        norm: Option<(&RowsNorm, f32)>,
     ) -> Result<(), CudaError> {
         let (kernel, row_bytes) = typed_rows("embed", ty, n)?;
-        let threads = (n / 8).next_multiple_of(32).clamp(32, 1024) as u32;
+        let threads = embed_threads(n);
+        check(
+            norm.is_none_or(|(h, _)| h.x == y && h.width == n && Self::embed_norms(n)),
+            "embed",
+            || format!("a norm of rows of {n} values in the embedding's launch"),
+        )?;
         let (ids, id0, tokens) = match rows {
             EmbedRows::Ids(ids, tokens) => (ids, 0, tokens),
             EmbedRows::One(id) => (0, id as i32, 1),
         };
+        let (norm_w, h, eps) = norm.map_or((0, 0, 0.0), |(h, eps)| (h.w, h.y, eps));
         launch!(self, kernel, (tokens as u32, 1, 1), threads, 0;
-            w, row_bytes as i64, ids, id0, n as i32, y);
+            w, row_bytes as i64, ids, id0, n as i32, y, norm_w, h, eps);
         Ok(())
     }
+
+    /// Whether `embed` norms rows of `n` values in its launch (NORM_VALS = 8 a thread).
+    pub fn embed_norms(n: usize) -> bool {
+        n <= 8 * embed_threads(n) as usize
+    }
+}
+
+/// embed_<type>'s threads for rows of `n` values: one 8-value unit a thread, up to 1024.
+fn embed_threads(n: usize) -> u32 {
+    (n / 8).next_multiple_of(32).clamp(32, 1024) as u32
 }
 
 /// The rows `Gpu::embed` dequantizes: `tokens` ids on the device, or one id by value (a decode
