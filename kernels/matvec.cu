@@ -459,8 +459,10 @@ __device__ __forceinline__ void parts_tail_prefetch(const LatentNorm& a, int ite
 __device__ __forceinline__ void parts_tail(const MatvecParts& parts) {
     __shared__ float scratch[32];
     __shared__ bool last;
-    __syncthreads();  // the block's rows stored, then one fence for them (a fence in every
-                      // thread of the ~1,500 blocks cost ~7 us of the launch, H100 chain clock)
+    // The block's rows stored, then one fence for them from the thread that counts (with a
+    // fence in every thread of its ~1,500 blocks this launch took 16.7 us a GLM-5 layer on an
+    // H100's chain clock, against 13.5 for it and latent_norm_rope apart: docs/performance.md).
+    __syncthreads();
     const int item = blockIdx.y;
     if (threadIdx.x == 0) {
         __threadfence();  // the rows before the count that lets another block read them

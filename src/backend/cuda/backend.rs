@@ -598,8 +598,9 @@ impl Backend for Cuda {
             return latent_projections_apart(self, x, p, cache, row0, rope);
         }
         // One token: the products in one launch, whose last blocks norm their rows where its
-        // kernel takes them (Gpu::matvec_parts; H100: latent_norm_rope took ~4.3 us a layer
-        // of a GLM-5 token, docs/performance.md), else latent_norm_rope after it.
+        // kernel takes them (Gpu::matvec_parts: one hand-over fewer a layer, where
+        // latent_norm_rope took 4.2-4.5 us of a GLM-5 layer on an H100; docs/performance.md,
+        // thirty-fifth look), else latent_norm_rope after it.
         let ys: Vec<CudaTensor> = ws.iter().map(|w| self.empty(1, w.dim(1))).collect();
         let index_keys = p.index.zip(ys.get(2)).map(|(ix, x_k)| ix.with_keys(x_k));
         let query = p.q_norm.map(|norm| (&ys[0], norm));
