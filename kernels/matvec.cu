@@ -2067,12 +2067,12 @@ __device__ void matvec_t_body(const u8* w, i64 mat_stride, const int* ids, int r
 // one row id0, a decode token's id passed by value, so that no copy precedes it). One block per
 // row, a thread per 8-element unit up to 1024 (ops.rs): each thread's units are loads waited
 // for one after another (128 threads took 7.9 us for DeepSeek-V3's 7168 values, ncu, H200).
-// With norm_w, also h[t, :] = rmsnorm(y[t, :]) * norm_w (eps): the first layer's norm of the
-// embedding in its launch (one launch fewer a decode token).
+// With h, also h[t, :] = rmsnorm(y[t, :]) * wv (eps; the kernel loads the norm's weights wv
+// before its wait): the first layer's norm of the embedding in its launch (one launch fewer a
+// decode token).
 template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
 __device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int id0, int n,
-                           float* y, const float* norm_w, const float wv[NORM_VALS], float* h,
-                           float eps) {
+                           float* y, const float wv[NORM_VALS], float* h, float eps) {
     int t = blockIdx.x;
     const u8* row = w + (i64)(ids ? ids[t] : id0) * row_bytes;
     const int units_per_block = ELEMS / 8;
@@ -2083,9 +2083,9 @@ __device__ void embed_body(const u8* w, i64 row_bytes, const int* ids, int id0, 
         out[0] = make_float4(v[0], v[1], v[2], v[3]);
         out[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
-    if (!norm_w) return;
-    // h = rmsnorm(y) * norm_w, the first layer's norm, here rather than in a launch of its own:
-    // the block reads back its row (blockDim.x * NORM_VALS >= n: ops.rs).
+    if (!h) return;
+    // The first layer's norm here rather than in a launch of its own: the block reads back its
+    // row (blockDim.x * NORM_VALS >= n: ops.rs).
     __shared__ float scratch[32];
     float v[NORM_VALS];
     __syncthreads();
@@ -2173,8 +2173,7 @@ __device__ void matvec_dispatch(const u8* w, i64 mat_stride, const int* ids, int
         float wv[NORM_VALS]; /* the norm's weights while the kernel before ends */           \
         if (norm_w) load_row(wv, norm_w, n);                                                 \
         pdl_enter();                                                                         \
-        embed_body<elems, bytes, dq8_##name>(w, row_bytes, ids, id0, n, y, norm_w, wv, h,    \
-                                             eps);                                           \
+        embed_body<elems, bytes, dq8_##name>(w, row_bytes, ids, id0, n, y, wv, h, eps);      \
     }
 
 FOR_EACH_QTYPE(DEFINE_MATVEC)

@@ -613,7 +613,7 @@ impl Backend for Cuda {
             query,
             index_keys,
         );
-        let tail = self.gpu.parts_norm_latent(ws[0].ty, &latent);
+        let tail = latent.in_tail_of(ws[0].ty);
         ok(
             self.gpu.matvec_parts(
                 ws[0].ty,

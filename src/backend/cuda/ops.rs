@@ -243,7 +243,7 @@ impl LatentNorm {
 
     /// Whether the tail of a parts launch of type `ty` takes these norms (matvec_latent_<type>:
     /// its types, and rows as wide as its 128 threads hold, kernels/matvec.cu's TAIL_*_VALS).
-    fn in_tail_of(&self, ty: GgmlType) -> bool {
+    pub fn in_tail_of(&self, ty: GgmlType) -> bool {
         let threads = 32 * MATVEC_WARPS as i32;
         LATENT_TAIL_TYPES.contains(&ty)
             && self.dq <= 16 * threads
@@ -810,11 +810,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// Whether `matvec_parts` of type `ty` runs `latent`'s norms in its tail.
-    pub fn parts_norm_latent(&self, ty: GgmlType, latent: &LatentNorm) -> bool {
-        latent.in_tail_of(ty)
-    }
-
     /// Whether `a` runs on the CUDA-core matvec kernel, the one `matvec_parts` launches.
     pub fn on_cuda_cores(&self, a: &Matvec) -> bool {
         let readable = a.ty.row_bytes(a.k).is_some();
@@ -824,7 +819,7 @@ impl Gpu {
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
     /// projections of one activation (MLA's q_a, kv_a and the indexer key; a shared expert's
     /// gate and up) in one launch of the CUDA-core kernel instead of one each. With `latent`
-    /// (where `parts_norm_latent` says so), the parts are one token's query latent (or without
+    /// (where `LatentNorm::in_tail_of` says so), the parts are one token's query latent (or without
     /// q-LoRA its query), kv and index key, and the launch's last blocks run their norms into
     /// the caches as latent_norm_rope would.
     pub fn matvec_parts(
