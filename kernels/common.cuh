@@ -356,6 +356,7 @@ __device__ __forceinline__ void layernorm_rope_row(const float* xr, const float*
 //     kv[t, dl..dl+dr) rotated as adjacent pairs at position pos0 + t, exactly as rope_pairs
 //     turns them (angle = f32 pos * inv_freq[i]), at dims LATENT_ROPE_AT ..; each value as its
 //     hi and lo bf16 parts, the row's other dims left as they are (zero);
+//   query_row (qx not null): qy[t] = rmsnorm(qx[t]) * qw, rows of dq (q-LoRA's q_a);
 //   key_row (kx not null): the DSA indexer's key into its cache row, rows of dk: ky[t] =
 //     layernorm(kx[t]) (kw, kb, k_eps), its first dr values roped as k_pe.
 // dl <= LATENT_ROPE_AT, dr <= LATENT_DIMS - LATENT_ROPE_AT, dr <= dk, each width <= V x the
@@ -365,11 +366,14 @@ struct LatentNorm {
     const float* w;
     u16* cache;
     const float* inv_freq;
+    const float* qx;
+    const float* qw;
+    float* qy;
     const float* kx;
     const float* kw;
     const float* kb;
     float* ky;
-    int dl, dr, dk, pos0;
+    int dl, dr, dq, dk, pos0;
     float mscale, eps, k_eps;
 };
 
@@ -399,6 +403,14 @@ __device__ __forceinline__ void latent_row(const LatentNorm& a, int t, float* sc
         int i = threadIdx.x + k * blockDim.x;
         if (i < a.dl) latent_store(yr, i, v[k] * inv * wv[k]);
     }
+}
+
+template <int V, bool L2>
+__device__ __forceinline__ void query_row(const LatentNorm& a, int t, float* scratch) {
+    float v[V], wv[V];
+    load_row<V, L2>(v, a.qx + (i64)t * a.dq, a.dq);
+    load_row<V>(wv, a.qw, a.dq);
+    rms_store<V>(v, wv, a.qy + (i64)t * a.dq, a.dq, a.eps, scratch);
 }
 
 template <int V, bool L2>

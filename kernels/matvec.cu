@@ -36,11 +36,10 @@
 #define MATVEC_ROWS 4
 
 // Items 1 and 2 of a parts launch (see the top), or w1 null. In matvec_latent_<type>'s launch
-// (`done`: 2 counters, zero before the launch and after it) the parts are MLA's query
-// projection, kv_a and indexer key of one token, and `latent` norms the last two (its kv and
-// kx are y1 and y2): the last block of item 1 to finish norms the latent into its cache row,
-// of item 2 the key (parts_tail below), so that the token needs no latent_norm_rope launch.
-// (q-LoRA's query norm runs where q_b reads it: matvec_tma_body's xw.)
+// (`done`: 3 counters, zero before the launch and after it) the parts are MLA's q_a, kv_a and
+// indexer key of one token, and `latent` norms them (its qx, kv and kx are y, y1 and y2): the
+// last block of item 0 to finish norms the query, of item 1 the latent, of item 2 the key
+// (parts_tail below), so that the token needs no latent_norm_rope launch.
 struct MatvecParts {
     const u8 *w1, *w2;
     int rows1, rows2;
@@ -437,8 +436,9 @@ __device__ __forceinline__ void generic_piece(const u8* const* blk, int p, const
 }
 
 // The values a thread of a parts launch's tail holds of each row (ops.rs checks the widths
-// against the block: GLM-5's 512-value latent and 128-value key on 128 threads), few, so that
-// the tail adds no registers to the kernel.
+// against the block: GLM-5's 2048-value query, 512-value latent and 128-value key on 128
+// threads), few where the rows are short, so that the tail adds no registers to the kernel.
+#define TAIL_QUERY_VALS 16
 #define TAIL_LATENT_VALS 4
 #define TAIL_KEY_VALS 2
 
@@ -447,34 +447,34 @@ __device__ __forceinline__ void generic_piece(const u8* const* blk, int p, const
 __device__ __forceinline__ void parts_tail_prefetch(const LatentNorm& a, int item) {
     if (blockIdx.x != 0) return;
     const int i = 32 * threadIdx.x;  // a 128-byte line a thread
+    if (item == 0 && a.qx && i < a.dq) prefetch_l2(a.qw + i);
     if (item == 1 && i < a.dl) prefetch_l2(a.w + i);
     if (item == 1 && i < a.dr / 2) prefetch_l2(a.inv_freq + i);
     if (item == 2 && i < a.dk) prefetch_l2(a.kw + i), prefetch_l2(a.kb + i);
 }
 
-// The end of every block of items 1 and 2 of a parts launch with a latent (MatvecParts): the
-// block's rows counted in behind a fence, and the last block of its item norms that item's
-// row (its other blocks' rows read through L2). Item 0, the query, has none: its norm runs
-// where q_b reads it (matvec_tma_body's xw), and the tails of items 1 and 2, whose blocks take
-// fewer rows each (kv_a's 576 and the key's 128 rows over as many blocks as q_a's), may then
-// end while item 0's blocks still run.
+// The end of every block of a parts launch with a latent (MatvecParts): the block's rows
+// counted in behind a fence, and the last block of its item norms that item's row (its other
+// blocks' rows read through L2).
 __device__ __forceinline__ void parts_tail(const MatvecParts& parts) {
-    const int item = blockIdx.y;
-    if (item == 0) return;
     __shared__ float scratch[32];
     __shared__ bool last;
-    // The block's rows stored, then one fence for them from the thread that counts (the
-    // pattern of a cooperative grid barrier).
+    // The block's rows stored, then one fence for them from the thread that counts (with a
+    // fence in every thread of its ~1,500 blocks this launch took 16.7 us a GLM-5 layer on an
+    // H100's chain clock, against 13.5 for it and latent_norm_rope apart: docs/performance.md).
     __syncthreads();
+    const int item = blockIdx.y;
     if (threadIdx.x == 0) {
         __threadfence();  // the rows before the count that lets another block read them
-        last = atomicAdd(parts.done + item - 1, 1) == (int)gridDim.x - 1;
-        if (last) parts.done[item - 1] = 0;  // for the next launch (stream order)
+        last = atomicAdd(parts.done + item, 1) == (int)gridDim.x - 1;
+        if (last) parts.done[item] = 0;  // for the next launch (stream order)
     }
     __syncthreads();
-    if (!last) return;
+    if (!last || (item == 0 && !parts.latent.qx)) return;
     __threadfence();
-    if (item == 1)
+    if (item == 0)
+        query_row<TAIL_QUERY_VALS, true>(parts.latent, 0, scratch);
+    else if (item == 1)
         latent_row<TAIL_LATENT_VALS, true>(parts.latent, 0, scratch);
     else
         key_row<TAIL_KEY_VALS, true>(parts.latent, 0, scratch);
@@ -639,27 +639,16 @@ __device__ __forceinline__ int tc_x_bytes(int k) {
 // HALVES (IQ4_XS, TcIq4xs): lane l = 4 j + i of sub-block j owns its elements 4i .. 4i + 3 and
 // 16 + 4i .. 16 + 4i + 3 instead, in the order 4i, 16 + 4i, 4i + 1, 16 + 4i + 1, ..., as an
 // IQ4_XS byte's two nibbles come (the block's sums per 32 values are the same).
-// NORM: the digits of x * xw instead (xw: an RMS norm's weights), and `sq` the sum of the
-// lane's 8 values of x squared (the norm's own scale comes after the product: matvec_tma_body).
 struct XDigits {
-    float s, sum, sq;
+    float s, sum;
     uint2 words[4];
     int dsum[4];
 };
-template <bool HALVES = false, bool NORM = false>
-__device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int lane,
-                                                  const float* xw = nullptr) {
+template <bool HALVES = false>
+__device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int lane) {
     XDigits r;
-    const int at = 256 * blk + (HALVES ? 32 * (lane >> 2) + 4 * (lane & 3) : 8 * lane);
-    const int second = HALVES ? 16 : 4;
-    float4 u = *(const float4*)(x + at), v = *(const float4*)(x + at + second);
-    if (NORM) {
-        r.sq = (u.x * u.x + u.y * u.y) + (u.z * u.z + u.w * u.w) + (v.x * v.x + v.y * v.y) +
-               (v.z * v.z + v.w * v.w);
-        const float4 wu = *(const float4*)(xw + at), wv = *(const float4*)(xw + at + second);
-        u = make_float4(u.x * wu.x, u.y * wu.y, u.z * wu.z, u.w * wu.w);
-        v = make_float4(v.x * wv.x, v.y * wv.y, v.z * wv.z, v.w * wv.w);
-    }
+    const float* xl = x + 256 * blk + (HALVES ? 32 * (lane >> 2) + 4 * (lane & 3) : 8 * lane);
+    float4 u = *(const float4*)xl, v = *(const float4*)(xl + (HALVES ? 16 : 4));
     float e[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
     if (HALVES) {
         const float paired[8] = {u.x, v.x, u.y, v.y, u.z, v.z, u.w, v.w};
@@ -704,27 +693,19 @@ __device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int l
 }
 
 // Planes, scales and sums of x[0, k) into shared memory by the block's first nwarps warps, one
-// warp per 256-element block at a time (HALVES, NORM: x_block_digits'; with NORM each warp's
-// sum of x squared into sq[warp], the block's barrier after it the caller's).
-template <bool HALVES = false, bool NORM = false>
-__device__ void tc_prepare_x(const float* x, int k, u8* sm, int nwarps,
-                             const float* xw = nullptr, float* sq = nullptr) {
+// warp per 256-element block at a time (HALVES: x_block_digits').
+template <bool HALVES = false>
+__device__ void tc_prepare_x(const float* x, int k, u8* sm, int nwarps) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
     float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float warp_sq = 0.0f;
     for (int blk = warp; blk < k / 256; blk += nwarps) {
-        XDigits xd = x_block_digits<HALVES, NORM>(x, blk, lane, xw);
-        if (NORM) warp_sq += xd.sq;
+        XDigits xd = x_block_digits<HALVES>(x, blk, lane);
         if (lane == 0) scales[blk] = xd.s;
         if ((lane & 3) == 0) sums[8 * blk + lane / 4] = xd.sum;
 #pragma unroll
         for (int p = 0; p < 4; p++) *(uint2*)(sm + p * stride + 256 * blk + 8 * lane) = xd.words[p];
-    }
-    if (NORM) {
-        warp_sq = warp_sum(warp_sq);
-        if (lane == 0) sq[warp] = warp_sq;
     }
 }
 
@@ -1388,8 +1369,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                                                 const u8* sw2, i64 mat_stride, const int* ids,
                                                 int items, int rows, int k, int kpart,
                                                 i64 row_bytes, const float* x, float* y,
-                                                i64 y_stride, int glu, i64 y_part,
-                                                const float* xw, float x_eps) {
+                                                i64 y_stride, int glu, i64 y_part) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
     static_assert(TMA_BLOCKS * BYTES % 16 == 0,
@@ -1397,7 +1377,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     extern __shared__ __align__(128) u8 tma_sm[];
     __shared__ u64 full[STAGES], empty[STAGES];
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
-    __shared__ float x_sq[TMA_BLOCKS];               // xw: the consumer warps' sums of x^2
     u8* zeros = tma_sm + tc_x_bytes(kpart);  // Tile::ZEROS bytes, then the stages
     u8* stages = zeros + Tile::ZEROS;
     const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
@@ -1500,20 +1479,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
         const u8* bcol = Tile::b_col(tma_sm, stride, zeros, g, t);
-        if (xw)  // one part (ops.rs)
-            tc_prepare_x<Tile::HALVES, true>(x, k, tma_sm, TMA_BLOCKS, xw, x_sq);
-        else
-            tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
-                                       TMA_BLOCKS);  // by consumers
+        tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
+                                   TMA_BLOCKS);  // by consumers
         consumers_sync();
-        // The norm's scale of x, by every block alike (its sums in warp order): the rows are
-        // the products of x * xw, times it.
-        float x_scale = 1.0f;
-        if (xw) {
-            float ss = 0.0f;
-            for (int i = 0; i < TMA_BLOCKS; i++) ss += x_sq[i];
-            x_scale = rsqrtf(ss / (float)k + x_eps);
-        }
         for (int grp = next_group(first_group(p), true); grp < groups;
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
             const int tile = grp % tiles;
@@ -1555,11 +1523,10 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             if (warp == 0 && lane < 16 && tile * 16 + lane < rows) {
                 float sum = 0.0f;
                 for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
-                sum *= x_scale;
                 if (glu) {
                     float up = 0.0f;
                     for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
-                    sum = silu(sum) * (up * x_scale);
+                    sum = silu(sum) * up;
                 }
                 float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
                 if (SPREAD)
@@ -1581,15 +1548,15 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         kname(const u8* w, const u8* w2, const u8* sw, const u8* sw2, i64 mat_stride,           \
               const int* ids, int items, int rows, int k, int kpart, i64 row_bytes,             \
-              const float* x, float* y, i64 y_stride, int glu, const float* xw, float x_eps) { \
+              const float* x, float* y, i64 y_stride, int glu) {                                \
         matvec_tma_body<Tile, false>(w, w2, sw, sw2, mat_stride, ids, items, rows, k, kpart,    \
-                                     row_bytes, x, y, y_stride, glu, 0, xw, x_eps);             \
+                                     row_bytes, x, y, y_stride, glu, 0);                        \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         spread_name(const u8* w, int rows, int k, int kpart, i64 row_bytes, const float* x,     \
                     float* y, i64 y_part) {                                                     \
         matvec_tma_body<Tile, true>(w, nullptr, nullptr, nullptr, 0, nullptr, 1, rows, k,       \
-                                    kpart, row_bytes, x, y, 0, 0, y_part, nullptr, 0.0f);       \
+                                    kpart, row_bytes, x, y, 0, 0, y_part);                      \
     }
 DEFINE_MATVEC_TMA(matvec_tma_q4_k, matvec_tma_spread_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, matvec_tma_spread_q5_k, TcQ5k)

@@ -8,8 +8,8 @@
 //   add_rmsnorm_cluster: the same for one row (decode) by a cluster of blocks, r as parts to
 //   sum first (partial sums, or a token's expert outputs with the router's weights)
 // latent_norm_rope: the MLA latent of a token into its cache row (rmsnorm + rope), with the
-//   indexer key's layernorm (+ rope) in the same launch; and latent_rows, the cache's rows
-//   back as f32
+//   query latent's rmsnorm and the indexer key's layernorm (+ rope) in the same launch; and
+//   latent_rows, the cache's rows back as f32
 //
 // The row helpers (load_row, rms_store, layernorm_rope_row, the latent's rows) are in
 // common.cuh: the matvec parts launch (matvec.cu) norms the latent with them too.
@@ -163,17 +163,20 @@ extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
 #endif
 }
 
-// latent_norm_rope: the MLA latent of T tokens into their cache rows, with the indexer key's
-// layernorm + rope (a.kx not null) in the same launch: block (t, y) takes row y of token t
-// (common.cuh: latent_row, then key_row where given). Grid (T, 1 + (kx != 0)), block x >=
-// max(dl, dk) / NORM_VALS (the norm launch of the wider row). For one token the CUDA-core
-// parts launch that makes kv and kx does it in its last blocks instead (matvec.cu,
-// parts_tail).
+// latent_norm_rope: the MLA latent of T tokens into their cache rows, with the query latent's
+// rmsnorm (a.qx not null) and the indexer key's layernorm + rope (a.kx not null) in the same
+// launch: block (t, y) takes row y of token t (common.cuh: latent_row, then query_row and
+// key_row where given). Grid (T, 1 + (qx != 0) + (kx != 0)), block x >=
+// max(dl, dq, dk) / NORM_VALS (the norm launch of the widest row). For one token the
+// CUDA-core parts launch that makes kv, qx and kx does it in its last blocks instead
+// (matvec.cu, parts_tail).
 extern "C" __global__ void __launch_bounds__(1024) latent_norm_rope(LatentNorm a) {
     pdl_enter();
     __shared__ float scratch[32];
     if (blockIdx.y == 0)
         latent_row<NORM_VALS, false>(a, blockIdx.x, scratch);
+    else if (blockIdx.y == 1 && a.qx)
+        query_row<NORM_VALS, false>(a, blockIdx.x, scratch);
     else
         key_row<NORM_VALS, false>(a, blockIdx.x, scratch);
 }

@@ -258,7 +258,6 @@ fn expert_matvec(
         combine: None,
         shared: (0, 0),
         y_part: 0,
-        x_norm: None,
     })
     .unwrap();
     g.download(&dy).unwrap()
@@ -511,62 +510,6 @@ fn matvec_spread_parts_add_up_to_the_rows() {
     }
 }
 
-/// q-LoRA's query norm folded into q_b's product (`Matvec::x_norm`, the bulk-copy kernels'
-/// `xw`): W (rmsnorm(x) * w) against the f64 product with the f64 norm, on GLM-5's and
-/// DeepSeek-V3's q_b (16384 x 2048, 24576 x 1536), for every type whose bulk-copy kernel takes
-/// one matrix (Q6_K's single matrices take matvec_tma_q6_k, which has no norm: the model norms
-/// x apart there).
-#[test]
-fn matvec_x_norm_folds_the_query_norm() {
-    let Some(g) = gpu() else { return };
-    if !g.bulk_copies {
-        println!("SKIPPED: no bulk copies on this GPU (sm_90 and later): x's norm runs apart");
-        return;
-    }
-    let mut rng = Rng::new("matvec_x_norm");
-    let eps = 1e-6;
-    for t in TMA_TILE_TYPES {
-        for (rows, k) in [(16384, 2048), (24576, 1536)] {
-            let w = random_rows(&mut rng, t, rows, k);
-            let wf = dequant_rows(t, &w, rows, k);
-            let x: Vec<f32> = hard_x(&mut rng, k).iter().map(|v| 40.0 * v).collect();
-            let nw = rng.normals(k);
-            let (dw, dx, dnw, dy) = (
-                g.upload(&w).unwrap(),
-                g.upload(&x).unwrap(),
-                g.upload(&nw).unwrap(),
-                poisoned(&g, rows),
-            );
-            let mut a = Matvec::single(t, g.ptr(&dw, 0), (g.ptr(&dx, 0), g.ptr(&dy, 0)), (rows, k));
-            a.x_norm = Some((g.ptr(&dnw, 0), eps));
-            if !g.takes_x_norm(&a) {
-                assert_eq!(
-                    t,
-                    GgmlType::Q6_K,
-                    "{t} {rows}x{k}: the bulk-copy kernel norms x"
-                );
-                assert!(
-                    g.matvec(&a).is_err(),
-                    "{t}: a norm the kernel does not take is refused"
-                );
-                continue;
-            }
-            g.matvec(&a).unwrap();
-            let normed = rmsnorm_twin(&x, &nw, eps);
-            let want: Vec<f64> = wf
-                .chunks_exact(k)
-                .map(|row| row.iter().zip(&normed).map(|(&w, &v)| w as f64 * v).sum())
-                .collect();
-            assert_close(
-                &format!("matvec {t} {rows}x{k} of normed x"),
-                &g.download(&dy).unwrap(),
-                &want,
-                F32_OP,
-            );
-        }
-    }
-}
-
 /// `n` normal values in 256-blocks that are hard for the integer paths (x as digit planes per
 /// block), in turn: blocks whose largest value dwarfs the rest, blocks of tiny values, plain.
 fn hard_x(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -770,7 +713,6 @@ fn matvec_q4_k_pair_matches_two_products() {
             combine: None,
             shared: (0, 0),
             y_part: 0,
-            x_norm: None,
         };
         assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
         g.matvec(&a).unwrap();
@@ -1183,7 +1125,6 @@ fn matvec_transposed_every_type_matches() {
             combine: None,
             shared: (0, 0),
             y_part: 0,
-            x_norm: None,
         })
         .unwrap();
         let y = g.download(&dy).unwrap();
@@ -1757,10 +1698,10 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
     let mut rng = Rng::new("latent_norm_rope");
     let eps = 1e-6;
     let mscale = 1.15f32;
-    // GLM-5's latent (512 + 64) with its indexer keys (128) into their cache in the same
-    // launch, a small odd one without them.
-    let cases = [(512, 64, 5, 12, 4, 128), (72, 8, 3, 4000, 3990, 0)];
-    for (dl, dr, tokens, ctx, row0, dk) in cases {
+    // GLM-5's latent (512 + 64) with its q-LoRA latent (2048) normed and its indexer keys
+    // (128) into their cache in the same launch, a small odd one without either.
+    let cases = [(512, 64, 5, 12, 4, 2048, 128), (72, 8, 3, 4000, 3990, 0, 0)];
+    for (dl, dr, tokens, ctx, row0, dq, dk) in cases {
         let width = dl + dr;
         let kv: Vec<f32> = rng
             .normals(tokens * width)
@@ -1792,6 +1733,19 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             g.upload(&inv_freq).unwrap(),
             g.upload(&cache).unwrap(),
         );
+        let qx = rng.normals(tokens * dq);
+        let qw = rng.normals(dq);
+        let (dqx, dqw, dqy) = (
+            g.upload(&qx).unwrap(),
+            g.upload(&qw).unwrap(),
+            poisoned(&g, tokens * dq),
+        );
+        let query = RowsNorm {
+            x: g.ptr(&dqx, 0),
+            w: g.ptr(&dqw, 0),
+            y: g.ptr(&dqy, 0),
+            width: dq,
+        };
         // The index keys' cache: rows past row0..row0+tokens must keep their values.
         let (kx, kw, kb) = (rng.normals(tokens * dk), rng.normals(dk), rng.normals(dk));
         let key_cache = rng.normals(ctx * dk);
@@ -1820,6 +1774,7 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             row0,
             (g.ptr(&df, 0), mscale),
             eps,
+            (dq > 0).then_some(&query),
             (dk > 0).then_some(&keys),
         )
         .unwrap();
@@ -1844,6 +1799,13 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
                     assert_eq!(a.to_bits(), b.to_bits(), "index keys: value {i} touched");
                 }
             }
+        }
+        if dq > 0 {
+            let want: Vec<f64> = (0..tokens)
+                .flat_map(|t| rmsnorm_twin(&qx[t * dq..(t + 1) * dq], &qw, eps))
+                .collect();
+            let got = g.download(&dqy).unwrap();
+            assert_close(&format!("latent_norm_rope query {dq}"), &got, &want, F32_OP);
         }
         let mut want = Vec::new();
         for t in 0..tokens {
@@ -1901,10 +1863,10 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
 }
 
 /// One token's q_a, kv_a and indexer key (GLM-5's shapes, and DeepSeek-V3's without the key)
-/// with the latent's and key's norms in the tail of their parts launch (matvec_latent_<type>):
-/// the products equal their dequantized f64 dots, the norms of those outputs equal the f64
-/// twins, twice in a row (the tail puts its counters back), and the cache rows around the
-/// token's keep their values.
+/// with the latent's norms in the tail of their parts launch (matvec_latent_<type>): the
+/// products equal their dequantized f64 dots, the norms of those outputs equal the f64 twins,
+/// twice in a row (the tail puts its counters back), and the cache rows around the token's
+/// keep their values.
 #[test]
 fn matvec_parts_tail_norms_the_latent() {
     let Some(g) = gpu() else { return };
@@ -1918,19 +1880,35 @@ fn matvec_parts_tail_norms_the_latent() {
         let rows: Vec<usize> = [dq, dl + dr, dk].into_iter().filter(|&r| r > 0).collect();
         let case = random_parts(&g, &mut rng, t, &rows, k);
         let parts = &case.parts;
-        let (w, kw, kb) = (rng.normals(dl), rng.normals(dk), rng.normals(dk));
+        let (w, qw, kw, kb) = (
+            rng.normals(dl),
+            rng.normals(dq),
+            rng.normals(dk),
+            rng.normals(dk),
+        );
         let inv_freq: Vec<f32> = (0..dr / 2)
             .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
             .collect();
         let cache = latent_split(&rng.normals(ctx * (dl + dr)), dl, dr).unwrap();
         let key_cache = rng.normals(ctx * dk.max(1));
-        let (dw, dkw, dkb, df) = (
+        let (dw, dqw, dkw, dkb, df) = (
             g.upload(&w).unwrap(),
+            g.upload(&qw).unwrap(),
             g.upload(&kw).unwrap(),
             g.upload(&kb).unwrap(),
             g.upload(&inv_freq).unwrap(),
         );
-        let (dc, dkc) = (g.upload(&cache).unwrap(), g.upload(&key_cache).unwrap());
+        let (dc, dkc, dqy) = (
+            g.upload(&cache).unwrap(),
+            g.upload(&key_cache).unwrap(),
+            poisoned(&g, dq),
+        );
+        let query = RowsNorm {
+            x: parts[0].y,
+            w: g.ptr(&dqw, 0),
+            y: g.ptr(&dqy, 0),
+            width: dq,
+        };
         let keys = KeyRowsNorm {
             x: if dk > 0 { parts[2].y } else { 0 },
             w: g.ptr(&dkw, 0),
@@ -1949,6 +1927,7 @@ fn matvec_parts_tail_norms_the_latent() {
             pos,
             (g.ptr(&df, 0), mscale),
             eps,
+            Some(&query),
             (dk > 0).then_some(&keys),
         )
         .unwrap();
@@ -1960,6 +1939,8 @@ fn matvec_parts_tail_norms_the_latent() {
                 .unwrap();
             let ys = case.check(&g, &format!("{t} round {round}"), t, k, &x);
             let what = |s: &str| format!("{t} round {round}: the tail's {s}");
+            let q = g.download(&dqy).unwrap();
+            assert_close(&what("query"), &q, &rmsnorm_twin(&ys[0], &qw, eps), F32_OP);
             let kv = &ys[1];
             let mut want = rmsnorm_twin(&kv[..dl], &w, eps);
             for i in 0..dr / 2 {

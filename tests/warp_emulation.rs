@@ -123,12 +123,17 @@ const PIECES: &[Piece] = &[
     ),
     Def(
         "common.cuh",
+        "template <int V, bool L2>\n__device__ __forceinline__ void query_row(",
+    ),
+    Def(
+        "common.cuh",
         "template <int V, bool L2>\n__device__ __forceinline__ void key_row(",
     ),
     Line("matvec.cu", "#define MATVEC_WARPS "),
     Line("matvec.cu", "#define MATVEC_WIDE_WARPS "),
     Line("matvec.cu", "#define MATVEC_ROWS "),
     Def("matvec.cu", "struct MatvecParts {"),
+    Line("matvec.cu", "#define TAIL_QUERY_VALS "),
     Line("matvec.cu", "#define TAIL_LATENT_VALS "),
     Line("matvec.cu", "#define TAIL_KEY_VALS "),
     Def(
@@ -159,11 +164,11 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "struct XDigits {"),
     Def(
         "matvec.cu",
-        "template <bool HALVES = false, bool NORM = false>\n__device__ __forceinline__ XDigits x_block_digits(",
+        "template <bool HALVES = false>\n__device__ __forceinline__ XDigits x_block_digits(",
     ),
     Def(
         "matvec.cu",
-        "template <bool HALVES = false, bool NORM = false>\n__device__ void tc_prepare_x(",
+        "template <bool HALVES = false>\n__device__ void tc_prepare_x(",
     ),
     Def("matvec.cu", "__device__ __forceinline__ void q4k_packed("),
     Def("matvec.cu", "template <bool Q5>\nstruct TcKquant {"),
@@ -581,17 +586,12 @@ fn largest_rows(ty: GgmlType, rows: usize, nb: usize) -> Vec<u8> {
 
 /// Each row of `w` (rows of x.len() values) times x, in f64 on the engine's dequantization.
 fn products(ty: GgmlType, w: &[u8], x: &[f32]) -> Vec<f64> {
-    let x: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    products_f64(ty, w, &x)
-}
-
-fn products_f64(ty: GgmlType, w: &[u8], x: &[f64]) -> Vec<f64> {
     let row_bytes = ty.row_bytes(x.len()).unwrap();
     w.chunks_exact(row_bytes)
         .map(|row| {
             let mut vals = vec![0f32; x.len()];
             quant::dequantize(ty, row, &mut vals).unwrap();
-            vals.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()
+            vals.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum()
         })
         .collect()
 }
@@ -714,8 +714,6 @@ struct TmaCase {
     shared: bool,
     /// One matrix's parts spread over the blocks: partial p of its rows at y + p * y_part.
     spread: bool,
-    /// x RMS-normed with random weights as the blocks prepare it (q-LoRA's norm before q_b).
-    x_norm: bool,
     grid: u32,
 }
 
@@ -733,11 +731,6 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
         (true, true) => (mats(1), mats(1)),
     };
     let x = random_x(c.nb, &mut rng);
-    let x_eps = 1e-6;
-    let xw: Vec<f32> = match c.x_norm {
-        true => (0..k).map(|_| 2.0 * signed(&mut rng)).collect(),
-        false => vec![],
-    };
     let ids = c
         .ids
         .clone()
@@ -753,11 +746,6 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
         match id {
             MOE_SHARED => Some(products(ty, sw, &x)),
             id if id < 0 => None,
-            id if c.x_norm => {
-                let at = id as usize * mat_bytes;
-                let normed = rmsnorm_twin(&x, &xw, x_eps);
-                Some(products_f64(ty, &w[at..at + mat_bytes], &normed))
-            }
             id => {
                 let at = id as usize * mat_bytes;
                 Some(products(ty, &w[at..at + mat_bytes], &x))
@@ -817,8 +805,6 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
         .i64(y_stride as i64)
         .i32(c.glu as i32)
         .i64(if c.spread { y_stride as i64 } else { 0 })
-        .floats(&xw)
-        .f32(x_eps)
         .i32(c.grid as i32)
         .i32(tma_smem_bytes(tile, kpart) as i32);
     let kernel = if c.spread { tile.spread } else { tile.kernel };
@@ -844,7 +830,6 @@ fn one_matrix(
         glu: false,
         shared: false,
         spread: false,
-        x_norm: false,
         grid,
     }
 }
@@ -940,10 +925,6 @@ fn bulk_copy_kernels_match_f64() {
             TmaCase {
                 spread: true,
                 ..one_matrix("40 x 16 256-blocks in parts of 8 spread over 5 blocks", 40, 16, Some(8), 5)
-            },
-            TmaCase {
-                x_norm: true,
-                ..one_matrix("40 x 2048 of x RMS-normed (q_b's), 3 blocks", 40, 8, None, 3)
             },
             TmaCase {
                 spread: true,
@@ -1110,10 +1091,10 @@ fn cuda_core_q2_k_and_q3_k_pieces_match_f64() {
 
 /// The parts launch of MLA's q_a, kv_a and indexer key with the latent's norms in its tail
 /// (matvec_body then parts_tail, as matvec_latent_<type> runs them; the harness
-/// matvec_tail.cpp) against f64: the parts' rows, then the last block of kv's and the key's
-/// parts norms its row (the latent into its cache row, c_kv normed and k_pe roped; the key
-/// normed and roped into its cache row) as the f64 twins of those rows say, the rows before
-/// the token's untouched and the counters back at zero. GLM-5's widths on a small k, and
+/// matvec_tail.cpp) against f64: the parts' rows, then the last block of each part norms its
+/// row (the query; the latent into its cache row, c_kv normed and k_pe roped; the key normed
+/// and roped into its cache row) as the f64 twins of those rows say, the rows before the
+/// token's untouched and the counters back at zero. GLM-5's widths on a small k, and
 /// DeepSeek-V3's without a key (on a block more than it needs).
 #[test]
 fn parts_tail_norms_the_latent_as_f64() {
@@ -1131,7 +1112,7 @@ fn parts_tail_norms_the_latent_as_f64() {
             .map(|&r| random_rows(ty, r, nb, &mut rng))
             .collect();
         let x = random_x(nb, &mut rng);
-        let kvw = normals(&mut rng, dl);
+        let (qw, kvw) = (normals(&mut rng, dq), normals(&mut rng, dl));
         let (kw, kb) = (normals(&mut rng, dk), normals(&mut rng, dk));
         let inv_freq: Vec<f32> = (0..dr / 2)
             .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
@@ -1147,6 +1128,7 @@ fn parts_tail_norms_the_latent_as_f64() {
             .bytes(&w[1])
             .bytes(&w[2])
             .floats(&x)
+            .floats(&qw)
             .floats(&kvw)
             .floats(&kw)
             .floats(&kb)
@@ -1171,6 +1153,11 @@ fn parts_tail_norms_the_latent_as_f64() {
             check_outputs(&what(&format!("part {i}")), y, &want);
         }
         let some = |v: Vec<f64>| v.into_iter().map(Some).collect::<Vec<_>>();
+        check_outputs(
+            &what("query"),
+            take(dq),
+            &some(rmsnorm_twin(ys[0], &qw, eps)),
+        );
         let kv = ys[1];
         let mut want = rmsnorm_twin(&kv[..dl], &kvw, eps);
         for (i, &f) in inv_freq.iter().enumerate() {
@@ -1190,7 +1177,7 @@ fn parts_tail_norms_the_latent_as_f64() {
             "{}",
             what("the rows before the token's touched")
         );
-        assert_eq!(take(2), [0.0; 2], "{}", what("counters left"));
+        assert_eq!(take(3), [0.0; 3], "{}", what("counters left"));
     }
 }
 

@@ -283,8 +283,9 @@ impl Backend for Cpu {
         w: &CpuWeight,
         eps: f32,
         rope: &Rope,
+        query: Option<(&Mat, &CpuWeight)>,
         index_keys: Option<IndexKeys<'_, Self>>,
-    ) {
+    ) -> Option<Mat> {
         if let Some(k) = index_keys {
             self.index_key_append(row0, k, rope);
         }
@@ -295,6 +296,7 @@ impl Backend for Cpu {
         self.rope(&mut k_pe, 1, 0, row0, rope);
         self.write_block(&mut cache.values, row0, 0, &c_kv);
         self.write_block(&mut cache.values, row0, kv_lora, &k_pe);
+        query.map(|(x, w)| self.rms_norm(x, w, eps))
     }
 
     fn slice(&self, x: &Mat, rows: Range<usize>, cols: Range<usize>) -> Mat {

@@ -92,9 +92,11 @@ pub enum Tokens<'a, B: Backend + ?Sized> {
 pub struct LatentProjections<'a, B: Backend + ?Sized> {
     /// The query's projection: q-LoRA's a, or all of q.
     pub q: &'a B::Weight,
+    /// q-LoRA's latent norm; None without q-LoRA.
+    pub q_norm: Option<&'a B::Weight>,
     pub kv_a: &'a B::Weight,
     pub kv_norm: &'a B::Weight,
-    /// The epsilon of kv_norm.
+    /// The epsilon of both RMS norms.
     pub eps: f32,
     /// In DSA layers with an indexer: its key's projection and the keys' cache.
     pub index: Option<IndexKeyProjection<'a, B>>,
@@ -131,14 +133,15 @@ pub fn latent_projections_apart<B: Backend + ?Sized>(
     cache: &mut B::Latent,
     row0: usize,
     rope: &Rope,
-) -> B::Tensor {
+) -> (B::Tensor, Option<B::Tensor>) {
     let mut ws = vec![p.q, p.kv_a];
     ws.extend(p.index.as_ref().map(|ix| ix.w));
     let mut of_x = b.linears(x, &ws).into_iter();
     let (x_q, kv, x_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
     let index_keys = p.index.zip(x_k.as_ref()).map(|(ix, x_k)| ix.with_keys(x_k));
-    b.latent_append(cache, row0, &kv, p.kv_norm, p.eps, rope, index_keys);
-    x_q
+    let query = p.q_norm.map(|norm| (&x_q, norm));
+    let q_a = b.latent_append(cache, row0, &kv, p.kv_norm, p.eps, rope, query, index_keys);
+    (x_q, q_a)
 }
 
 /// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by
@@ -291,8 +294,9 @@ pub trait Backend: Send + Sync {
     /// The MLA latent of n positions into its cache: `kv` [n, kv_lora + dr] (the kv_a_mqa
     /// output, dr = `rope.rot_dims()`) -> positions `row0..row0+n` of `cache`,
     /// `[rms_norm(c_kv, w, eps) | k_pe roped at positions row0..row0+n]`; with `index_keys`,
-    /// the DSA indexer's keys of the same positions into theirs (`index_key_append`). A GPU
-    /// does it all in one launch, without the intermediate slices.
+    /// the DSA indexer's keys of the same positions into theirs (`index_key_append`); and with
+    /// `query` (q-LoRA's latent [n, q_lora] and its norm), returns `rms_norm(query, eps)`. A
+    /// GPU does it all in one launch, without the intermediate slices.
     #[allow(clippy::too_many_arguments)]
     fn latent_append(
         &self,
@@ -302,13 +306,14 @@ pub trait Backend: Send + Sync {
         w: &Self::Weight,
         eps: f32,
         rope: &Rope,
+        query: Option<(&Self::Tensor, &Self::Weight)>,
         index_keys: Option<IndexKeys<'_, Self>>,
-    );
+    ) -> Option<Self::Tensor>;
 
     /// A layer's first projections of x (`LatentProjections`: the query's, kv_a's and the
     /// indexer key's) with their latent parts normed into the caches at positions
-    /// `row0..row0+n` (`latent_append`): returns the query's projection x_q (with q-LoRA its
-    /// latent before the norm). A GPU runs the norms in the products' launch for one token.
+    /// `row0..row0+n` (`latent_append`): returns the query's projection x_q and, with q-LoRA,
+    /// its latent normed (q_a). A GPU runs the norms in the products' launch for one token.
     fn latent_projections(
         &self,
         x: &Self::Tensor,
@@ -316,7 +321,7 @@ pub trait Backend: Send + Sync {
         cache: &mut Self::Latent,
         row0: usize,
         rope: &Rope,
-    ) -> Self::Tensor {
+    ) -> (Self::Tensor, Option<Self::Tensor>) {
         latent_projections_apart(self, x, p, cache, row0, rope)
     }
 
@@ -324,18 +329,6 @@ pub trait Backend: Send + Sync {
 
     /// `x` [n, in] times a weight {in, out} -> [n, out] (`y[t] = W x[t]`).
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
-
-    /// `linear(rms_norm(x, norm, eps), w)`: q-LoRA's query norm and q_b, which a GPU runs as
-    /// one launch for a token (the norm as the product's blocks read x).
-    fn normed_linear(
-        &self,
-        x: &Self::Tensor,
-        norm: &Self::Weight,
-        eps: f32,
-        w: &Self::Weight,
-    ) -> Self::Tensor {
-        self.linear(&self.rms_norm(x, norm, eps), w)
-    }
 
     /// `linear(x, w)` for a product whose output the model only adds into the residual stream
     /// (`add_rms_norm`), all-reduces or records: a backend may return it in a form only those

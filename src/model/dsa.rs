@@ -7,7 +7,6 @@
 //! The reference also multiplies w by n_head^-0.5: a positive constant, so the ranking (all
 //! that is used) does not change and it is left out.
 
-use super::mla::LATENT_NORM_EPS;
 use super::Model;
 use crate::backend::{Backend, IndexKeyProjection};
 use crate::config::IndexerConfig;
@@ -67,16 +66,15 @@ pub fn key_projection<'a, B: Backend>(
 }
 
 /// The selection of the queries at positions `pos0..pos0 + n` (x: attn_norm's output [n, E],
-/// q_latent: q-LoRA's latent before its norm, and the norm's weights) over `keys`, which hold
-/// this batch's keys already. While no query sees more than `top_k` keys the selection is
-/// every causal key whatever the scores, so they are not computed (the keys still are stored:
-/// later queries rank them), nor the normed latent.
+/// q_a: q-LoRA's normed latent) over `keys`, which hold this batch's keys already. While no
+/// query sees more than `top_k` keys the selection is every causal key whatever the scores,
+/// so they are not computed (the keys still are stored: later queries rank them).
 pub fn select<B: Backend>(
     m: &Model<B>,
     w: &Indexer<B::Weight>,
     ix: &IndexerConfig,
     x: &B::Tensor,
-    (q_latent, q_norm): (&B::Tensor, &B::Weight),
+    q_a: &B::Tensor,
     keys: &B::Tensor,
     pos0: usize,
 ) -> Selection<B::Ids> {
@@ -84,8 +82,7 @@ pub fn select<B: Backend>(
     if pos0 + b.shape(x).0 <= ix.top_k {
         return Selection::AllCausal;
     }
-    let q_a = b.rms_norm(q_latent, q_norm, LATENT_NORM_EPS);
-    let (q, head_weights) = queries(m, w, ix, x, &q_a, pos0);
+    let (q, head_weights) = queries(m, w, ix, x, q_a, pos0);
     Selection::TopK(b.dsa_topk(&q, keys, &head_weights, pos0, score_scale(ix), ix.top_k))
 }
 

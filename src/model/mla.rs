@@ -36,13 +36,15 @@ pub fn attention<B: Backend>(
 
     // The projections of x, one launch on a GPU for a token: the query's (q-LoRA's a, or all of
     // q) x_q, and the latent [n, kv_lora + dr] straight into the cache, c_kv normed and k_pe
-    // roped; in DSA layers with an indexer, its keys [n, d] into their cache.
-    let q_x = match &w.q {
-        QueryProj::Lora { a, .. } => a,
-        QueryProj::Direct(wq) => wq,
+    // roped; with q-LoRA, its latent q_a [n, q_lora] normed in the same pass, and in DSA layers
+    // with an indexer, its keys [n, d] into their cache.
+    let (q_x, q_norm) = match &w.q {
+        QueryProj::Lora { a, norm, .. } => (a, Some(norm)),
+        QueryProj::Direct(wq) => (wq, None),
     };
     let projections = LatentProjections {
         q: q_x,
+        q_norm,
         kv_a: &w.kv_a_mqa,
         kv_norm: &w.kv_a_norm,
         eps: LATENT_NORM_EPS,
@@ -53,16 +55,15 @@ pub fn attention<B: Backend>(
             dsa::key_projection(ix, keys)
         }),
     };
-    let x_q = b.latent_projections(x, projections, &mut cache.latent[il], pos0, &m.rope);
+    let (x_q, q_a) = b.latent_projections(x, projections, &mut cache.latent[il], pos0, &m.rope);
 
-    // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; with q-LoRA through its latent's
-    // norm (one launch with q_b on a GPU), the latent kept with its norm for DSA's indexer.
-    let (mut q, q_latent) = match &w.q {
-        QueryProj::Lora { b: q_b, norm, .. } => {
-            let q = b.normed_linear(&x_q, norm, LATENT_NORM_EPS, q_b);
-            (q, Some((x_q, norm)))
-        }
-        QueryProj::Direct(_) => (x_q, None),
+    // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a feeds DSA too.
+    let mut q = match &w.q {
+        QueryProj::Lora { b: q_b, .. } => b.linear(
+            q_a.as_ref().expect("latent_projections norms the query"),
+            q_b,
+        ),
+        QueryProj::Direct(_) => x_q,
     };
     taps.tensor(b, || format!("L{il}.q"), &q);
     // q_pe's rope: here for the expanded form and the trace; the absorbed form ropes it in
@@ -82,8 +83,8 @@ pub fn attention<B: Backend>(
     let mut keep = None;
     if let Some(ix) = &cfg.indexer {
         if let (Some(indexer), Some(keys)) = (indexer, &cache.index_keys[il]) {
-            let (x_q, norm) = q_latent.as_ref().expect("validated: DSA needs q-LoRA");
-            *topk = Some(dsa::select(m, indexer, ix, x, (x_q, norm), keys, pos0));
+            let q_a = q_a.as_ref().expect("validated: DSA needs q-LoRA");
+            *topk = Some(dsa::select(m, indexer, ix, x, q_a, keys, pos0));
         }
         let selection = topk
             .as_ref()

@@ -2,8 +2,7 @@
 // order): the type (i32: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS), w, w2, sw, sw2 (buffers), mat_stride
 // (i64), ids (buffer of i32), items, rows, k, kpart (i32), row_bytes (i64), x, y (buffers),
 // y_stride (i64), glu (i32), y_part (i64: partials of spread parts by matvec_tma_spread_<type>,
-// or 0), xw (buffer: x's norm weights, or empty), x_eps (f32), grid and dynamic shared bytes
-// (i32); prints y.
+// or 0), grid and dynamic shared bytes (i32); prints y.
 int main(int argc, char** argv) {
     Input in(argv[1]);
     const int type = in.i32();
@@ -16,8 +15,6 @@ int main(int argc, char** argv) {
     const i64 y_stride = in.i64_();
     const int glu = in.i32();
     const i64 y_part = in.i64_();
-    auto xw = in.buffer();
-    const float x_eps = in.f32();
     const int grid = in.i32(), shared = in.i32();
     auto kernel = type == 0   ? matvec_tma_q4_k
                   : type == 1 ? matvec_tma_groups_q6_k
@@ -32,8 +29,7 @@ int main(int argc, char** argv) {
             spread(ptr(w), rows, k, kpart, row_bytes, ptr<float>(x), ptr<float>(y), y_part);
         else
             kernel(ptr(w), ptr(w2), ptr(sw), ptr(sw2), mat_stride, ptr<int>(ids), items, rows,
-                   k, kpart, row_bytes, ptr<float>(x), ptr<float>(y), y_stride, glu,
-                   ptr<float>(xw), x_eps);
+                   k, kpart, row_bytes, ptr<float>(x), ptr<float>(y), y_stride, glu);
     });
     print_f32(y);
 }

@@ -638,7 +638,6 @@ impl Bench {
                     combine: None,
                     shared: (0, 0),
                     y_part: 0,
-                    x_norm: None,
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,
                     k,

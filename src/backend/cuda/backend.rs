@@ -573,13 +573,15 @@ impl Backend for Cuda {
         w: &CudaWeight,
         eps: f32,
         rope: &Rope,
+        query: Option<(&CudaTensor, &CudaWeight)>,
         index_keys: Option<IndexKeys<'_, Self>>,
-    ) {
-        let latent = self.latent_norm(cache, row0, kv, (w, eps), rope, index_keys);
+    ) -> Option<CudaTensor> {
+        let (latent, q_a) = self.latent_norm(cache, row0, kv, (w, eps), rope, query, index_keys);
         ok(
             self.gpu.latent_norm_rope(kv.rows, &latent),
             "latent_norm_rope",
         );
+        q_a
     }
 
     fn latent_projections(
@@ -589,19 +591,28 @@ impl Backend for Cuda {
         cache: &mut CudaLatent,
         row0: usize,
         rope: &Rope,
-    ) -> CudaTensor {
+    ) -> (CudaTensor, Option<CudaTensor>) {
         let mut ws = vec![p.q, p.kv_a];
         ws.extend(p.index.as_ref().map(|ix| ix.w));
         if !self.takes_parts(x, &ws) {
             return latent_projections_apart(self, x, p, cache, row0, rope);
         }
-        // One token: the products in one launch, whose last blocks norm the latent and key
-        // where its kernel takes them (Gpu::matvec_parts: one hand-over fewer a layer, where
+        // One token: the products in one launch, whose last blocks norm their rows where its
+        // kernel takes them (Gpu::matvec_parts: one hand-over fewer a layer, where
         // latent_norm_rope took 4.2-4.5 us of a GLM-5 layer on an H100; docs/performance.md,
         // thirty-fifth look), else latent_norm_rope after it.
         let ys: Vec<CudaTensor> = ws.iter().map(|w| self.empty(1, w.dim(1))).collect();
         let index_keys = p.index.zip(ys.get(2)).map(|(ix, x_k)| ix.with_keys(x_k));
-        let latent = self.latent_norm(cache, row0, &ys[1], (p.kv_norm, p.eps), rope, index_keys);
+        let query = p.q_norm.map(|norm| (&ys[0], norm));
+        let (latent, q_a) = self.latent_norm(
+            cache,
+            row0,
+            &ys[1],
+            (p.kv_norm, p.eps),
+            rope,
+            query,
+            index_keys,
+        );
         let tail = latent.in_tail_of(ws[0].ty);
         ok(
             self.gpu.matvec_parts(
@@ -616,7 +627,7 @@ impl Backend for Cuda {
         if !tail {
             ok(self.gpu.latent_norm_rope(1, &latent), "latent_norm_rope");
         }
-        ys.into_iter().next().unwrap()
+        (ys.into_iter().next().unwrap(), q_a)
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
@@ -667,28 +678,6 @@ impl Backend for Cuda {
             self.p(&y, 0),
             rows,
         );
-        y
-    }
-
-    fn normed_linear(
-        &self,
-        x: &CudaTensor,
-        norm: &CudaWeight,
-        eps: f32,
-        w: &CudaWeight,
-    ) -> CudaTensor {
-        let (k, rows) = (w.ne[0], w.dim(1));
-        let mut a = Matvec::single(w.ty, self.w(w), (self.p(x, 0), 0), (rows, k));
-        a.x_norm = Some((self.w(norm), eps));
-        if x.rows != 1 || !self.gpu.takes_x_norm(&a) {
-            return self.linear(&self.rms_norm(x, norm, eps), w);
-        }
-        // Decode: each block of the product norms x as it reads it (one hand-over fewer a
-        // layer than the norm's own launch).
-        assert_eq!(x.cols, k, "linear {}: x has {} columns", w.name, x.cols);
-        let y = self.empty(1, rows);
-        a.y = self.p(&y, 0);
-        ok(self.gpu.matvec(&a), "matvec");
         y
     }
 
@@ -1291,8 +1280,10 @@ impl Cuda {
             .collect()
     }
 
-    /// `latent_append`'s norms of the rows of kv (and of the index keys) into `cache` from
-    /// row0, as `LatentNorm` (ops.rs) gives them to a launch.
+    /// `latent_append`'s norms of the rows of kv (and of the query and index keys) into
+    /// `cache` from row0, as `LatentNorm` (ops.rs) gives them to a launch, and the query's
+    /// output.
+    #[allow(clippy::too_many_arguments)]
     fn latent_norm(
         &self,
         cache: &CudaLatent,
@@ -1300,8 +1291,9 @@ impl Cuda {
         kv: &CudaTensor,
         (w, eps): (&CudaWeight, f32),
         rope: &Rope,
+        query: Option<(&CudaTensor, &CudaWeight)>,
         index_keys: Option<IndexKeys<'_, Self>>,
-    ) -> LatentNorm {
+    ) -> (LatentNorm, Option<CudaTensor>) {
         let dr = rope.rot_dims();
         assert!(
             (kv.cols, dr) == (cache.kv_lora + cache.dr, cache.dr)
@@ -1313,6 +1305,16 @@ impl Cuda {
             cache.kv_lora,
             cache.dr
         );
+        let q_out = query.map(|(x, _)| {
+            assert_eq!(x.rows, kv.rows, "latent_append: query rows");
+            self.empty(x.rows, x.cols)
+        });
+        let q_norm = query.zip(q_out.as_ref()).map(|((x, qw), y)| RowsNorm {
+            x: self.p(x, 0),
+            w: self.w(qw),
+            y: self.p(y, 0),
+            width: x.cols,
+        });
         let keys = index_keys.map(|k| {
             assert_eq!(k.x_k.rows, kv.rows, "latent_append: index key rows");
             self.index_key_rows(row0, k)
@@ -1326,9 +1328,10 @@ impl Cuda {
             row0,
             (self.constant(&rope.inv_freq), rope.cos_sin_scale),
             eps,
+            q_norm.as_ref(),
             keys.as_ref(),
         );
-        ok(latent, "latent_norm_rope")
+        (ok(latent, "latent_norm_rope"), q_out)
     }
 
     /// Whether `linears(x, ws)` runs as one parts launch (`Gpu::matvec_parts`): one token, two
@@ -1404,7 +1407,6 @@ impl Cuda {
                 combine: None,
                 shared: (0, 0),
                 y_part: 0,
-                x_norm: None,
             };
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
@@ -1524,7 +1526,6 @@ impl Cuda {
                 combine: None,
                 shared: (0, 0),
                 y_part: 0,
-                x_norm: None,
             };
         let gate_item = Matvec {
             shared: (sw(|s| &s.gate), 0),

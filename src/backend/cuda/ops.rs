@@ -81,10 +81,6 @@ pub struct Matvec {
     /// bulk-copy kernel takes in parts of k spread over its blocks (`Gpu::spread_parts` of
     /// them): part p's sums at y + p * y_part, their sum in part order is y.
     pub y_part: usize,
-    /// Or None: an RMS norm's weights [k] (f32) and epsilon, and the product is
-    /// `W (x / sqrt(mean(x^2) + eps) * w)` (q-LoRA's query norm folded into q_b; only the
-    /// bulk-copy kernel, `Gpu::takes_x_norm`).
-    pub x_norm: Option<(Ptr, f32)>,
 }
 
 /// The id of the shared expert among a token's MoE choices (`Matvec::shared`, moe_router).
@@ -112,7 +108,6 @@ impl Matvec {
             combine: None,
             shared: (0, 0),
             y_part: 0,
-            x_norm: None,
         }
     }
 }
@@ -161,7 +156,7 @@ unsafe impl cudarc::driver::DeviceRepr for MatvecParts {}
 
 /// The norms that put tokens' MLA latents into their cache (kernels/common.cuh, LatentNorm),
 /// checked by `LatentNorm::new`: what latent_norm_rope runs, or for one token the tail of the
-/// parts launch that makes kv and the index key (`Gpu::matvec_parts`).
+/// parts launch that makes kv, the query latent and the index key (`Gpu::matvec_parts`).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct LatentNorm {
@@ -169,12 +164,16 @@ pub struct LatentNorm {
     w: Ptr,
     cache: Ptr,
     inv_freq: Ptr,
+    qx: Ptr,
+    qw: Ptr,
+    qy: Ptr,
     kx: Ptr,
     kw: Ptr,
     kb: Ptr,
     ky: Ptr,
     dl: i32,
     dr: i32,
+    dq: i32,
     dk: i32,
     pos0: i32,
     mscale: f32,
@@ -182,15 +181,16 @@ pub struct LatentNorm {
     k_eps: f32,
 }
 // SAFETY: plain integers and floats in the kernel's C layout (8-byte addresses, then 4-byte
-// ints and floats: 96 bytes).
+// ints and floats: 120 bytes).
 unsafe impl cudarc::driver::DeviceRepr for LatentNorm {}
 
 impl LatentNorm {
     /// The MLA latent of `rows` tokens: row t of kv [rows, dl + dr] -> row t of `cache`
     /// (pointing at the first row to fill, in the latent cache format: `latent_split`), c_kv
     /// RMS-normed with w, k_pe roped at position pos0 + t (inv_freq: [dr / 2] f32); with
-    /// `keys`, theirs layer-normed and their first dr values roped as k_pe (the DSA indexer's
-    /// keys of the same tokens). See kernels/common.cuh.
+    /// `query`, its rows RMS-normed too (q-LoRA's latent, the same eps), and with `keys`,
+    /// theirs layer-normed and their first dr values roped as k_pe (the DSA indexer's keys of
+    /// the same tokens). See kernels/common.cuh.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         kv: Ptr,
@@ -201,6 +201,7 @@ impl LatentNorm {
         pos0: usize,
         (inv_freq, mscale): (Ptr, f32),
         eps: f32,
+        query: Option<&RowsNorm>,
         keys: Option<&KeyRowsNorm>,
     ) -> Result<LatentNorm, CudaError> {
         check(
@@ -214,6 +215,7 @@ impl LatentNorm {
             || format!("index keys of {rows} tokens, {dr} roped values each"),
         )?;
         latent_fits("latent_norm_rope", dl, dr)?;
+        let (qx, qw, qy) = query.map_or((0, 0, 0), |q| (q.x, q.w, q.y));
         let (kx, kw, kb, ky, k_eps) =
             keys.map_or((0, 0, 0, 0, 0.0), |k| (k.x, k.w, k.b, k.y, k.eps));
         Ok(LatentNorm {
@@ -221,12 +223,16 @@ impl LatentNorm {
             w,
             cache,
             inv_freq,
+            qx,
+            qw,
+            qy,
             kx,
             kw,
             kb,
             ky,
             dl: dl as i32,
             dr: dr as i32,
+            dq: query.map_or(0, |q| q.width) as i32,
             dk: keys.map_or(0, |k| k.width) as i32,
             pos0: pos0 as i32,
             mscale,
@@ -239,7 +245,10 @@ impl LatentNorm {
     /// its types, and rows as wide as its 128 threads hold, kernels/matvec.cu's TAIL_*_VALS).
     pub fn in_tail_of(&self, ty: GgmlType) -> bool {
         let threads = 32 * MATVEC_WARPS as i32;
-        LATENT_TAIL_TYPES.contains(&ty) && self.dl <= 4 * threads && self.dk <= 2 * threads
+        LATENT_TAIL_TYPES.contains(&ty)
+            && self.dq <= 16 * threads
+            && self.dl <= 4 * threads
+            && self.dk <= 2 * threads
     }
 }
 
@@ -640,16 +649,6 @@ impl Gpu {
         })
     }
 
-    /// Whether `matvec` takes `a` with its `x_norm` (weights 16-byte aligned): one matrix on the
-    /// bulk-copy kernel with k in one part (so no partial outputs), whose blocks each norm all
-    /// of x as they prepare it.
-    pub fn takes_x_norm(&self, a: &Matvec) -> bool {
-        let single = a.batch == 1 && a.ids == 0 && a.pair == 0 && !a.transposed;
-        let one_part = tma_tile(a.ty).is_some_and(|t| tma_part_k(t, a.k) >= a.k);
-        let aligned = a.x_norm.is_some_and(|(w, _)| w.is_multiple_of(16));
-        single && aligned && self.on_tensor_cores(a) && self.uses_bulk_copies(a) && one_part
-    }
-
     /// Whether the tensor-core product `a` goes to matvec_tma_items_<type>.
     fn uses_item_copies(&self, a: &Matvec) -> bool {
         self.bulk_copies
@@ -703,9 +702,6 @@ impl Gpu {
             "matvec",
             || "partial outputs: where spread_parts says so, rows apart".into(),
         )?;
-        check(a.x_norm.is_none() || self.takes_x_norm(a), "matvec", || {
-            "x's norm: the bulk-copy kernel, one matrix, k in one part".into()
-        })?;
         if self.on_tensor_cores(a) {
             // Tiles of 16 rows. One matrix: blocks of 4 warps, 4 tiles per block (one warp
             // each, all of k) on large grids or short rows, else 2 (two warps each, half of k).
@@ -735,11 +731,10 @@ impl Gpu {
                 let kernel = tile.kernel;
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
                 let slots = self.wave_blocks(kernel, 288, smem)?;
-                let (xw, x_eps) = a.x_norm.unwrap_or((0, 0.0));
                 launch!(self, kernel, (groups.min(slots) as u32, 1, 1), 288, smem as u32;
                     a.w, a.pair, a.shared.0, a.shared.1, a.mat_stride as i64, a.ids,
                     a.batch as i32, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64,
-                    a.x, a.y, a.y_stride as i64, a.glu as i32, xw, x_eps);
+                    a.x, a.y, a.y_stride as i64, a.glu as i32);
                 return Ok(());
             }
             if self.uses_item_copies(a) {
@@ -824,9 +819,9 @@ impl Gpu {
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
     /// projections of one activation (MLA's q_a, kv_a and the indexer key; a shared expert's
     /// gate and up) in one launch of the CUDA-core kernel instead of one each. With `latent`
-    /// (where `LatentNorm::in_tail_of` says so), the parts are one token's query projection
-    /// (q-LoRA's latent, or all of q), kv and index key, and the last blocks of the latter two
-    /// norm them into their caches as latent_norm_rope would.
+    /// (where `LatentNorm::in_tail_of` says so), the parts are one token's query latent (or without
+    /// q-LoRA its query), kv and index key, and the launch's last blocks run their norms into
+    /// the caches as latent_norm_rope would.
     pub fn matvec_parts(
         &self,
         ty: GgmlType,
@@ -865,13 +860,14 @@ impl Gpu {
             check(
                 a.in_tail_of(ty)
                     && block == 32 * MATVEC_WARPS as u32
+                    && (a.qx == 0 || a.qx == p0.y)
                     && a.kv == p1.y
                     && a.kx == if parts.len() == 3 { p2.y } else { 0 },
                 "matvec_parts",
                 || format!("a latent's norms in the tail of a {ty} parts launch"),
             )?;
             kernel = typed_kernel("matvec_latent", ty)?;
-            extra.done = self.zeroed_counters(&self.latent_done, 2)?;
+            extra.done = self.zeroed_counters(&self.latent_done, 3)?;
             extra.latent = *a;
         }
         launch!(self, kernel, (grid_x, parts.len() as u32, 1), block, 0;
@@ -1430,11 +1426,11 @@ impl Gpu {
     /// The latent's norms of `rows` tokens in a launch of their own (`LatentNorm::new`; see
     /// kernels/norm.cu).
     pub fn latent_norm_rope(&self, rows: usize, a: &LatentNorm) -> Result<(), CudaError> {
-        let block = norm_block(a.dl.max(a.dk) as usize, "latent_norm_rope")?;
+        let block = norm_block(a.dl.max(a.dq).max(a.dk) as usize, "latent_norm_rope")?;
         if rows == 0 {
             return Ok(());
         }
-        let grid = (rows as u32, 1 + (a.kx != 0) as u32, 1);
+        let grid = (rows as u32, 1 + (a.qx != 0) as u32 + (a.kx != 0) as u32, 1);
         launch!(self, "latent_norm_rope", grid, block, 0; *a);
         Ok(())
     }
