@@ -10,8 +10,8 @@
 mod common;
 
 use common::{
-    attend, attention_want, dot64, keep_mask, layernorm_rope_twin, rmsnorm_twin, roped_q_pe,
-    span_table, visible_keys, AttentionShape,
+    attend, attention_want, dot64, keep_mask, latent_twin, layernorm_rope_twin, rmsnorm_twin,
+    roped_q_pe, span_table, visible_keys, AttentionShape,
 };
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
@@ -1807,18 +1807,12 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
             let got = g.download(&dqy).unwrap();
             assert_close(&format!("latent_norm_rope query {dq}"), &got, &want, F32_OP);
         }
-        let mut want = Vec::new();
-        for t in 0..tokens {
-            let x = &kv[t * width..(t + 1) * width];
-            want.extend(rmsnorm_twin(&x[..dl], &w, eps));
-            for i in 0..dr / 2 {
-                // The angle is an f32 product, as in rope_pairs.
-                let angle = (((row0 + t) as f32) * inv_freq[i]) as f64;
-                let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
-                let (x0, x1) = (x[dl + 2 * i] as f64, x[dl + 2 * i + 1] as f64);
-                want.extend([x0 * c - x1 * s, x0 * s + x1 * c]);
-            }
-        }
+        let want: Vec<f64> = (0..tokens)
+            .flat_map(|t| {
+                let x = &kv[t * width..(t + 1) * width];
+                latent_twin(x, &w, eps, (&inv_freq, row0 + t, mscale))
+            })
+            .collect();
         let got_planes = g.download(&dc).unwrap();
         let dims = || (0..dl).chain(LATENT_ROPE_AT..LATENT_ROPE_AT + dr);
         let got: Vec<f32> = (row0..row0 + tokens)
@@ -1941,14 +1935,7 @@ fn matvec_parts_tail_norms_the_latent() {
             let what = |s: &str| format!("{t} round {round}: the tail's {s}");
             let q = g.download(&dqy).unwrap();
             assert_close(&what("query"), &q, &rmsnorm_twin(&ys[0], &qw, eps), F32_OP);
-            let kv = &ys[1];
-            let mut want = rmsnorm_twin(&kv[..dl], &w, eps);
-            for i in 0..dr / 2 {
-                let angle = ((pos as f32) * inv_freq[i]) as f64;
-                let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
-                let (x0, x1) = (kv[dl + 2 * i] as f64, kv[dl + 2 * i + 1] as f64);
-                want.extend([x0 * c - x1 * s, x0 * s + x1 * c]);
-            }
+            let want = latent_twin(&ys[1], &w, eps, (&inv_freq, pos, mscale));
             let planes = g.download(&dc).unwrap();
             let row = |r: usize| &planes[2 * LATENT_DIMS * r..2 * LATENT_DIMS * (r + 1)];
             let dims = (0..dl).chain(LATENT_ROPE_AT..LATENT_ROPE_AT + dr);

@@ -38,8 +38,8 @@
 mod common;
 
 use common::{
-    attention_want, keep_mask, layernorm_rope_twin, rmsnorm_twin, roped_q_pe, span_table,
-    AttentionShape,
+    attention_want, keep_mask, latent_twin, layernorm_rope_twin, rmsnorm_twin, roped_q_pe,
+    span_table, AttentionShape,
 };
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -1158,14 +1158,7 @@ fn parts_tail_norms_the_latent_as_f64() {
             take(dq),
             &some(rmsnorm_twin(ys[0], &qw, eps)),
         );
-        let kv = ys[1];
-        let mut want = rmsnorm_twin(&kv[..dl], &kvw, eps);
-        for (i, &f) in inv_freq.iter().enumerate() {
-            let angle = (pos as f32 * f) as f64;
-            let (s, c) = (angle.sin() * mscale as f64, angle.cos() * mscale as f64);
-            let (x0, x1) = (kv[dl + 2 * i] as f64, kv[dl + 2 * i + 1] as f64);
-            want.extend([x0 * c - x1 * s, x0 * s + x1 * c]);
-        }
+        let want = latent_twin(ys[1], &kvw, eps, (&inv_freq, pos, mscale));
         check_outputs(&what("latent"), take(dl + dr), &some(want));
         if dk > 0 {
             let want = layernorm_rope_twin(ys[2], (&kw, &kb), k_eps, (&inv_freq, pos, mscale));

@@ -112,6 +112,15 @@ pub struct IndexKeyProjection<'a, B: Backend + ?Sized> {
     pub eps: f32,
 }
 
+impl<'a, B: Backend + ?Sized> LatentProjections<'a, B> {
+    /// The projections' weights in their outputs' order: the query's, kv_a's, the index key's.
+    pub fn weights(&self) -> Vec<&'a B::Weight> {
+        let mut ws = vec![self.q, self.kv_a];
+        ws.extend(self.index.as_ref().map(|ix| ix.w));
+        ws
+    }
+}
+
 impl<'a, B: Backend + ?Sized> IndexKeyProjection<'a, B> {
     /// The keys on their way into the cache, given the projection's output `x_k` [n, d].
     pub fn with_keys(self, x_k: &'a B::Tensor) -> IndexKeys<'a, B> {
@@ -134,9 +143,7 @@ pub fn latent_projections_apart<B: Backend + ?Sized>(
     row0: usize,
     rope: &Rope,
 ) -> (B::Tensor, Option<B::Tensor>) {
-    let mut ws = vec![p.q, p.kv_a];
-    ws.extend(p.index.as_ref().map(|ix| ix.w));
-    let mut of_x = b.linears(x, &ws).into_iter();
+    let mut of_x = b.linears(x, &p.weights()).into_iter();
     let (x_q, kv, x_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
     let index_keys = p.index.zip(x_k.as_ref()).map(|(ix, x_k)| ix.with_keys(x_k));
     let query = p.q_norm.map(|norm| (&x_q, norm));

@@ -209,6 +209,29 @@ pub fn layernorm_rope_twin(
     let mut row: Vec<f64> = (0..x.len())
         .map(|i| (x[i] as f64 - mean) * inv * w[i] as f64 + b[i] as f64)
         .collect();
+    rope_pairs_twin(&mut row, (inv_freq, pos, mscale));
+    row
+}
+
+/// f64 twin of one token's MLA latent row kv [dl + dr] as the latent cache holds it: c_kv =
+/// rmsnorm(kv[..dl]) * w, then k_pe = kv[dl..] roped as adjacent pairs at position `pos`.
+pub fn latent_twin(
+    kv: &[f32],
+    w: &[f32],
+    eps: f32,
+    (inv_freq, pos, mscale): (&[f32], usize, f32),
+) -> Vec<f64> {
+    let dl = w.len();
+    let mut row = rmsnorm_twin(&kv[..dl], w, eps);
+    let mut k_pe: Vec<f64> = kv[dl..].iter().map(|&v| v as f64).collect();
+    rope_pairs_twin(&mut k_pe, (inv_freq, pos, mscale));
+    row.extend(k_pe);
+    row
+}
+
+/// The first 2 * inv_freq.len() values of `row` roped as adjacent pairs at position `pos`,
+/// cos and sin scaled by `mscale`.
+fn rope_pairs_twin(row: &mut [f64], (inv_freq, pos, mscale): (&[f32], usize, f32)) {
     for (i, &f) in inv_freq.iter().enumerate() {
         // The angle is an f32 product, as in rope_pairs.
         let angle = (pos as f32 * f) as f64;
@@ -217,7 +240,6 @@ pub fn layernorm_rope_twin(
         row[2 * i] = a * c - b * s;
         row[2 * i + 1] = a * s + b * c;
     }
-    row
 }
 
 /// f64 twin of rmsnorm over one row.

@@ -592,8 +592,7 @@ impl Backend for Cuda {
         row0: usize,
         rope: &Rope,
     ) -> (CudaTensor, Option<CudaTensor>) {
-        let mut ws = vec![p.q, p.kv_a];
-        ws.extend(p.index.as_ref().map(|ix| ix.w));
+        let ws = p.weights();
         if !self.takes_parts(x, &ws) {
             return latent_projections_apart(self, x, p, cache, row0, rope);
         }

@@ -819,9 +819,9 @@ impl Gpu {
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
     /// projections of one activation (MLA's q_a, kv_a and the indexer key; a shared expert's
     /// gate and up) in one launch of the CUDA-core kernel instead of one each. With `latent`
-    /// (where `LatentNorm::in_tail_of` says so), the parts are one token's query latent (or without
-    /// q-LoRA its query), kv and index key, and the launch's last blocks run their norms into
-    /// the caches as latent_norm_rope would.
+    /// (where `LatentNorm::in_tail_of` says so), the parts are one token's query latent (or
+    /// without q-LoRA its query), kv and index key, and the launch's last blocks run their
+    /// norms into the caches as latent_norm_rope would.
     pub fn matvec_parts(
         &self,
         ty: GgmlType,
