@@ -459,10 +459,10 @@ __device__ __forceinline__ void parts_tail_prefetch(const LatentNorm& a, int ite
 __device__ __forceinline__ void parts_tail(const MatvecParts& parts) {
     __shared__ float scratch[32];
     __shared__ bool last;
-    // The block's rows stored (the next kernel may launch once every block is here), then one
-    // fence for them from the thread that counts (the pattern of a cooperative grid barrier).
+    // The block's rows stored, then one fence for them from the thread that counts (with a
+    // fence in every thread of its ~1,500 blocks this launch took 16.7 us a GLM-5 layer on an
+    // H100's chain clock, against 13.5 for it and latent_norm_rope apart: docs/performance.md).
     __syncthreads();
-    pdl_launch_next();
     const int item = blockIdx.y;
     if (threadIdx.x == 0) {
         __threadfence();  // the rows before the count that lets another block read them
@@ -523,13 +523,7 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
         for (int r = 0; r < MATVEC_ROWS; r++)
             prefetch_l2(row[r] + (i64)(t / PIECES) * BYTES + p * (BYTES / PIECES));
     }
-    pdl_wait();
-    // A latent launch lets the next kernel (q_b, on bulk copies) launch only once its rows are
-    // stored (parts_tail): launched here, q_b's producers may queue their first stages (GLM-5:
-    // 264 blocks x 3 stages x 16 rows x 1168 bytes, 15 MB) ahead of this kernel's loads, and
-    // the launch took 16 us a layer on an H100's chain clock where matvec_q4_k's took 9.2
-    // (docs/performance.md, thirty-sixth look; this order not yet timed).
-    if (!parts.done) pdl_launch_next();
+    pdl_enter();
     float acc[MATVEC_ROWS];
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) acc[r] = 0.0f;
