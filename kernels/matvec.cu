@@ -480,6 +480,42 @@ __device__ __forceinline__ void parts_tail(const MatvecParts& parts) {
         key_row<TAIL_KEY_VALS, true>(parts.latent, 0, scratch);
 }
 
+// The values a thread of matvec_tma_parts_<type>'s tail holds (288 threads, the producer
+// warp's too): GLM-5's and DeepSeek-V3's widths (a query of 2048 or 1536, a latent of 512, a
+// key of 128), as ops.rs's LatentNorm::fits checks.
+#define TMA_TAIL_QUERY_VALS 8
+#define TMA_TAIL_LATENT_VALS 2
+#define TMA_TAIL_KEY_VALS 1
+
+// The end of every block of matvec_tma_parts_<type> with a latent (all its threads): the
+// block counts the tiles it stored of each of the three matrices (`tiles` of each, taken by
+// the blocks in turn) behind one fence, and the block that stores a matrix's last tile norms
+// its row as parts_tail does. scratch: 36 floats of shared memory the block no longer reads
+// (a static array of the tail's own would take Q5_K's 7168-value rows past SM120's 99 KiB).
+__device__ __forceinline__ void tma_parts_tail(const MatvecParts& pt, const int tiles[3],
+                                               float* scratch) {
+    float* last = scratch + 32;
+    __syncthreads();  // the block's rows stored, its scratch read
+    if (threadIdx.x == 0) {
+        __threadfence();  // the rows before the counts that let another block read them
+        const int b = blockIdx.x, n = gridDim.x;
+        // The block's groups before group g: b, b + n, ... below g.
+        auto before = [&](int g) { return g > b ? (g - b + n - 1) / n : 0; };
+        for (int item = 0, g0 = 0; item < 3; g0 += tiles[item++]) {
+            const int mine = before(g0 + tiles[item]) - before(g0);
+            const bool ends = mine > 0 && atomicAdd(pt.done + item, mine) + mine == tiles[item];
+            if (ends) pt.done[item] = 0;  // for the next launch (stream order)
+            last[item] = ends ? 1.0f : 0.0f;
+        }
+    }
+    __syncthreads();
+    const bool q = last[0] != 0.0f, l = last[1] != 0.0f, k = last[2] != 0.0f;
+    if (q || l || k) __threadfence();
+    if (q && pt.latent.qx) query_row<TMA_TAIL_QUERY_VALS, true>(pt.latent, 0, scratch);
+    if (l) latent_row<TMA_TAIL_LATENT_VALS, true>(pt.latent, 0, scratch);
+    if (k) key_row<TMA_TAIL_KEY_VALS, true>(pt.latent, 0, scratch);
+}
+
 // The rows of one block of threads (see the launch geometry above) with PIECES pieces per
 // quant block of ELEMS elements / BYTES bytes. Every thread reaches the barrier: rows past the
 // end are computed on the last row and not stored. HALF: up to two row groups per warp (half
@@ -1364,12 +1400,13 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
 }
 
-template <class Tile, bool SPREAD>
+template <class Tile, bool SPREAD, bool PARTS = false>
 __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const u8* sw,
                                                 const u8* sw2, i64 mat_stride, const int* ids,
                                                 int items, int rows, int k, int kpart,
                                                 i64 row_bytes, const float* x, float* y,
-                                                i64 y_stride, int glu, i64 y_part) {
+                                                i64 y_stride, int glu, i64 y_part,
+                                                const MatvecParts& pt = MatvecParts()) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
     static_assert(TMA_BLOCKS * BYTES % 16 == 0,
@@ -1379,7 +1416,13 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
     u8* zeros = tma_sm + tc_x_bytes(kpart);  // Tile::ZEROS bytes, then the stages
     u8* stages = zeros + Tile::ZEROS;
-    const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16, groups = items / mats * tiles;
+    const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16;
+    // PARTS: the tiles of w (rows rows), then pt.w1's and pt.w2's, a group each.
+    const int part_tiles[3] = {tiles, (pt.rows1 + 15) / 16, (pt.rows2 + 15) / 16};
+    const int groups = PARTS ? tiles + part_tiles[1] + part_tiles[2] : items / mats * tiles;
+    if (PARTS && pt.done) {
+        for (int item = 0; item < 3; item++) parts_tail_prefetch(pt.latent, item);
+    }
     // With a shared expert, groups 0 .. tiles - 1 are its choice (the token's last), then
     // choices 0, 1, ...: rot turns group order into choice order.
     const int choices = items / mats;
@@ -1407,6 +1450,20 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         if (is_shared(grp)) return TcItem{m ? sw2 : sw, 0, true};
         return tc_item(choice_of(grp) + m * (items / 2), items, w, w2, sw, sw2, mat_stride, ids,
                        items);
+    };
+    // Unit m of group grp's matrix, its rows, the group's tile of them and their output.
+    struct Unit {
+        const u8* mat;
+        int rows, tile;
+        float* y;
+    };
+    auto unit_of = [&](int grp, int m) {
+        if (!PARTS)
+            return Unit{item_of(grp, m).mat, rows, grp % tiles, y + choice_of(grp) * y_stride};
+        if (grp < tiles) return Unit{w, rows, grp, y};
+        grp -= tiles;
+        if (grp < part_tiles[1]) return Unit{pt.w1, pt.rows1, grp, pt.y1};
+        return Unit{pt.w2, pt.rows2, grp - part_tiles[1], pt.y2};
     };
     // Whether this thread has waited for the router (a consumer then lets the next kernel
     // launch, as pdl_enter does): before its first group of a routed choice. The chain clock
@@ -1439,9 +1496,10 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             const int pnb = part_nb(p), steps = part_steps(p);
             for (int grp = next_group(first_group(p), false); grp < groups;
                  grp = next_group(grp + gridDim.x, false)) {
-                int r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
                 for (int m = 0; m < mats; m++) {
-                    const u8* base = item_of(grp, m).mat;
+                    const Unit u = unit_of(grp, m);
+                    const int r0 = u.tile * 16, nr = min(16, u.rows - r0);
+                    const u8* base = u.mat;
                     const u8* mat = base + (i64)r0 * row_bytes + (i64)p * part_blocks * BYTES;
                     for (int st = 0; st < steps; st++, n++) {
                         int slot = n % STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
@@ -1451,7 +1509,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                             mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * BYTES;
                         if (Tile::ANY_ROW_START) {
                             bulk_copy_from_any(dst, src, cnt * BYTES, lane < nr,
-                                               base + (i64)rows * row_bytes, &full[slot]);
+                                               base + (i64)u.rows * row_bytes, &full[slot]);
                         } else {
                             if (lane == 0)
                                 mbar_expect_bytes(&full[slot], (u32)(nr * cnt * BYTES));
@@ -1462,6 +1520,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                 }
             }
         }
+        if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
         return;
     }
     if (!ids) pdl_enter();  // x may come from the previous kernel (with ids: see above)
@@ -1484,13 +1543,14 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         consumers_sync();
         for (int grp = next_group(first_group(p), true); grp < groups;
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
-            const int tile = grp % tiles;
+            const Unit u = unit_of(grp, 0);
+            const int tile = u.tile;
             for (int m = 0; m < mats; m++) {
                 // Where rows g and g + 8's block c lies in a stage; ANY_ROW_START: after the
                 // row's bytes before its 16-byte boundary (the same in every stage).
                 int at_lo = g * ROW + BYTES * c, at_hi = at_lo + 8 * ROW;
                 if (Tile::ANY_ROW_START) {
-                    const u8* r = item_of(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
+                    const u8* r = unit_of(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
                                   (i64)p * part_blocks * BYTES;
                     at_lo += (int)((unsigned long long)r & 15);
                     at_hi += (int)((unsigned long long)(r + 8 * row_bytes) & 15);
@@ -1520,7 +1580,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             consumers_sync();
             // The warps' partials in warp order, so that the glu and pair forms give the same
             // bits; a later part adds to the row its lane stored before.
-            if (warp == 0 && lane < 16 && tile * 16 + lane < rows) {
+            if (warp == 0 && lane < 16 && tile * 16 + lane < u.rows) {
                 float sum = 0.0f;
                 for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
                 if (glu) {
@@ -1528,7 +1588,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
                     sum = silu(sum) * up;
                 }
-                float* row = y + choice_of(grp) * y_stride + tile * 16 + lane;
+                float* row = u.y + tile * 16 + lane;
                 if (SPREAD)
                     row[p * y_part] = sum;
                 else
@@ -1536,6 +1596,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             }
         }
     }
+    if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
 #else
     __trap();  // ops.rs launches it on sm_90 and later only
 #endif
@@ -1562,6 +1623,24 @@ DEFINE_MATVEC_TMA(matvec_tma_q4_k, matvec_tma_spread_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, matvec_tma_spread_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, matvec_tma_spread_iq4_xs, TcIq4xs)
 DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, matvec_tma_spread_q6_k, TcQ6kTile)
+
+// The projections of one x by two or three matrices of one type (MLA's q_a, kv_a and the
+// DSA indexer's key: Gpu::matvec_parts) in one launch, k in one part: the tiles of w, then of
+// pt.w1 and pt.w2, a group each, taken by the blocks in turn. With pt.done, the launch also
+// norms them as matvec_latent_<type>'s tail does (tma_parts_tail). On the CUDA cores (as
+// matvec_latent_q4_k) GLM-5's took 16.7 us a layer on an H100's chain clock; here, with its
+// norms in latent_norm_rope after it, 6.9 + 4.5 (docs/performance.md, thirty-seventh look).
+#define DEFINE_MATVEC_TMA_PARTS(kname, Tile)                                                    \
+    extern "C" __global__ void __launch_bounds__(288, 2)                                        \
+        kname(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y,            \
+              MatvecParts pt) {                                                                 \
+        matvec_tma_body<Tile, false, true>(w, nullptr, nullptr, nullptr, 0, nullptr, 1, rows,   \
+                                           k, k, row_bytes, x, y, 0, 0, 0, pt);                 \
+    }
+DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q4_k, TcQ4k)
+DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q5_k, TcQ5k)
+DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs, TcIq4xs)
+DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k, TcQ6kTile)
 
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //

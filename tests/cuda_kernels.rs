@@ -527,15 +527,16 @@ fn hard_x(rng: &mut Rng, n: usize) -> Vec<f32> {
 /// Two or three matrices of one type times one x in one launch (`Gpu::matvec_parts`, MLA's q_a,
 /// kv_a and indexer key): each output equals its own dequantized f64 product, for parts of
 /// different lengths (the first neither the longest nor the shortest) and a type of unaligned
-/// blocks.
+/// blocks, on the CUDA cores (k = 1536) and, from sm_90 on, on the bulk copies (k = 2560).
 #[test]
 fn matvec_parts_match_dequantized_dot() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new("matvec_parts");
-    let k = 1536;
-    for (t, rows) in [
-        (GgmlType::Q4_K, &[67usize, 513, 5][..]),
-        (GgmlType::Q8_0, &[130, 9][..]),
+    for (t, k, rows) in [
+        (GgmlType::Q4_K, 1536, &[67usize, 513, 5][..]),
+        (GgmlType::Q8_0, 1536, &[130, 9][..]),
+        (GgmlType::Q5_K, 2560, &[67, 513, 5][..]),
+        (GgmlType::IQ4_XS, 2560, &[130, 9][..]),
     ] {
         let x = rng.normals(k);
         let dx = g.upload(&x).unwrap();
@@ -1857,7 +1858,8 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
 }
 
 /// One token's q_a, kv_a and indexer key (GLM-5's shapes, and DeepSeek-V3's without the key)
-/// with the latent's norms in the tail of their parts launch (matvec_latent_<type>): the
+/// with the latent's norms in the tail of their parts launch (from sm_90 on Q4_K's and Q6_K's
+/// matvec_tma_parts_<type>, Q8_0's matvec_latent_<type>): the
 /// products equal their dequantized f64 dots, the norms of those outputs equal the f64 twins,
 /// twice in a row (the tail puts its counters back), and the cache rows around the token's
 /// keep their values.
@@ -1869,6 +1871,7 @@ fn matvec_parts_tail_norms_the_latent() {
     for (t, k, dq, dk) in [
         (GgmlType::Q4_K, 6144, 2048, 128),
         (GgmlType::Q8_0, 7168, 1536, 0),
+        (GgmlType::Q6_K, 7168, 1536, 0),
     ] {
         let (dl, dr, ctx, pos) = (512, 64, 12, 7);
         let rows: Vec<usize> = [dq, dl + dr, dk].into_iter().filter(|&r| r > 0).collect();
@@ -1925,7 +1928,10 @@ fn matvec_parts_tail_norms_the_latent() {
             (dk > 0).then_some(&keys),
         )
         .unwrap();
-        assert!(latent.in_tail_of(t), "{t}: the tail takes GLM-5's widths");
+        assert!(
+            g.parts_tail_takes(t, k, &latent),
+            "{t}: the tail takes GLM-5's widths"
+        );
         for round in 0..2 {
             let x = rng.normals(k);
             let dx = g.upload(&x).unwrap();

@@ -27,9 +27,10 @@
 //!   a shared-memory copy out of bounds or misaligned is refused, and the harness runs under
 //!   AddressSanitizer where the compiler has it (reads past a buffer).
 //!
-//! - The CUDA-core parts launch of MLA's q_a, kv_a and indexer key with the latent's norms in
-//!   its last blocks (`matvec_latent_<type>`: matvec_body, then parts_tail), against the f64
-//!   norms of its rows.
+//! - The parts launches of MLA's q_a, kv_a and indexer key with the latent's norms in their
+//!   last blocks (`matvec_latent_<type>`: matvec_body, then parts_tail; and
+//!   `matvec_tma_parts_<type>`: matvec_tma_body, then tma_parts_tail), against the f64 norms
+//!   of their rows.
 //!
 //! The bound is the GPU tests' for these kernels (cuda_kernels, F32_OP), so that a change of
 //! a kernel can be checked before a GPU runs it. Needs a C++20 compiler (`$CXX`, else g++);
@@ -138,7 +139,18 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "#define TAIL_KEY_VALS "),
     Def(
         "matvec.cu",
+        "__device__ __forceinline__ void parts_tail_prefetch(",
+    ),
+    Def(
+        "matvec.cu",
         "__device__ __forceinline__ void parts_tail(",
+    ),
+    Line("matvec.cu", "#define TMA_TAIL_QUERY_VALS "),
+    Line("matvec.cu", "#define TMA_TAIL_LATENT_VALS "),
+    Line("matvec.cu", "#define TMA_TAIL_KEY_VALS "),
+    Def(
+        "matvec.cu",
+        "__device__ __forceinline__ void tma_parts_tail(",
     ),
     Line("matvec.cu", "typedef void (*PieceFn)("),
     Def("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),
@@ -197,13 +209,18 @@ const PIECES: &[Piece] = &[
     ),
     Def(
         "matvec.cu",
-        "template <class Tile, bool SPREAD>\n__device__ __forceinline__ void matvec_tma_body(",
+        "template <class Tile, bool SPREAD, bool PARTS = false>\n__device__ __forceinline__ void matvec_tma_body(",
     ),
     Line("matvec.cu", "#define DEFINE_MATVEC_TMA("),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q4_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_iq4_xs,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k,"),
+    Line("matvec.cu", "#define DEFINE_MATVEC_TMA_PARTS("),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q4_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q5_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k,"),
     Def(
         "matvec.cu",
         "template <class Tile, int TMI_WARPS>\n__device__ __forceinline__ void matvec_tma_items_body(",
@@ -1096,15 +1113,23 @@ fn cuda_core_q2_k_and_q3_k_pieces_match_f64() {
 /// and roped into its cache row) as the f64 twins of those rows say, the rows before the
 /// token's untouched and the counters back at zero. GLM-5's widths on a small k, and
 /// DeepSeek-V3's without a key (on a block more than it needs).
+/// The parts launches with the latent's norms in their tails against the f64 norms of their
+/// rows: matvec_latent_<type> (its CUDA-core body with Q2_K rows, a grid over the query's
+/// groups of 4 rows, 4 groups a block, as Gpu::matvec_parts launches it) and
+/// matvec_tma_parts_<type> for every tile type (grids of fewer blocks than tiles, so that
+/// blocks store tiles of two or three matrices and some are last for more than one).
 #[test]
 fn parts_tail_norms_the_latent_as_f64() {
     let Some(h) = Emulation::build("matvec_tail") else {
         return;
     };
-    let ty = GgmlType::Q2_K;
-    // The grid covers the query's groups of 4 rows, 4 groups a block (Gpu::matvec_parts).
-    for (dq, dk, grid, seed) in [(2048, 128, 128, 90), (1536, 0, 97, 91)] {
-        let (dl, dr, nb, pos) = (512, 64, 2, 37);
+    let cuda_cores = [(2048, 128, 128, 90), (1536, 0, 97, 91)].map(|c| (GgmlType::Q2_K, 2, c));
+    let tma = TMA_TILE_TYPES.into_iter().enumerate().flat_map(|(i, ty)| {
+        let nb = aligned_blocks(ty, 9);
+        [(2048, 128, 41, 92 + i as u64), (1536, 0, 13, 96 + i as u64)].map(|c| (ty, nb, c))
+    });
+    for (ty, nb, (dq, dk, grid, seed)) in cuda_cores.into_iter().chain(tma) {
+        let (dl, dr, pos) = (512, 64, 37);
         let mut rng = Rng::new(seed);
         let rows = [dq, dl + dr, dk];
         let w: Vec<Vec<u8>> = rows
@@ -1118,7 +1143,12 @@ fn parts_tail_norms_the_latent_as_f64() {
             .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
             .collect();
         let (mscale, eps, k_eps) = (1.2f32, 1e-6f32, 1e-5f32);
+        let (code, shared) = match tma_tile(ty) {
+            Some(tile) => (type_code(ty), tma_smem_bytes(tile, 256 * nb) as i32),
+            None => (-1, 0),
+        };
         let args = Args::default()
+            .i32(code)
             .i32(dq as i32)
             .i32((dl + dr) as i32)
             .i32(dk as i32)
@@ -1139,9 +1169,15 @@ fn parts_tail_norms_the_latent_as_f64() {
             .f32(mscale)
             .f32(eps)
             .f32(k_eps)
-            .i32(grid);
+            .i32(grid)
+            .i32(shared);
         let got = h.run(args);
-        let what = |s: &str| format!("parts tail {dq} + {} + {dk}, {grid} blocks: {s}", dl + dr);
+        let what = |s: &str| {
+            format!(
+                "{ty} parts tail {dq} + {} + {dk}, {grid} blocks: {s}",
+                dl + dr
+            )
+        };
         let mut at = 0;
         let mut take = |n: usize| {
             at += n;

@@ -612,7 +612,7 @@ impl Backend for Cuda {
             query,
             index_keys,
         );
-        let tail = latent.in_tail_of(ws[0].ty);
+        let tail = self.gpu.parts_tail_takes(ws[0].ty, x.cols, &latent);
         ok(
             self.gpu.matvec_parts(
                 ws[0].ty,

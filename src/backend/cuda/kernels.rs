@@ -217,7 +217,9 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
                 .iter()
                 .filter_map(|&ty| super::ops::tma_tile(ty));
             let mut sizes = tiles.filter_map(|t| match t.items {
-                _ if k == t.kernel || k == t.spread => Some(super::ops::tma_smem_bytes(t, t.k_max)),
+                _ if [t.kernel, t.spread, t.parts].contains(&k) => {
+                    Some(super::ops::tma_smem_bytes(t, t.k_max))
+                }
                 Some((items, warps)) if k == items => {
                     Some(super::ops::tmi_smem_bytes(t, warps, super::ops::TMI_K_MAX))
                 }

@@ -241,14 +241,11 @@ impl LatentNorm {
         })
     }
 
-    /// Whether the tail of a parts launch of type `ty` takes these norms (matvec_latent_<type>:
-    /// its types, and rows as wide as its 128 threads hold, kernels/matvec.cu's TAIL_*_VALS).
-    pub fn in_tail_of(&self, ty: GgmlType) -> bool {
-        let threads = 32 * MATVEC_WARPS as i32;
-        LATENT_TAIL_TYPES.contains(&ty)
-            && self.dq <= 16 * threads
-            && self.dl <= 4 * threads
-            && self.dk <= 2 * threads
+    /// Whether a tail of `threads` threads holding (query, latent, key) values each takes
+    /// these rows (kernels/matvec.cu: TAIL_*_VALS, TMA_TAIL_*_VALS).
+    fn fits(&self, threads: usize, (q, l, k): (usize, usize, usize)) -> bool {
+        let held = |v: usize| (v * threads) as i32;
+        self.dq <= held(q) && self.dl <= held(l) && self.dk <= held(k)
     }
 }
 
@@ -460,6 +457,8 @@ pub struct TmaTile {
     pub kernel: &'static str,
     /// Its form for one matrix whose parts of k are spread over the blocks (`Matvec::y_part`).
     pub spread: &'static str,
+    /// Its form for two or three matrices of one x (`Gpu::matvec_parts`).
+    pub parts: &'static str,
     /// The kernel of items with their own x, and its consumer warps (a stage each; fewer
     /// where 4 stages would not fit). None for Q6_K: its items form lost to the CUDA cores
     /// (H200, the DS3 MoE row's downs: 136.3 -> 145.9 us; docs/performance.md).
@@ -500,10 +499,11 @@ pub const TMA_TILE_TYPES: [GgmlType; 4] = [
 ];
 
 pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
-    let tile = |(kernel, spread), items, row, stages, k_max| {
+    let tile = |(kernel, spread, parts), items, row, stages, k_max| {
         Some(TmaTile {
             kernel,
             spread,
+            parts,
             items,
             bytes: ty.type_size(),
             row,
@@ -515,28 +515,44 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
     };
     match ty {
         GgmlType::Q4_K => tile(
-            ("matvec_tma_q4_k", "matvec_tma_spread_q4_k"),
+            (
+                "matvec_tma_q4_k",
+                "matvec_tma_spread_q4_k",
+                "matvec_tma_parts_q4_k",
+            ),
             Some(("matvec_tma_items_q4_k", 4)),
             1168,
             3,
             9216,
         ),
         GgmlType::Q5_K => tile(
-            ("matvec_tma_q5_k", "matvec_tma_spread_q5_k"),
+            (
+                "matvec_tma_q5_k",
+                "matvec_tma_spread_q5_k",
+                "matvec_tma_parts_q5_k",
+            ),
             Some(("matvec_tma_items_q5_k", 3)),
             1424,
             3,
             7168,
         ),
         GgmlType::IQ4_XS => tile(
-            ("matvec_tma_iq4_xs", "matvec_tma_spread_iq4_xs"),
+            (
+                "matvec_tma_iq4_xs",
+                "matvec_tma_spread_iq4_xs",
+                "matvec_tma_parts_iq4_xs",
+            ),
             Some(("matvec_tma_items_iq4_xs", 4)),
             1104,
             3,
             10240,
         ),
         GgmlType::Q6_K => tile(
-            ("matvec_tma_groups_q6_k", "matvec_tma_spread_q6_k"),
+            (
+                "matvec_tma_groups_q6_k",
+                "matvec_tma_spread_q6_k",
+                "matvec_tma_parts_q6_k",
+            ),
             None,
             1712,
             2,
@@ -810,18 +826,40 @@ impl Gpu {
         Ok(())
     }
 
-    /// Whether `a` runs on the CUDA-core matvec kernel, the one `matvec_parts` launches.
+    /// Whether `a` runs on the CUDA-core matvec kernel, the one `matvec_parts` stands in for.
     pub fn on_cuda_cores(&self, a: &Matvec) -> bool {
         let readable = a.ty.row_bytes(a.k).is_some();
         readable && !a.transposed && !uses_int_q6_k(a) && !self.on_tensor_cores(a)
     }
 
+    /// The bulk-copy kernel of `matvec_parts` for matrices of type `ty` and rows of `k`
+    /// values, where the tile type takes them in one part (sm_90 and later): the rows'
+    /// copies start as the launch does, before the previous kernel ends.
+    fn parts_tile(&self, ty: GgmlType, k: usize) -> Option<TmaTile> {
+        tma_tile(ty).filter(|t| {
+            self.bulk_copies
+                && (TMA_K_MIN..=t.k_max).contains(&k)
+                && (k / 256).is_multiple_of(t.block_step())
+        })
+    }
+
+    /// Whether the tail of `matvec_parts` for type `ty` and rows of `k` values takes the
+    /// norms of `a`: the bulk-copy kernel's (288 threads), else matvec_latent_<type>'s (its
+    /// types, 128 threads).
+    pub fn parts_tail_takes(&self, ty: GgmlType, k: usize, a: &LatentNorm) -> bool {
+        match self.parts_tile(ty, k) {
+            Some(_) => a.fits(288, (8, 2, 1)),
+            None => LATENT_TAIL_TYPES.contains(&ty) && a.fits(32 * MATVEC_WARPS, (16, 4, 2)),
+        }
+    }
+
     /// y_i = W_i x for two or three matrices of one type and row length `k` and one x: the
     /// projections of one activation (MLA's q_a, kv_a and the indexer key; a shared expert's
-    /// gate and up) in one launch of the CUDA-core kernel instead of one each. With `latent`
-    /// (where `LatentNorm::in_tail_of` says so), the parts are one token's query latent (or
-    /// without q-LoRA its query), kv and index key, and the launch's last blocks run their
-    /// norms into the caches as latent_norm_rope would.
+    /// gate and up) in one launch instead of one each: matvec_tma_parts_<type> where the
+    /// bulk copies take the rows, else the CUDA-core kernel. With `latent` (where
+    /// `parts_tail_takes` says so), the parts are one token's query latent (or without q-LoRA
+    /// its query), kv and index key, and the launch's last blocks run their norms into the
+    /// caches as latent_norm_rope would.
     pub fn matvec_parts(
         &self,
         ty: GgmlType,
@@ -844,6 +882,16 @@ impl Gpu {
             })
         };
         let (p0, p1, p2) = (part(0), part(1), part(2));
+        if let Some(a) = latent {
+            check(
+                self.parts_tail_takes(ty, k, a)
+                    && (a.qx == 0 || a.qx == p0.y)
+                    && a.kv == p1.y
+                    && a.kx == if parts.len() == 3 { p2.y } else { 0 },
+                "matvec_parts",
+                || format!("a latent's norms in the tail of a {ty} parts launch"),
+            )?;
+        }
         let mut extra = MatvecParts {
             w1: p1.w,
             w2: p2.w,
@@ -853,22 +901,28 @@ impl Gpu {
             y2: p2.y,
             ..MatvecParts::default()
         };
+        if let Some(a) = latent {
+            extra.done = self.zeroed_counters(&self.latent_done, 3)?;
+            extra.latent = *a;
+        }
+        if let Some(tile) = self.parts_tile(ty, k) {
+            // A block per tile of the three matrices, up to a wave.
+            let tiles: usize = parts.iter().map(|p| p.rows.div_ceil(16)).sum();
+            let smem = tma_smem_bytes(tile, k);
+            let slots = self.wave_blocks(tile.parts, 288, smem)?;
+            launch!(self, tile.parts, (tiles.min(slots) as u32, 1, 1), 288,
+                smem as u32;
+                p0.w, p0.rows as i32, k as i32, rb as i64, x, p0.y, extra);
+            return Ok(());
+        }
         // The grid of the longest part; the others' surplus blocks find no rows and return.
         let rows = parts.iter().map(|p| p.rows).max().unwrap();
         let (mut kernel, grid_x, block) = matvec_geometry(ty, rows, 1, k, rb)?;
-        if let Some(a) = latent {
-            check(
-                a.in_tail_of(ty)
-                    && block == 32 * MATVEC_WARPS as u32
-                    && (a.qx == 0 || a.qx == p0.y)
-                    && a.kv == p1.y
-                    && a.kx == if parts.len() == 3 { p2.y } else { 0 },
-                "matvec_parts",
-                || format!("a latent's norms in the tail of a {ty} parts launch"),
-            )?;
+        if latent.is_some() {
+            check(block == 32 * MATVEC_WARPS as u32, "matvec_parts", || {
+                format!("{block} threads for the tail of a {ty} parts launch")
+            })?;
             kernel = typed_kernel("matvec_latent", ty)?;
-            extra.done = self.zeroed_counters(&self.latent_done, 3)?;
-            extra.latent = *a;
         }
         launch!(self, kernel, (grid_x, parts.len() as u32, 1), block, 0;
             p0.w, 0i64, 0 as Ptr, p0.rows as i32, k as i32, rb as i64, x, 1i32, 0i64, p0.y, 0i64,
