@@ -8,7 +8,8 @@
 // W rows are `row_bytes` apart and `k` elements long (a whole number of blocks).
 // A parts launch (w1 not null, grid.y 2 or 3, no ids): item 1 is instead y1 = W1 x (rows1
 // rows), item 2 y2 = W2 x, the same type, k and x as item 0: the projections of one activation
-// in one launch (Gpu::matvec_parts).
+// in one launch (Gpu::matvec_parts; from sm_90 on, the bulk-copy tile types' rows of 2048 and
+// more values take matvec_tma_parts_<type> instead).
 
 // Launch geometry (Gpu::matvec): blocks of MATVEC_WARPS warps (f32: up to MATVEC_WIDE_WARPS),
 // grid (ceil(groups / G), batch) where a group is MATVEC_ROWS consecutive rows and G (1, 2 or
@@ -35,11 +36,12 @@
 // at ~6 instructions per weight and row (ncu), which is what matvec_tc_q4_k below avoids.
 #define MATVEC_ROWS 4
 
-// Items 1 and 2 of a parts launch (see the top), or w1 null. In matvec_latent_<type>'s launch
-// (`done`: 3 counters, zero before the launch and after it) the parts are MLA's q_a, kv_a and
-// indexer key of one token, and `latent` norms them (its qx, kv and kx are y, y1 and y2): the
-// last block of item 0 to finish norms the query, of item 1 the latent, of item 2 the key
-// (parts_tail below), so that the token needs no latent_norm_rope launch.
+// Items 1 and 2 of a parts launch (see the top), or w1 null. With `done` (3 counters, zero
+// before the launch and after it: matvec_latent_<type> and matvec_tma_parts_<type>) the parts
+// are MLA's q_a, kv_a and indexer key of one token, and `latent` norms them (its qx, kv and kx
+// are y, y1 and y2): the last block of item 0 to finish norms the query, of item 1 the latent,
+// of item 2 the key (parts_tail, tma_parts_tail below), so that the token needs no
+// latent_norm_rope launch.
 struct MatvecParts {
     const u8 *w1, *w2;
     int rows1, rows2;
@@ -2260,7 +2262,8 @@ FOR_EACH_QTYPE(DEFINE_MATVEC)
 // The parts launch of MLA's q_a, kv_a and indexer key with the latent's norms in its last
 // blocks (MatvecParts::done, parts_tail), for the types these take in the models' files; a
 // kernel of its own, so that the others keep their code and registers (the tail would take
-// matvec_q5_0, MLA's k_b, from 48 to 56). Others take matvec_<type> and latent_norm_rope.
+// matvec_q5_0, MLA's k_b, from 48 to 56). From sm_90 on the bulk-copy tile types take
+// matvec_tma_parts_<type> instead; other types take matvec_<type> and latent_norm_rope.
 #define DEFINE_MATVEC_LATENT(name, elems, bytes)                                            \
     extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS) matvec_latent_##name(  \
         const u8* w, i64 mat_stride, const int* ids, int rows, int k, i64 row_bytes,        \

@@ -1124,9 +1124,15 @@ fn parts_tail_norms_the_latent_as_f64() {
         return;
     };
     let cuda_cores = [(2048, 128, 128, 90), (1536, 0, 97, 91)].map(|c| (GgmlType::Q2_K, 2, c));
-    let tma = TMA_TILE_TYPES.into_iter().enumerate().flat_map(|(i, ty)| {
-        let nb = aligned_blocks(ty, 9);
-        [(2048, 128, 41, 92 + i as u64), (1536, 0, 13, 96 + i as u64)].map(|c| (ty, nb, c))
+    // Each tile type once, GLM-5's and DeepSeek-V3's shapes in turn (the tiles' own loads are
+    // bulk_copy_kernels_match_f64's).
+    let tma = TMA_TILE_TYPES.into_iter().enumerate().map(|(i, ty)| {
+        let shape = [(2048, 128, 41), (1536, 0, 13)][i % 2];
+        (
+            ty,
+            aligned_blocks(ty, 9),
+            (shape.0, shape.1, shape.2, 92 + i as u64),
+        )
     });
     for (ty, nb, (dq, dk, grid, seed)) in cuda_cores.into_iter().chain(tma) {
         let (dl, dr, pos) = (512, 64, 37);

@@ -60,8 +60,9 @@ pub struct Gpu {
     /// Grow-only counter and per-block pairs of `argmax_row` (ops.rs), the counter zero
     /// between launches.
     pub(super) argmax_work: Mutex<Option<CudaSlice<i32>>>,
-    /// The per-item counters of matvec_latent_<type>'s tail (`Gpu::matvec_parts`, ops.rs), zero
-    /// between launches: the last block of each item puts its counter back.
+    /// The per-item counters of the parts launches' tails (matvec_latent_<type>,
+    /// matvec_tma_parts_<type>: `Gpu::matvec_parts`, ops.rs), zero between launches: the last
+    /// block of each item puts its counter back.
     pub(super) latent_done: Mutex<Option<CudaSlice<i32>>>,
     /// The chain clock's stamps and launches, where `kernels::chain_clock` is on.
     chain_clock: Option<ChainClock>,

@@ -138,7 +138,8 @@ struct TcCombine {
 unsafe impl cudarc::driver::DeviceRepr for TcCombine {}
 
 /// The kernel's MatvecParts (kernels/matvec.cu): items 1 and 2 of a parts launch, or all 0;
-/// in matvec_latent_<type>'s, the counters of its tail and the latent's norms.
+/// with a latent (matvec_latent_<type>, matvec_tma_parts_<type>), the counters of its tail
+/// and the latent's norms.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct MatvecParts {
@@ -249,8 +250,8 @@ impl LatentNorm {
     }
 }
 
-/// The types of matvec_latent_<type> (kernels/matvec.cu): those MLA's q_a and kv_a take in the
-/// models' files.
+/// The types of matvec_latent_<type> (kernels/matvec.cu), the parts launch on the CUDA cores
+/// with the latent's tail: those MLA's q_a and kv_a take in the models' files.
 const LATENT_TAIL_TYPES: [GgmlType; 5] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
