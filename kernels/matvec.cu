@@ -1341,7 +1341,8 @@ struct TcQ6kTile {
 // attn_output: 384 tiles over 264 blocks, of which 120 take two), the blocks take the units
 // (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
 // rows, at y + p * y_part: add_rmsnorm_cluster sums them in part order, so the rows come out the
-// same bits as above (matvec_tma_spread_<type>). Dynamic shared memory tma_smem_bytes(kpart)
+// same bits as above (matvec_tma_spread_<type>). matvec_tma_parts_<type> (below) walks the
+// tiles of two or three matrices of one x instead, a group each. Dynamic shared memory tma_smem_bytes(kpart)
 // (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
@@ -1453,19 +1454,20 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         return tc_item(choice_of(grp) + m * (items / 2), items, w, w2, sw, sw2, mat_stride, ids,
                        items);
     };
-    // Unit m of group grp's matrix, its rows, the group's tile of them and their output.
-    struct Unit {
+    // Group grp's tile of its m-th matrix (glu: the gate's, then the up's): the matrix, its
+    // rows, the tile's index among them and the rows' output.
+    struct GroupTile {
         const u8* mat;
         int rows, tile;
         float* y;
     };
-    auto unit_of = [&](int grp, int m) {
+    auto group_tile = [&](int grp, int m) {
         if (!PARTS)
-            return Unit{item_of(grp, m).mat, rows, grp % tiles, y + choice_of(grp) * y_stride};
-        if (grp < tiles) return Unit{w, rows, grp, y};
+            return GroupTile{item_of(grp, m).mat, rows, grp % tiles, y + choice_of(grp) * y_stride};
+        if (grp < tiles) return GroupTile{w, rows, grp, y};
         grp -= tiles;
-        if (grp < part_tiles[1]) return Unit{pt.w1, pt.rows1, grp, pt.y1};
-        return Unit{pt.w2, pt.rows2, grp - part_tiles[1], pt.y2};
+        if (grp < part_tiles[1]) return GroupTile{pt.w1, pt.rows1, grp, pt.y1};
+        return GroupTile{pt.w2, pt.rows2, grp - part_tiles[1], pt.y2};
     };
     // Whether this thread has waited for the router (a consumer then lets the next kernel
     // launch, as pdl_enter does): before its first group of a routed choice. The chain clock
@@ -1499,7 +1501,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             for (int grp = next_group(first_group(p), false); grp < groups;
                  grp = next_group(grp + gridDim.x, false)) {
                 for (int m = 0; m < mats; m++) {
-                    const Unit u = unit_of(grp, m);
+                    const GroupTile u = group_tile(grp, m);
                     const int r0 = u.tile * 16, nr = min(16, u.rows - r0);
                     const u8* base = u.mat;
                     const u8* mat = base + (i64)r0 * row_bytes + (i64)p * part_blocks * BYTES;
@@ -1545,14 +1547,14 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         consumers_sync();
         for (int grp = next_group(first_group(p), true); grp < groups;
              grp = next_group(grp + gridDim.x, true), par ^= 1) {
-            const Unit u = unit_of(grp, 0);
+            const GroupTile u = group_tile(grp, 0);
             const int tile = u.tile;
             for (int m = 0; m < mats; m++) {
                 // Where rows g and g + 8's block c lies in a stage; ANY_ROW_START: after the
                 // row's bytes before its 16-byte boundary (the same in every stage).
                 int at_lo = g * ROW + BYTES * c, at_hi = at_lo + 8 * ROW;
                 if (Tile::ANY_ROW_START) {
-                    const u8* r = unit_of(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
+                    const u8* r = group_tile(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
                                   (i64)p * part_blocks * BYTES;
                     at_lo += (int)((unsigned long long)r & 15);
                     at_hi += (int)((unsigned long long)(r + 8 * row_bytes) & 15);
