@@ -31,6 +31,7 @@
 
 mod common;
 
+use common::synth::{synth, Synth};
 use common::{golden_dir, load, load_ref, manifest_noise, model_path, ref_tokens};
 use std::collections::HashMap;
 use std::path::Path;
@@ -40,6 +41,7 @@ use mla_engine::backend::cuda::backend::MATMUL_MIN_ROWS;
 use mla_engine::backend::cuda::{Cuda, CudaError};
 use mla_engine::backend::Backend;
 use mla_engine::config::{Gating, MoeConfig};
+use mla_engine::gguf::GgmlType;
 use mla_engine::model::mla::LATENT_NORM_EPS;
 use mla_engine::model::{dsa, Model, Taps};
 use mla_engine::trace::{
@@ -615,4 +617,50 @@ fn device_routing_equals_host_routing_on_the_gpu() {
         println!("{variant}: device vs host routing, prefill + 3 decode steps: {e:.2e}");
         assert!(e <= 1e-5, "{variant}: device routing differs by {e:.2e}");
     }
+}
+
+/// Logits of `tokens` fed one at a time from position 0: every step on the decode path.
+fn stepped_logits<B: Backend>(m: &Model<B>, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = m.new_cache(tokens.len());
+    let mut out = Vec::new();
+    for &t in tokens {
+        let logits = m.forward(&mut cache, &[t], &mut Taps::none()).unwrap();
+        out.extend(m.backend.download(&logits));
+    }
+    out
+}
+
+/// The decode path as a GPU runs a full-width model's attention: from sm_90 on, q_a and kv_a
+/// of 2048-value rows go to the bulk-copy parts kernel with the latent's norms in its tail
+/// (`Gpu::matvec_parts`), which no golden model is wide enough to reach. A ds3-shaped
+/// synthetic model 2048 wide with q_a and kv_a in Q4_K, the same tokens decoded one at a time
+/// on the GPU and on the CPU (the f32 reference): every position's logits within the f32
+/// path's 1e-4.
+#[test]
+fn wide_model_decode_matches_the_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let wide = Synth {
+        width: Some(2048),
+        kv_a: GgmlType::Q4_K,
+        ..Synth::default()
+    };
+    let path = synth(&wide, "wide-cuda");
+    let on_gpu = open(&path, gpu);
+    let on_cpu = Model::open(&path, Cpu).unwrap();
+    let vocab = on_cpu.cfg.n_vocab as u32;
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % vocab).collect();
+    let (got, want) = (
+        stepped_logits(&on_gpu, &tokens),
+        stepped_logits(&on_cpu, &tokens),
+    );
+    let e = relative_error(&got, &want);
+    println!(
+        "2048-wide synthetic model, {} decode steps: relative error {e:.2e}",
+        tokens.len()
+    );
+    assert!(
+        e <= 1e-4,
+        "the GPU's decode differs from the CPU's by {e:.2e}"
+    );
+    std::fs::remove_file(&path).unwrap();
 }

@@ -8,6 +8,8 @@ use mla_engine::sampling::argmax;
 use mla_engine::trace::Trace;
 use std::path::PathBuf;
 
+pub mod synth;
+
 /// An rstest with one case per committed golden GGUF. Wraps a test function whose first argument
 /// is `variant: &str`: each file's name (`ds3.q8_0`) becomes its own case, and the other
 /// arguments keep their own rstest attributes (`#[values(0, 1)] prompt: usize`).
