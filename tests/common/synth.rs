@@ -90,7 +90,7 @@ pub fn synth(s: &Synth, tag: &str) -> PathBuf {
     let base = GgufFile::open(model_path("ds3.q8_0")).unwrap();
     let cfg = ModelConfig::from_gguf(&base).unwrap();
     let arch = "deepseek2";
-    let path = std::env::temp_dir().join(format!("tp-synth-{tag}-{}.gguf", std::process::id()));
+    let path = std::env::temp_dir().join(format!("synth-{tag}-{}.gguf", std::process::id()));
     let mut w = GgufWriter::new(&path, 32).unwrap();
     let e = s.width.unwrap_or(cfg.n_embd);
     for (k, v) in base.metadata() {
