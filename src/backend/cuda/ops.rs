@@ -907,6 +907,11 @@ impl Gpu {
             extra.latent = *a;
         }
         if let Some(tile) = self.parts_tile(ty, k) {
+            check(
+                parts.iter().all(|p| p.w.is_multiple_of(16)),
+                "matvec_parts",
+                || "the bulk copies need 16-byte aligned matrices".into(),
+            )?;
             // A block per tile of the three matrices, up to a wave.
             let tiles: usize = parts.iter().map(|p| p.rows.div_ceil(16)).sum();
             let smem = tma_smem_bytes(tile, k);
