@@ -47,6 +47,18 @@ struct MatvecParts {
     int rows1, rows2;
     float *y1, *y2;
     int* done;
+    float* qsq;
+    LatentNorm latent;
+};
+
+// q_b's product of a token's query latent that matvec_tma_parts_<type> left unnormed (its qsq
+// mode): x is latent.qx, the latent times its norm's weights, and sq the sums of its squares
+// over each of `tiles` tiles of 16 values; matvec_tma_query_<type> scales its rows by the
+// norm's factor, and its last block writes the normed latent (latent.qy) and the latent's and
+// the key's cache rows (tma_query_tail), which the parts launch then leaves to it.
+struct QueryRows {
+    const float* sq;
+    int tiles;
     LatentNorm latent;
 };
 
@@ -516,6 +528,27 @@ __device__ __forceinline__ void tma_parts_tail(const MatvecParts& pt, const int 
     if (q && pt.latent.qx) query_row<TMA_TAIL_QUERY_VALS, true>(pt.latent, 0, scratch);
     if (l) latent_row<TMA_TAIL_LATENT_VALS, true>(pt.latent, 0, scratch);
     if (k) key_row<TMA_TAIL_KEY_VALS, true>(pt.latent, 0, scratch);
+}
+
+// The factor of a query latent's RMS norm from its tiles' sums of squares, added in one order
+// by every warp (the same bits in every thread).
+__device__ __forceinline__ float query_norm_factor(const QueryRows& qr) {
+    float s = 0.0f;
+    for (int i = threadIdx.x & 31; i < qr.tiles; i += 32) s += __ldcg(qr.sq + i);
+    return rsqrtf(warp_sum(s) / (float)qr.latent.dq + qr.latent.eps);
+}
+
+// The end of matvec_tma_query_<type>'s last block (all its threads, after its products): the
+// normed query latent, and the latent's and the key's rows into their caches, as
+// tma_parts_tail would have written them at the end of the parts launch (whose grid q_b's
+// wait then waited for).
+__device__ __forceinline__ void tma_query_tail(const QueryRows& qr, float* scratch) {
+    const LatentNorm& a = qr.latent;
+    __syncthreads();  // the consumers have waited for the parts launch; the scratch is read
+    const float inv = query_norm_factor(qr);
+    for (int i = threadIdx.x; i < a.dq; i += blockDim.x) a.qy[i] = __ldcg(a.qx + i) * inv;
+    latent_row<TMA_TAIL_LATENT_VALS, true>(a, 0, scratch);
+    if (a.kx) key_row<TMA_TAIL_KEY_VALS, true>(a, 0, scratch);
 }
 
 // The rows of one block of threads (see the launch geometry above) with PIECES pieces per
@@ -1403,13 +1436,14 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
 }
 
-template <class Tile, bool SPREAD, bool PARTS = false>
+template <class Tile, bool SPREAD, bool PARTS = false, bool QUERY = false>
 __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const u8* sw,
                                                 const u8* sw2, i64 mat_stride, const int* ids,
                                                 int items, int rows, int k, int kpart,
                                                 i64 row_bytes, const float* x, float* y,
                                                 i64 y_stride, int glu, i64 y_part,
-                                                const MatvecParts& pt = MatvecParts()) {
+                                                const MatvecParts& pt = MatvecParts(),
+                                                const QueryRows& qr = QueryRows()) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES, STAGES = Tile::STAGES;
     static_assert(TMA_BLOCKS * BYTES % 16 == 0,
@@ -1525,9 +1559,11 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             }
         }
         if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
+        if (QUERY && blockIdx.x == gridDim.x - 1) tma_query_tail(qr, &partial[0][0][0][0]);
         return;
     }
     if (!ids) pdl_enter();  // x may come from the previous kernel (with ids: see above)
+    const float inv = QUERY ? query_norm_factor(qr) : 1.0f;
     // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
     // segments (Q4_K: 1168 = 16 mod 128 bytes apart) put the 8 rows' headers on distinct banks
     // and their 32-byte qs pieces two to a bank (one and two wavefronts).
@@ -1584,7 +1620,18 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             consumers_sync();
             // The warps' partials in warp order, so that the glu and pair forms give the same
             // bits; a later part adds to the row its lane stored before.
-            if (warp == 0 && lane < 16 && tile * 16 + lane < u.rows) {
+            // qsq: the query's tiles (w's) times its norm's weights, and their sums of squares.
+            const bool weighs = PARTS && pt.qsq && grp < tiles;
+            if (weighs && warp == 0) {
+                const int r = tile * 16 + lane;
+                const bool live = lane < 16 && r < rows;
+                float sum = 0.0f;
+                for (int i = 0; i < TMA_BLOCKS && live; i++) sum += partial[par][0][i][lane];
+                const float sq = warp_sum(sum * sum);
+                if (live) u.y[r] = sum * pt.latent.qw[r];
+                if (lane == 0) pt.qsq[tile] = sq;
+            }
+            if (!weighs && warp == 0 && lane < 16 && tile * 16 + lane < u.rows) {
                 float sum = 0.0f;
                 for (int i = 0; i < TMA_BLOCKS; i++) sum += partial[par][0][i][lane];
                 if (glu) {
@@ -1592,6 +1639,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     for (int i = 0; i < TMA_BLOCKS; i++) up += partial[par][1][i][lane];
                     sum = silu(sum) * up;
                 }
+                if (QUERY) sum *= inv;
                 float* row = u.y + tile * 16 + lane;
                 if (SPREAD)
                     row[p * y_part] = sum;
@@ -1601,6 +1649,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         }
     }
     if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
+    if (QUERY && blockIdx.x == gridDim.x - 1) tma_query_tail(qr, &partial[0][0][0][0]);
 #else
     __trap();  // ops.rs launches it on sm_90 and later only
 #endif
@@ -1645,6 +1694,22 @@ DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs, TcIq4xs)
 DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k, TcQ6kTile)
+
+// q-LoRA's q_b for one token after a parts launch in its qsq mode (QueryRows): the plain walk
+// over x = qr.latent.qx, k in one part, its rows times the query norm's factor, the last block
+// then writing the normed latent and the cache rows the parts launch left (tma_query_tail), so
+// that q_b's wait no longer waits for a tail.
+#define DEFINE_MATVEC_TMA_QUERY(kname, Tile)                                                    \
+    extern "C" __global__ void __launch_bounds__(288, 2)                                        \
+        kname(const u8* w, int rows, int k, i64 row_bytes, float* y, QueryRows qr) {            \
+        matvec_tma_body<Tile, false, false, true>(w, nullptr, nullptr, nullptr, 0, nullptr, 1,  \
+                                                  rows, k, k, row_bytes, qr.latent.qx, y, 0, 0, \
+                                                  0, MatvecParts(), qr);                        \
+    }
+DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q4_k, TcQ4k)
+DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q5_k, TcQ5k)
+DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_iq4_xs, TcIq4xs)
+DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
 
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //

@@ -631,17 +631,21 @@ fn stepped_logits<B: Backend>(m: &Model<B>, tokens: &[u32]) -> Vec<f32> {
 }
 
 /// The decode path as a GPU runs a full-width model's attention: from sm_90 on, q_a and kv_a
-/// of 2048-value rows go to the bulk-copy parts kernel with the latent's norms in its tail
-/// (`Gpu::matvec_parts`), which no golden model is wide enough to reach. A ds3-shaped
-/// synthetic model 2048 wide with q_a and kv_a in Q4_K, the same tokens decoded one at a time
-/// on the GPU and on the CPU (the f32 reference): every position's logits within the f32
-/// path's 1e-4.
+/// of 2048-value rows go to the bulk-copy parts kernel, and q_b (8448 x 2048) after it to
+/// matvec_tma_query_<type>, which folds the query latent's norm and writes the cache rows
+/// (`Gpu::query_projections`); no golden model is wide enough to reach them. A ds3-shaped
+/// synthetic model 2048 wide with 176 heads and q_lora 2048, q_a, kv_a and q_b in Q4_K, the
+/// same tokens decoded one at a time on the GPU and on the CPU (the f32 reference): every
+/// position's logits within the f32 path's 1e-4.
 #[test]
 fn wide_model_decode_matches_the_cpu() {
     let Some(gpu) = cuda() else { return };
     let wide = Synth {
+        heads: 176,
         width: Some(2048),
         kv_a: GgmlType::Q4_K,
+        q_lora: Some(2048),
+        q_b: GgmlType::Q4_K,
         ..Synth::default()
     };
     let path = synth(&wide, "wide-cuda");

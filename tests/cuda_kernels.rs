@@ -543,7 +543,7 @@ fn matvec_parts_match_dequantized_dot() {
         let case = random_parts(&g, &mut rng, t, rows, k);
         g.matvec_parts(t, k, g.ptr(&dx, 0), &case.parts, None)
             .unwrap();
-        case.check(&g, &format!("matvec_parts {t}"), t, k, &x);
+        case.check(&g, &format!("matvec_parts {t}"), (t, k), &x, None);
     }
 }
 
@@ -577,13 +577,24 @@ fn random_parts(g: &Gpu, rng: &mut Rng, t: GgmlType, rows: &[usize], k: usize) -
 }
 
 impl PartsCase {
-    /// Each part's output against its dequantized f64 product with x; returns the outputs.
-    fn check(&self, g: &Gpu, what: &str, t: GgmlType, k: usize, x: &[f32]) -> Vec<Vec<f32>> {
+    /// Each part's output against its dequantized f64 product with x (part 0's times
+    /// `weighed`, where given); returns the outputs.
+    fn check(
+        &self,
+        g: &Gpu,
+        what: &str,
+        (t, k): (GgmlType, usize),
+        x: &[f32],
+        weighed: Option<&[f32]>,
+    ) -> Vec<Vec<f32>> {
         let mut ys = Vec::new();
         for (i, (part, w)) in self.parts.iter().zip(&self.ws).enumerate() {
             let r = part.rows;
             let wf = dequant_rows(t, w, r, k);
-            let want: Vec<f64> = (0..r).map(|j| dot64(&wf[j * k..][..k], x)).collect();
+            let factor = |j: usize| weighed.filter(|_| i == 0).map_or(1.0, |v| v[j] as f64);
+            let want: Vec<f64> = (0..r)
+                .map(|j| dot64(&wf[j * k..][..k], x) * factor(j))
+                .collect();
             let y = g.download(&self.dys[i]).unwrap();
             assert_close(&format!("{what} part {i} ({r} rows)"), &y, &want, F32_OP);
             ys.push(y);
@@ -1859,7 +1870,8 @@ fn latent_norm_rope_fills_only_its_cache_rows() {
 
 /// One token's q_a, kv_a and indexer key (GLM-5's shapes, and DeepSeek-V3's without the key)
 /// with the latent's norms in the tail of their parts launch (from sm_90 on Q4_K's and Q6_K's
-/// matvec_tma_parts_<type>, Q8_0's matvec_latent_<type>): the
+/// matvec_tma_parts_<type>, Q8_0's matvec_latent_<type>), and for GLM-5's Q4_K with q_b
+/// after them (`Gpu::query_projections`, sm_90 on): the
 /// products equal their dequantized f64 dots, the norms of those outputs equal the f64 twins,
 /// twice in a row (the tail puts its counters back), and the cache rows around the token's
 /// keep their values.
@@ -1932,15 +1944,9 @@ fn matvec_parts_tail_norms_the_latent() {
             g.parts_tail_takes(t, k, &latent),
             "{t}: the tail takes GLM-5's widths"
         );
-        for round in 0..2 {
-            let x = rng.normals(k);
-            let dx = g.upload(&x).unwrap();
-            g.matvec_parts(t, k, g.ptr(&dx, 0), parts, Some(&latent))
-                .unwrap();
-            let ys = case.check(&g, &format!("{t} round {round}"), t, k, &x);
-            let what = |s: &str| format!("{t} round {round}: the tail's {s}");
-            let q = g.download(&dqy).unwrap();
-            assert_close(&what("query"), &q, &rmsnorm_twin(&ys[0], &qw, eps), F32_OP);
+        // The latent's and the key's cache rows against the twins of the kernel's own rows,
+        // the rows around the token's untouched.
+        let check_rows = |what: &dyn Fn(&str) -> String, ys: &[Vec<f32>]| {
             let want = latent_twin(&ys[1], &w, eps, (&inv_freq, pos, mscale));
             let planes = g.download(&dc).unwrap();
             let row = |r: usize| &planes[2 * LATENT_DIMS * r..2 * LATENT_DIMS * (r + 1)];
@@ -1968,7 +1974,60 @@ fn matvec_parts_tail_norms_the_latent() {
                     }
                 }
             }
+        };
+        for round in 0..2 {
+            let x = rng.normals(k);
+            let dx = g.upload(&x).unwrap();
+            g.matvec_parts(t, k, g.ptr(&dx, 0), parts, Some(&latent))
+                .unwrap();
+            let ys = case.check(&g, &format!("{t} round {round}"), (t, k), &x, None);
+            let what = |s: &str| format!("{t} round {round}: the tail's {s}");
+            let q = g.download(&dqy).unwrap();
+            assert_close(&what("query"), &q, &rmsnorm_twin(&ys[0], &qw, eps), F32_OP);
+            check_rows(&what, &ys);
         }
+
+        // q-LoRA's q_b after the same projections (GLM-5's 16384 rows), where its bulk-copy
+        // kernel takes it (Gpu::query_projections): the parts launch stores the query's rows
+        // times its norm's weights, q_b's rows the product of the normed latent, and q_b's
+        // last block the normed latent and the cache rows.
+        let rows_b = 16384;
+        let wb = random_rows(&mut rng, t, rows_b, dq);
+        let (dwb, dyb, dsq) = (
+            g.upload(&wb).unwrap(),
+            poisoned(&g, rows_b),
+            poisoned(&g, dq.div_ceil(16)),
+        );
+        let q_b = Matvec::single(
+            t,
+            g.ptr(&dwb, 0),
+            (parts[0].y, g.ptr(&dyb, 0)),
+            (rows_b, dq),
+        );
+        if !g.query_takes(t, k, &q_b, &latent) {
+            println!("{t}: q_b {rows_b} x {dq} is not on the bulk copies here");
+            continue;
+        }
+        let x = rng.normals(k);
+        let dx = g.upload(&x).unwrap();
+        g.query_projections(t, k, g.ptr(&dx, 0), parts, &latent, &q_b, g.ptr(&dsq, 0))
+            .unwrap();
+        let what = |s: &str| format!("{t} with q_b: {s}");
+        let ys = case.check(&g, &what("the projections"), (t, k), &x, Some(&qw));
+        let wq = dequant_rows(t, &case.ws[0], dq, k);
+        let q_raw: Vec<f32> = (0..dq)
+            .map(|j| dot64(&wq[j * k..][..k], &x) as f32)
+            .collect();
+        let normed = rmsnorm_twin(&q_raw, &qw, eps);
+        let q = g.download(&dqy).unwrap();
+        assert_close(&what("the normed latent"), &q, &normed, F32_OP);
+        let normed: Vec<f32> = normed.iter().map(|&v| v as f32).collect();
+        let wbf = dequant_rows(t, &wb, rows_b, dq);
+        let want: Vec<f64> = (0..rows_b)
+            .map(|j| dot64(&wbf[j * dq..][..dq], &normed))
+            .collect();
+        assert_close(&what("q_b"), &g.download(&dyb).unwrap(), &want, F32_OP);
+        check_rows(&what, &ys);
     }
 }
 

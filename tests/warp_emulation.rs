@@ -134,6 +134,7 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "#define MATVEC_WIDE_WARPS "),
     Line("matvec.cu", "#define MATVEC_ROWS "),
     Def("matvec.cu", "struct MatvecParts {"),
+    Def("matvec.cu", "struct QueryRows {"),
     Line("matvec.cu", "#define TAIL_QUERY_VALS "),
     Line("matvec.cu", "#define TAIL_LATENT_VALS "),
     Line("matvec.cu", "#define TAIL_KEY_VALS "),
@@ -151,6 +152,14 @@ const PIECES: &[Piece] = &[
     Def(
         "matvec.cu",
         "__device__ __forceinline__ void tma_parts_tail(",
+    ),
+    Def(
+        "matvec.cu",
+        "__device__ __forceinline__ float query_norm_factor(",
+    ),
+    Def(
+        "matvec.cu",
+        "__device__ __forceinline__ void tma_query_tail(",
     ),
     Line("matvec.cu", "typedef void (*PieceFn)("),
     Def("matvec.cu", "__device__ __forceinline__ u16 ld_nc16("),
@@ -209,7 +218,7 @@ const PIECES: &[Piece] = &[
     ),
     Def(
         "matvec.cu",
-        "template <class Tile, bool SPREAD, bool PARTS = false>\n__device__ __forceinline__ void matvec_tma_body(",
+        "template <class Tile, bool SPREAD, bool PARTS = false, bool QUERY = false>\n__device__ __forceinline__ void matvec_tma_body(",
     ),
     Line("matvec.cu", "#define DEFINE_MATVEC_TMA("),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q4_k,"),
@@ -221,6 +230,11 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k,"),
+    Line("matvec.cu", "#define DEFINE_MATVEC_TMA_QUERY("),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q4_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q5_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_iq4_xs,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k,"),
     Def(
         "matvec.cu",
         "template <class Tile, int TMI_WARPS>\n__device__ __forceinline__ void matvec_tma_items_body(",
@@ -1213,6 +1227,104 @@ fn parts_tail_norms_the_latent_as_f64() {
             what("the rows before the token's touched")
         );
         assert_eq!(take(3), [0.0; 3], "{}", what("counters left"));
+    }
+}
+
+/// q-LoRA's pair on the bulk copies (`Gpu::query_projections`): matvec_tma_parts_<type> in its
+/// qsq mode, then matvec_tma_query_<type>, for every tile type (GLM-5's and DeepSeek-V3's
+/// widths in turn, q_b of 16 x ... rows over fewer blocks than tiles): the parts' rows, the
+/// query's weighed by its norm's weights, and q_b's rows, the normed latent and the cache rows
+/// against f64 (q_b's from the f64 norm of the f64 products).
+#[test]
+fn query_projections_fold_the_norm_as_f64() {
+    let Some(h) = Emulation::build("tma_query") else {
+        return;
+    };
+    for (i, ty) in TMA_TILE_TYPES.into_iter().enumerate() {
+        let (dq, dk, grid) = [(2048, 128, 41), (1536, 0, 13)][i % 2];
+        let (dl, dr, pos, nb) = (512, 64, 37, aligned_blocks(ty, 9));
+        let (rows_b, grid_b) = (200, 5);
+        let mut rng = Rng::new(110 + i as u64);
+        let rows = [dq, dl + dr, dk];
+        let w: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&r| random_rows(ty, r, nb, &mut rng))
+            .collect();
+        let wb = random_rows(ty, rows_b, dq / 256, &mut rng);
+        let x = random_x(nb, &mut rng);
+        let (qw, kvw) = (normals(&mut rng, dq), normals(&mut rng, dl));
+        let (kw, kb) = (normals(&mut rng, dk), normals(&mut rng, dk));
+        let inv_freq: Vec<f32> = (0..dr / 2)
+            .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
+            .collect();
+        let (mscale, eps, k_eps) = (1.2f32, 1e-6f32, 1e-5f32);
+        let tile = tma_tile(ty).unwrap();
+        let args = Args::default()
+            .i32(type_code(ty))
+            .i32(dq as i32)
+            .i32((dl + dr) as i32)
+            .i32(dk as i32)
+            .i32(256 * nb as i32)
+            .i64((ty.type_size() * nb) as i64)
+            .bytes(&w[0])
+            .bytes(&w[1])
+            .bytes(&w[2])
+            .floats(&x)
+            .floats(&qw)
+            .floats(&kvw)
+            .floats(&kw)
+            .floats(&kb)
+            .floats(&inv_freq)
+            .i32(dl as i32)
+            .i32(dr as i32)
+            .i32(pos as i32)
+            .f32(mscale)
+            .f32(eps)
+            .f32(k_eps)
+            .i32(grid)
+            .i32(tma_smem_bytes(tile, 256 * nb) as i32)
+            .bytes(&wb)
+            .i32(rows_b as i32)
+            .i64((ty.type_size() * dq / 256) as i64)
+            .i32(grid_b)
+            .i32(tma_smem_bytes(tile, dq) as i32);
+        let got = h.run(args);
+        let what = |s: &str| format!("{ty} q-LoRA {dq} + {} + {dk}: {s}", dl + dr);
+        let mut at = 0;
+        let mut take = |n: usize| {
+            at += n;
+            &got[at - n..at]
+        };
+        let ys: Vec<&[f32]> = rows.iter().map(|&r| take(r)).collect();
+        let some = |v: Vec<f64>| v.into_iter().map(Some).collect::<Vec<_>>();
+        let q_raw = products(ty, &w[0], &x);
+        let weighed = q_raw.iter().zip(&qw).map(|(&q, &w)| q * w as f64).collect();
+        check_outputs(&what("the query's rows weighed"), ys[0], &some(weighed));
+        for (i, y) in ys.iter().enumerate().skip(1).filter(|(_, y)| !y.is_empty()) {
+            let want = some(products(ty, &w[i], &x));
+            check_outputs(&what(&format!("part {i}")), y, &want);
+        }
+        let q_f32: Vec<f32> = q_raw.iter().map(|&v| v as f32).collect();
+        let normed = rmsnorm_twin(&q_f32, &qw, eps);
+        let normed_f32: Vec<f32> = normed.iter().map(|&v| v as f32).collect();
+        check_outputs(
+            &what("q_b's rows"),
+            take(rows_b),
+            &some(products(ty, &wb, &normed_f32)),
+        );
+        check_outputs(&what("the normed latent"), take(dq), &some(normed));
+        let want = latent_twin(ys[1], &kvw, eps, (&inv_freq, pos, mscale));
+        check_outputs(&what("latent"), take(dl + dr), &some(want));
+        if dk > 0 {
+            let want = layernorm_rope_twin(ys[2], (&kw, &kb), k_eps, (&inv_freq, pos, mscale));
+            check_outputs(&what("key"), take(dk), &some(want));
+        }
+        assert_eq!(
+            take(1),
+            [1.0],
+            "{}",
+            what("the rows before the token's touched")
+        );
     }
 }
 

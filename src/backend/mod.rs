@@ -92,8 +92,8 @@ pub enum Tokens<'a, B: Backend + ?Sized> {
 pub struct LatentProjections<'a, B: Backend + ?Sized> {
     /// The query's projection: q-LoRA's a, or all of q.
     pub q: &'a B::Weight,
-    /// q-LoRA's latent norm; None without q-LoRA.
-    pub q_norm: Option<&'a B::Weight>,
+    /// q-LoRA's latent norm and its second projection (q_b); None without q-LoRA.
+    pub q_lora: Option<(&'a B::Weight, &'a B::Weight)>,
     pub kv_a: &'a B::Weight,
     pub kv_norm: &'a B::Weight,
     /// The epsilon of both RMS norms.
@@ -133,8 +133,8 @@ impl<'a, B: Backend + ?Sized> IndexKeyProjection<'a, B> {
     }
 }
 
-/// `Backend::latent_projections` as its parts: `linears` of x, then `latent_append` of their
-/// outputs.
+/// `Backend::latent_projections` as its parts: `linears` of x, `latent_append` of their
+/// outputs, then with q-LoRA q_b's `linear` of the normed latent.
 pub fn latent_projections_apart<B: Backend + ?Sized>(
     b: &B,
     x: &B::Tensor,
@@ -146,9 +146,13 @@ pub fn latent_projections_apart<B: Backend + ?Sized>(
     let mut of_x = b.linears(x, &p.weights()).into_iter();
     let (x_q, kv, x_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
     let index_keys = p.index.zip(x_k.as_ref()).map(|(ix, x_k)| ix.with_keys(x_k));
-    let query = p.q_norm.map(|norm| (&x_q, norm));
+    let query = p.q_lora.map(|(norm, _)| (&x_q, norm));
     let q_a = b.latent_append(cache, row0, &kv, p.kv_norm, p.eps, rope, query, index_keys);
-    (x_q, q_a)
+    let q = match (p.q_lora, &q_a) {
+        (Some((_, q_b)), Some(q_a)) => b.linear(q_a, q_b),
+        _ => x_q,
+    };
+    (q, q_a)
 }
 
 /// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by
@@ -319,8 +323,9 @@ pub trait Backend: Send + Sync {
 
     /// A layer's first projections of x (`LatentProjections`: the query's, kv_a's and the
     /// indexer key's) with their latent parts normed into the caches at positions
-    /// `row0..row0+n` (`latent_append`): returns the query's projection x_q and, with q-LoRA,
-    /// its latent normed (q_a). A GPU runs the norms in the products' launch for one token.
+    /// `row0..row0+n` (`latent_append`): returns the query [n, H*(dn+dr)] (with q-LoRA through
+    /// its latent's norm and q_b) and, with q-LoRA, its latent normed (q_a). A GPU runs the
+    /// norms in the products' launches for one token.
     fn latent_projections(
         &self,
         x: &Self::Tensor,

@@ -34,17 +34,17 @@ pub fn attention<B: Backend>(
     let (n, _) = b.shape(x);
     let indexer = m.weights.layers[il].indexer.as_ref();
 
-    // The projections of x, one launch on a GPU for a token: the query's (q-LoRA's a, or all of
-    // q) x_q, and the latent [n, kv_lora + dr] straight into the cache, c_kv normed and k_pe
-    // roped; with q-LoRA, its latent q_a [n, q_lora] normed in the same pass, and in DSA layers
-    // with an indexer, its keys [n, d] into their cache.
-    let (q_x, q_norm) = match &w.q {
-        QueryProj::Lora { a, norm, .. } => (a, Some(norm)),
+    // The projections of x, for a token on a GPU one launch (two with q-LoRA's q_b): the
+    // query's (through q-LoRA's a, its latent q_a [n, q_lora] normed, and b, or all of q), and
+    // the latent [n, kv_lora + dr] straight into the cache, c_kv normed and k_pe roped; in DSA
+    // layers with an indexer, its keys [n, d] into their cache.
+    let (q_x, q_lora) = match &w.q {
+        QueryProj::Lora { a, norm, b } => (a, Some((norm, b))),
         QueryProj::Direct(wq) => (wq, None),
     };
     let projections = LatentProjections {
         q: q_x,
-        q_norm,
+        q_lora,
         kv_a: &w.kv_a_mqa,
         kv_norm: &w.kv_a_norm,
         eps: LATENT_NORM_EPS,
@@ -55,16 +55,8 @@ pub fn attention<B: Backend>(
             dsa::key_projection(ix, keys)
         }),
     };
-    let (x_q, q_a) = b.latent_projections(x, projections, &mut cache.latent[il], pos0, &m.rope);
-
     // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a feeds DSA too.
-    let mut q = match &w.q {
-        QueryProj::Lora { b: q_b, .. } => b.linear(
-            q_a.as_ref().expect("latent_projections norms the query"),
-            q_b,
-        ),
-        QueryProj::Direct(_) => x_q,
-    };
+    let (mut q, q_a) = b.latent_projections(x, projections, &mut cache.latent[il], pos0, &m.rope);
     taps.tensor(b, || format!("L{il}.q"), &q);
     // q_pe's rope: here for the expanded form and the trace; the absorbed form ropes it in
     // latent_attention (on a GPU as the kernel loads the query: one launch fewer).

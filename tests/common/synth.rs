@@ -7,7 +7,7 @@ use mla_engine::gguf::{GgmlType, GgufFile, GgufWriter, Value};
 use std::path::PathBuf;
 
 /// Shape changes from the ds3 golden model (`Synth::default()`: 8 heads, 8 experts, no expert
-/// groups, attn_output and kv_a in Q8_0, the golden model's width).
+/// groups, attn_output, kv_a and q_b in Q8_0, the golden model's width and q_lora).
 pub struct Synth {
     pub heads: usize,
     pub experts: usize,
@@ -17,6 +17,9 @@ pub struct Synth {
     pub kv_a: GgmlType,
     /// The embedding width, a multiple of 256 (None: the golden model's).
     pub width: Option<usize>,
+    /// q-LoRA's rank (None: the golden model's) and q_b's type.
+    pub q_lora: Option<usize>,
+    pub q_b: GgmlType,
 }
 
 impl Default for Synth {
@@ -28,6 +31,8 @@ impl Default for Synth {
             attn_output: GgmlType::Q8_0,
             kv_a: GgmlType::Q8_0,
             width: None,
+            q_lora: None,
+            q_b: GgmlType::Q8_0,
         }
     }
 }
@@ -93,6 +98,7 @@ pub fn synth(s: &Synth, tag: &str) -> PathBuf {
     let path = std::env::temp_dir().join(format!("synth-{tag}-{}.gguf", std::process::id()));
     let mut w = GgufWriter::new(&path, 32).unwrap();
     let e = s.width.unwrap_or(cfg.n_embd);
+    let r = s.q_lora.unwrap_or(cfg.q_lora.unwrap());
     for (k, v) in base.metadata() {
         let v = match k.strip_prefix(&format!("{arch}.")) {
             Some("attention.head_count") => Value::U32(s.heads as u32),
@@ -102,6 +108,7 @@ pub fn synth(s: &Synth, tag: &str) -> PathBuf {
             }
             Some("expert_group_used_count") if s.groups.is_some() => Value::U32(1),
             Some("embedding_length") => Value::U32(e as u32),
+            Some("attention.q_lora_rank") => Value::U32(r as u32),
             _ => v.clone(),
         };
         if k != "general.alignment" {
@@ -115,7 +122,6 @@ pub fn synth(s: &Synth, tag: &str) -> PathBuf {
         cfg.head_dim_v,
         cfg.kv_lora,
     );
-    let r = cfg.q_lora.unwrap();
     let m = cfg.moe.as_ref().unwrap();
     let (f, fs) = (m.n_ff_expert, m.n_ff_expert * m.n_shared);
     use GgmlType::{F32, Q4_K, Q8_0};
@@ -131,7 +137,7 @@ pub fn synth(s: &Synth, tag: &str) -> PathBuf {
             (n("attn_norm.weight"), F32, vec![e], true),
             (n("attn_q_a.weight"), Q4_K, vec![e, r], false),
             (n("attn_q_a_norm.weight"), F32, vec![r], true),
-            (n("attn_q_b.weight"), Q8_0, vec![r, h * (dn + dr)], false),
+            (n("attn_q_b.weight"), s.q_b, vec![r, h * (dn + dr)], false),
             (n("attn_kv_a_mqa.weight"), s.kv_a, vec![e, kv + dr], false),
             (n("attn_kv_a_norm.weight"), F32, vec![kv], true),
             (n("attn_k_b.weight"), Q8_0, vec![dn, kv, h], false),

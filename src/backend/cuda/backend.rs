@@ -602,7 +602,7 @@ impl Backend for Cuda {
         // thirty-fifth look), else latent_norm_rope after it.
         let ys: Vec<CudaTensor> = ws.iter().map(|w| self.empty(1, w.dim(1))).collect();
         let index_keys = p.index.zip(ys.get(2)).map(|(ix, x_k)| ix.with_keys(x_k));
-        let query = p.q_norm.map(|norm| (&ys[0], norm));
+        let query = p.q_lora.map(|(norm, _)| (&ys[0], norm));
         let (latent, q_a) = self.latent_norm(
             cache,
             row0,
@@ -612,11 +612,41 @@ impl Backend for Cuda {
             query,
             index_keys,
         );
-        let tail = self.gpu.parts_tail_takes(ws[0].ty, x.cols, &latent);
+        let (ty, k) = (ws[0].ty, x.cols);
+        if let Some((_, q_b)) = p.q_lora.filter(|_| q_a.is_some()) {
+            // q_b on the bulk copies: the query's norm in its product and the cache rows in its
+            // last block, so that its wait waits for no tail (docs/performance.md,
+            // thirty-seventh look).
+            let (q_k, q_rows) = (q_b.ne[0], q_b.dim(1));
+            let q = self.empty(1, q_rows);
+            let b_mat = Matvec::single(
+                q_b.ty,
+                self.w(q_b),
+                (self.p(&ys[0], 0), self.p(&q, 0)),
+                (q_rows, q_k),
+            );
+            if self.gpu.query_takes(ty, k, &b_mat, &latent) {
+                let sq = self.empty(1, q_k.div_ceil(16));
+                ok(
+                    self.gpu.query_projections(
+                        ty,
+                        k,
+                        self.p(x, 0),
+                        &self.parts_of(&ws, &ys),
+                        &latent,
+                        &b_mat,
+                        self.p(&sq, 0),
+                    ),
+                    "latent_projections",
+                );
+                return (q, q_a);
+            }
+        }
+        let tail = self.gpu.parts_tail_takes(ty, k, &latent);
         ok(
             self.gpu.matvec_parts(
-                ws[0].ty,
-                x.cols,
+                ty,
+                k,
                 self.p(x, 0),
                 &self.parts_of(&ws, &ys),
                 tail.then_some(&latent),
@@ -626,7 +656,12 @@ impl Backend for Cuda {
         if !tail {
             ok(self.gpu.latent_norm_rope(1, &latent), "latent_norm_rope");
         }
-        (ys.into_iter().next().unwrap(), q_a)
+        let x_q = ys.into_iter().next().unwrap();
+        let q = match (p.q_lora, &q_a) {
+            (Some((_, q_b)), Some(q_a)) => self.linear(q_a, q_b),
+            _ => x_q,
+        };
+        (q, q_a)
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {

@@ -217,7 +217,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
                 .iter()
                 .filter_map(|&ty| super::ops::tma_tile(ty));
             let mut sizes = tiles.filter_map(|t| match t.items {
-                _ if [t.kernel, t.spread, t.parts].contains(&k) => {
+                _ if [t.kernel, t.spread, t.parts, t.query].contains(&k) => {
                     Some(super::ops::tma_smem_bytes(t, t.k_max))
                 }
                 Some((items, warps)) if k == items => {

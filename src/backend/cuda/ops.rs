@@ -150,10 +150,24 @@ struct MatvecParts {
     y1: Ptr,
     y2: Ptr,
     done: Ptr,
+    qsq: Ptr,
     latent: LatentNorm,
 }
 // SAFETY: plain integers in the kernel's C layout (8-byte addresses, 4-byte ints).
 unsafe impl cudarc::driver::DeviceRepr for MatvecParts {}
+
+/// The kernel's QueryRows (kernels/matvec.cu): what matvec_tma_query_<type> reads of the parts
+/// launch before it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QueryRows {
+    sq: Ptr,
+    tiles: i32,
+    latent: LatentNorm,
+}
+// SAFETY: plain integers in the kernel's C layout (an 8-byte address, a 4-byte int, padding,
+// then LatentNorm's).
+unsafe impl cudarc::driver::DeviceRepr for QueryRows {}
 
 /// The norms that put tokens' MLA latents into their cache (kernels/common.cuh, LatentNorm),
 /// checked by `LatentNorm::new`: what latent_norm_rope runs, or for one token the tail of the
@@ -245,8 +259,13 @@ impl LatentNorm {
     /// Whether a tail of `threads` threads holding (query, latent, key) values each takes
     /// these rows (kernels/matvec.cu: TAIL_*_VALS, TMA_TAIL_*_VALS).
     fn fits(&self, threads: usize, (q, l, k): (usize, usize, usize)) -> bool {
-        let held = |v: usize| (v * threads) as i32;
-        self.dq <= held(q) && self.dl <= held(l) && self.dk <= held(k)
+        self.dq <= (q * threads) as i32 && self.cache_rows_fit(threads, (l, k))
+    }
+
+    /// Whether a block of `threads` threads holding (latent, key) values each takes the
+    /// latent's and the key's rows.
+    fn cache_rows_fit(&self, threads: usize, (l, k): (usize, usize)) -> bool {
+        self.dl <= (l * threads) as i32 && self.dk <= (k * threads) as i32
     }
 }
 
@@ -460,6 +479,8 @@ pub struct TmaTile {
     pub spread: &'static str,
     /// Its form for two or three matrices of one x (`Gpu::matvec_parts`).
     pub parts: &'static str,
+    /// Its form for q-LoRA's q_b after the parts launch (`Gpu::query_projections`).
+    pub query: &'static str,
     /// The kernel of items with their own x, and its consumer warps (a stage each; fewer
     /// where 4 stages would not fit). None for Q6_K: its items form lost to the CUDA cores
     /// (H200, the DS3 MoE row's downs: 136.3 -> 145.9 us; docs/performance.md).
@@ -500,11 +521,12 @@ pub const TMA_TILE_TYPES: [GgmlType; 4] = [
 ];
 
 pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
-    let tile = |(kernel, spread, parts), items, row, stages, k_max| {
+    let tile = |(kernel, spread, parts, query), items, row, stages, k_max| {
         Some(TmaTile {
             kernel,
             spread,
             parts,
+            query,
             items,
             bytes: ty.type_size(),
             row,
@@ -520,6 +542,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_q4_k",
                 "matvec_tma_spread_q4_k",
                 "matvec_tma_parts_q4_k",
+                "matvec_tma_query_q4_k",
             ),
             Some(("matvec_tma_items_q4_k", 4)),
             1168,
@@ -531,6 +554,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_q5_k",
                 "matvec_tma_spread_q5_k",
                 "matvec_tma_parts_q5_k",
+                "matvec_tma_query_q5_k",
             ),
             Some(("matvec_tma_items_q5_k", 3)),
             1424,
@@ -542,6 +566,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_iq4_xs",
                 "matvec_tma_spread_iq4_xs",
                 "matvec_tma_parts_iq4_xs",
+                "matvec_tma_query_iq4_xs",
             ),
             Some(("matvec_tma_items_iq4_xs", 4)),
             1104,
@@ -553,6 +578,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_groups_q6_k",
                 "matvec_tma_spread_q6_k",
                 "matvec_tma_parts_q6_k",
+                "matvec_tma_query_q6_k",
             ),
             None,
             1712,
@@ -869,6 +895,75 @@ impl Gpu {
         parts: &[MatvecPart],
         latent: Option<&LatentNorm>,
     ) -> Result<(), CudaError> {
+        self.parts_launch(ty, k, x, parts, latent.map(|a| (a, 0)))
+    }
+
+    /// The bulk-copy kernel of q-LoRA's q_b after a parts launch (`a`, one token): the plain
+    /// walk in one part of k.
+    fn query_tile(&self, a: &Matvec) -> Option<TmaTile> {
+        let single = a.batch == 1 && a.ids == 0 && a.pair == 0 && !a.glu && !a.transposed;
+        let takes = single && self.on_tensor_cores(a) && self.uses_bulk_copies(a);
+        tma_tile(a.ty).filter(|t| takes && a.k <= t.k_max)
+    }
+
+    /// Whether `query_projections` takes q_b (`q_b`) after the parts launch of type `ty` and
+    /// rows of `k` values with `latent`'s norms.
+    pub fn query_takes(&self, ty: GgmlType, k: usize, q_b: &Matvec, latent: &LatentNorm) -> bool {
+        self.parts_tile(ty, k).is_some()
+            && self.query_tile(q_b).is_some()
+            && latent.qx != 0
+            && latent.dq as usize == q_b.k
+            && latent.cache_rows_fit(288, (2, 1))
+    }
+
+    /// One token's projections with q-LoRA (`query_takes`): `matvec_parts`' launch, whose
+    /// query tiles store the latent times its norm's weights (latent.qx) and their sums of
+    /// squares (`sq`, a float a 16-row tile), then q_b (`q_b`, x = latent.qx) on
+    /// matvec_tma_query_<type>, whose rows take the norm's factor and whose last block writes
+    /// the normed latent (latent.qy) and the latent's and the key's cache rows. q_b's wait then
+    /// waits for no tail (docs/performance.md, thirty-seventh look).
+    #[allow(clippy::too_many_arguments)]
+    pub fn query_projections(
+        &self,
+        ty: GgmlType,
+        k: usize,
+        x: Ptr,
+        parts: &[MatvecPart],
+        latent: &LatentNorm,
+        q_b: &Matvec,
+        sq: Ptr,
+    ) -> Result<(), CudaError> {
+        check(
+            self.query_takes(ty, k, q_b, latent) && q_b.x == latent.qx,
+            "query_projections",
+            || format!("q_b of {} x {} after a {ty} parts launch", q_b.rows, q_b.k),
+        )?;
+        self.parts_launch(ty, k, x, parts, Some((latent, sq)))?;
+        let tile = self.query_tile(q_b).expect("query_takes");
+        let (_, rb) = typed_rows("matvec", q_b.ty, q_b.k)?;
+        let rows = QueryRows {
+            sq,
+            tiles: (latent.dq as usize).div_ceil(16) as i32,
+            latent: *latent,
+        };
+        let smem = tma_smem_bytes(tile, q_b.k);
+        let slots = self.wave_blocks(tile.query, 288, smem)?;
+        launch!(self, tile.query, (q_b.rows.div_ceil(16).min(slots) as u32, 1, 1), 288,
+            smem as u32;
+            q_b.w, q_b.rows as i32, q_b.k as i32, rb as i64, q_b.y, rows);
+        Ok(())
+    }
+
+    /// matvec_parts' launch; with `latent`, its norms in the tail, or with a nonzero `sq`, the
+    /// query's tiles weighed for query_projections' q_b.
+    fn parts_launch(
+        &self,
+        ty: GgmlType,
+        k: usize,
+        x: Ptr,
+        parts: &[MatvecPart],
+        latent: Option<(&LatentNorm, Ptr)>,
+    ) -> Result<(), CudaError> {
         let (_, rb) = typed_rows("matvec", ty, k)?;
         check(
             (2..=3).contains(&parts.len()) && x.is_multiple_of(16),
@@ -883,9 +978,9 @@ impl Gpu {
             })
         };
         let (p0, p1, p2) = (part(0), part(1), part(2));
-        if let Some(a) = latent {
+        if let Some((a, sq)) = latent {
             check(
-                self.parts_tail_takes(ty, k, a)
+                (sq != 0 || self.parts_tail_takes(ty, k, a))
                     && (a.qx == 0 || a.qx == p0.y)
                     && a.kv == p1.y
                     && a.kx == if parts.len() == 3 { p2.y } else { 0 },
@@ -902,9 +997,16 @@ impl Gpu {
             y2: p2.y,
             ..MatvecParts::default()
         };
-        if let Some(a) = latent {
-            extra.done = self.zeroed_counters(&self.latent_done, 3)?;
-            extra.latent = *a;
+        match latent {
+            Some((a, 0)) => {
+                extra.done = self.zeroed_counters(&self.latent_done, 3)?;
+                extra.latent = *a;
+            }
+            Some((a, sq)) => {
+                extra.qsq = sq;
+                extra.latent = *a;
+            }
+            None => {}
         }
         if let Some(tile) = self.parts_tile(ty, k) {
             check(
@@ -921,6 +1023,9 @@ impl Gpu {
                 p0.w, p0.rows as i32, k as i32, rb as i64, x, p0.y, extra);
             return Ok(());
         }
+        check(extra.qsq == 0, "matvec_parts", || {
+            "the query's weighed tiles need the bulk-copy kernel".into()
+        })?;
         // The grid of the longest part; the others' surplus blocks find no rows and return.
         let rows = parts.iter().map(|p| p.rows).max().unwrap();
         let (mut kernel, grid_x, block) = matvec_geometry(ty, rows, 1, k, rb)?;
