@@ -1120,18 +1120,130 @@ fn cuda_core_q2_k_and_q3_k_pieces_match_f64() {
     }
 }
 
-/// The parts launch of MLA's q_a, kv_a and indexer key with the latent's norms in its tail
-/// (matvec_body then parts_tail, as matvec_latent_<type> runs them; the harness
-/// matvec_tail.cpp) against f64: the parts' rows, then the last block of each part norms its
-/// row (the query; the latent into its cache row, c_kv normed and k_pe roped; the key normed
-/// and roped into its cache row) as the f64 twins of those rows say, the rows before the
-/// token's untouched and the counters back at zero. GLM-5's widths on a small k, and
-/// DeepSeek-V3's without a key (on a block more than it needs).
-/// The parts launches with the latent's norms in their tails against the f64 norms of their
-/// rows: matvec_latent_<type> (its CUDA-core body with Q2_K rows, a grid over the query's
-/// groups of 4 rows, 4 groups a block, as Gpu::matvec_parts launches it) and
+/// A token's q_a, kv_a and indexer key (rows of 256 nb values) with the latent's norms: the
+/// inputs the parts harnesses (matvec_tail.cpp, tma_query.cpp) read first, and the f64 twins
+/// of what their launches write.
+struct LatentCase {
+    ty: GgmlType,
+    nb: usize,
+    /// The query's, kv's (dl + dr) and the key's rows (0: none).
+    rows: [usize; 3],
+    w: Vec<Vec<u8>>,
+    x: Vec<f32>,
+    qw: Vec<f32>,
+    kvw: Vec<f32>,
+    kw: Vec<f32>,
+    kb: Vec<f32>,
+    inv_freq: Vec<f32>,
+}
+
+impl LatentCase {
+    const DL: usize = 512;
+    const DR: usize = 64;
+    const POS: usize = 37;
+    const MSCALE: f32 = 1.2;
+    const EPS: f32 = 1e-6;
+    const K_EPS: f32 = 1e-5;
+
+    fn new(ty: GgmlType, nb: usize, (dq, dk): (usize, usize), seed: u64) -> LatentCase {
+        let mut rng = Rng::new(seed);
+        let rows = [dq, Self::DL + Self::DR, dk];
+        let w = rows
+            .iter()
+            .map(|&r| random_rows(ty, r, nb, &mut rng))
+            .collect();
+        let x = random_x(nb, &mut rng);
+        let (qw, kvw) = (normals(&mut rng, dq), normals(&mut rng, Self::DL));
+        let (kw, kb) = (normals(&mut rng, dk), normals(&mut rng, dk));
+        let inv_freq = (0..Self::DR / 2)
+            .map(|i| 10000f64.powf(-((2 * i) as f64) / Self::DR as f64) as f32)
+            .collect();
+        LatentCase {
+            ty,
+            nb,
+            rows,
+            w,
+            x,
+            qw,
+            kvw,
+            kw,
+            kb,
+            inv_freq,
+        }
+    }
+
+    /// The harnesses' first arguments: the type's code (-1: none), the parts' rows, k,
+    /// row_bytes, the matrices, x, the norms' weights, inv_freq, dl, dr, pos, mscale, eps,
+    /// k_eps.
+    fn args(&self, code: i32) -> Args {
+        let [dq, dkv, dk] = self.rows;
+        Args::default()
+            .i32(code)
+            .i32(dq as i32)
+            .i32(dkv as i32)
+            .i32(dk as i32)
+            .i32(256 * self.nb as i32)
+            .i64((self.ty.type_size() * self.nb) as i64)
+            .bytes(&self.w[0])
+            .bytes(&self.w[1])
+            .bytes(&self.w[2])
+            .floats(&self.x)
+            .floats(&self.qw)
+            .floats(&self.kvw)
+            .floats(&self.kw)
+            .floats(&self.kb)
+            .floats(&self.inv_freq)
+            .i32(Self::DL as i32)
+            .i32(Self::DR as i32)
+            .i32(Self::POS as i32)
+            .f32(Self::MSCALE)
+            .f32(Self::EPS)
+            .f32(Self::K_EPS)
+    }
+
+    /// Part i's f64 products.
+    fn products(&self, i: usize) -> Vec<f64> {
+        products(self.ty, &self.w[i], &self.x)
+    }
+
+    /// The cache rows a harness prints after the parts' rows `ys` (kv's and the key's as the
+    /// kernels wrote them): the latent's, the key's, then 1 where the rows before the token's
+    /// are untouched; against the f64 twins of `ys`.
+    fn check_cache_rows<'a>(
+        &self,
+        what: &dyn Fn(&str) -> String,
+        ys: &[&[f32]],
+        mut take: impl FnMut(usize) -> &'a [f32],
+    ) {
+        let rope = (&self.inv_freq[..], Self::POS, Self::MSCALE);
+        let want = latent_twin(ys[1], &self.kvw, Self::EPS, rope);
+        check_outputs(&what("latent"), take(Self::DL + Self::DR), &some(want));
+        if self.rows[2] > 0 {
+            let want = layernorm_rope_twin(ys[2], (&self.kw, &self.kb), Self::K_EPS, rope);
+            check_outputs(&what("key"), take(self.rows[2]), &some(want));
+        }
+        assert_eq!(
+            take(1),
+            [1.0],
+            "{}",
+            what("the rows before the token's touched")
+        );
+    }
+}
+
+fn some(v: Vec<f64>) -> Vec<Option<f64>> {
+    v.into_iter().map(Some).collect()
+}
+
+/// The parts launches with the latent's norms in their tails (the harness matvec_tail.cpp)
+/// against f64: matvec_latent_<type> (matvec_body then parts_tail, with Q2_K rows, a grid over
+/// the query's groups of 4 rows, 4 groups a block, as Gpu::matvec_parts launches it) and
 /// matvec_tma_parts_<type> for every tile type (grids of fewer blocks than tiles, so that
-/// blocks store tiles of two or three matrices and some are last for more than one).
+/// blocks store tiles of two or three matrices and some are last for more than one). The
+/// parts' rows, then the last block of each part norms its row (the query; the latent into
+/// its cache row, c_kv normed and k_pe roped; the key normed and roped into its cache row) as
+/// the f64 twins of those rows say, the rows before the token's untouched and the counters
+/// back at zero. GLM-5's widths on a small k, and DeepSeek-V3's without a key.
 #[test]
 fn parts_tail_norms_the_latent_as_f64() {
     let Some(h) = Emulation::build("matvec_tail") else {
@@ -1149,91 +1261,34 @@ fn parts_tail_norms_the_latent_as_f64() {
         )
     });
     for (ty, nb, (dq, dk, grid, seed)) in cuda_cores.into_iter().chain(tma) {
-        let (dl, dr, pos) = (512, 64, 37);
-        let mut rng = Rng::new(seed);
-        let rows = [dq, dl + dr, dk];
-        let w: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|&r| random_rows(ty, r, nb, &mut rng))
-            .collect();
-        let x = random_x(nb, &mut rng);
-        let (qw, kvw) = (normals(&mut rng, dq), normals(&mut rng, dl));
-        let (kw, kb) = (normals(&mut rng, dk), normals(&mut rng, dk));
-        let inv_freq: Vec<f32> = (0..dr / 2)
-            .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
-            .collect();
-        let (mscale, eps, k_eps) = (1.2f32, 1e-6f32, 1e-5f32);
+        let c = LatentCase::new(ty, nb, (dq, dk), seed);
         let (code, shared) = match tma_tile(ty) {
             Some(tile) => (type_code(ty), tma_smem_bytes(tile, 256 * nb) as i32),
             None => (-1, 0),
         };
-        let args = Args::default()
-            .i32(code)
-            .i32(dq as i32)
-            .i32((dl + dr) as i32)
-            .i32(dk as i32)
-            .i32(256 * nb as i32)
-            .i64((ty.type_size() * nb) as i64)
-            .bytes(&w[0])
-            .bytes(&w[1])
-            .bytes(&w[2])
-            .floats(&x)
-            .floats(&qw)
-            .floats(&kvw)
-            .floats(&kw)
-            .floats(&kb)
-            .floats(&inv_freq)
-            .i32(dl as i32)
-            .i32(dr as i32)
-            .i32(pos as i32)
-            .f32(mscale)
-            .f32(eps)
-            .f32(k_eps)
-            .i32(grid)
-            .i32(shared);
-        let got = h.run(args);
-        let what = |s: &str| {
-            format!(
-                "{ty} parts tail {dq} + {} + {dk}, {grid} blocks: {s}",
-                dl + dr
-            )
-        };
+        let got = h.run(c.args(code).i32(grid).i32(shared));
+        let dkv = c.rows[1];
+        let what = |s: &str| format!("{ty} parts tail {dq} + {dkv} + {dk}, {grid} blocks: {s}");
         let mut at = 0;
         let mut take = |n: usize| {
             at += n;
             &got[at - n..at]
         };
-        let ys: Vec<&[f32]> = rows.iter().map(|&r| take(r)).collect();
+        let ys: Vec<&[f32]> = c.rows.iter().map(|&r| take(r)).collect();
         for (i, y) in ys.iter().enumerate().filter(|(_, y)| !y.is_empty()) {
-            let want: Vec<Option<f64>> = products(ty, &w[i], &x).into_iter().map(Some).collect();
-            check_outputs(&what(&format!("part {i}")), y, &want);
+            check_outputs(&what(&format!("part {i}")), y, &some(c.products(i)));
         }
-        let some = |v: Vec<f64>| v.into_iter().map(Some).collect::<Vec<_>>();
-        check_outputs(
-            &what("query"),
-            take(dq),
-            &some(rmsnorm_twin(ys[0], &qw, eps)),
-        );
-        let want = latent_twin(ys[1], &kvw, eps, (&inv_freq, pos, mscale));
-        check_outputs(&what("latent"), take(dl + dr), &some(want));
-        if dk > 0 {
-            let want = layernorm_rope_twin(ys[2], (&kw, &kb), k_eps, (&inv_freq, pos, mscale));
-            check_outputs(&what("key"), take(dk), &some(want));
-        }
-        assert_eq!(
-            take(1),
-            [1.0],
-            "{}",
-            what("the rows before the token's touched")
-        );
+        let want = rmsnorm_twin(ys[0], &c.qw, LatentCase::EPS);
+        check_outputs(&what("query"), take(dq), &some(want));
+        c.check_cache_rows(&what, &ys, &mut take);
         assert_eq!(take(3), [0.0; 3], "{}", what("counters left"));
     }
 }
 
-/// q-LoRA's pair on the bulk copies (`Gpu::query_projections`): matvec_tma_parts_<type> in its
-/// qsq mode, then matvec_tma_query_<type>, for every tile type (GLM-5's and DeepSeek-V3's
-/// widths in turn, q_b of 16 x ... rows over fewer blocks than tiles): the parts' rows, the
-/// query's weighed by its norm's weights, and q_b's rows, the normed latent and the cache rows
+/// q-LoRA's pair on the bulk copies (`Gpu::query_projections`, the harness tma_query.cpp):
+/// matvec_tma_parts_<type> in its qsq mode, then matvec_tma_query_<type>, for every tile type
+/// (GLM-5's and DeepSeek-V3's widths in turn; q_b of 200 rows over 5 blocks): the parts' rows
+/// (the query's times its norm's weights), q_b's rows, the normed latent and the cache rows
 /// against f64 (q_b's from the f64 norm of the f64 products).
 #[test]
 fn query_projections_fold_the_norm_as_f64() {
@@ -1242,45 +1297,13 @@ fn query_projections_fold_the_norm_as_f64() {
     };
     for (i, ty) in TMA_TILE_TYPES.into_iter().enumerate() {
         let (dq, dk, grid) = [(2048, 128, 41), (1536, 0, 13)][i % 2];
-        let (dl, dr, pos, nb) = (512, 64, 37, aligned_blocks(ty, 9));
+        let nb = aligned_blocks(ty, 9);
+        let c = LatentCase::new(ty, nb, (dq, dk), 110 + i as u64);
         let (rows_b, grid_b) = (200, 5);
-        let mut rng = Rng::new(110 + i as u64);
-        let rows = [dq, dl + dr, dk];
-        let w: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|&r| random_rows(ty, r, nb, &mut rng))
-            .collect();
-        let wb = random_rows(ty, rows_b, dq / 256, &mut rng);
-        let x = random_x(nb, &mut rng);
-        let (qw, kvw) = (normals(&mut rng, dq), normals(&mut rng, dl));
-        let (kw, kb) = (normals(&mut rng, dk), normals(&mut rng, dk));
-        let inv_freq: Vec<f32> = (0..dr / 2)
-            .map(|i| 10000f64.powf(-((2 * i) as f64) / dr as f64) as f32)
-            .collect();
-        let (mscale, eps, k_eps) = (1.2f32, 1e-6f32, 1e-5f32);
+        let wb = random_rows(ty, rows_b, dq / 256, &mut Rng::new(120 + i as u64));
         let tile = tma_tile(ty).unwrap();
-        let args = Args::default()
-            .i32(type_code(ty))
-            .i32(dq as i32)
-            .i32((dl + dr) as i32)
-            .i32(dk as i32)
-            .i32(256 * nb as i32)
-            .i64((ty.type_size() * nb) as i64)
-            .bytes(&w[0])
-            .bytes(&w[1])
-            .bytes(&w[2])
-            .floats(&x)
-            .floats(&qw)
-            .floats(&kvw)
-            .floats(&kw)
-            .floats(&kb)
-            .floats(&inv_freq)
-            .i32(dl as i32)
-            .i32(dr as i32)
-            .i32(pos as i32)
-            .f32(mscale)
-            .f32(eps)
-            .f32(k_eps)
+        let args = c
+            .args(type_code(ty))
             .i32(grid)
             .i32(tma_smem_bytes(tile, 256 * nb) as i32)
             .bytes(&wb)
@@ -1289,42 +1312,31 @@ fn query_projections_fold_the_norm_as_f64() {
             .i32(grid_b)
             .i32(tma_smem_bytes(tile, dq) as i32);
         let got = h.run(args);
-        let what = |s: &str| format!("{ty} q-LoRA {dq} + {} + {dk}: {s}", dl + dr);
+        let dkv = c.rows[1];
+        let what = |s: &str| format!("{ty} q-LoRA {dq} + {dkv} + {dk}: {s}");
         let mut at = 0;
         let mut take = |n: usize| {
             at += n;
             &got[at - n..at]
         };
-        let ys: Vec<&[f32]> = rows.iter().map(|&r| take(r)).collect();
-        let some = |v: Vec<f64>| v.into_iter().map(Some).collect::<Vec<_>>();
-        let q_raw = products(ty, &w[0], &x);
-        let weighed = q_raw.iter().zip(&qw).map(|(&q, &w)| q * w as f64).collect();
+        let ys: Vec<&[f32]> = c.rows.iter().map(|&r| take(r)).collect();
+        let q_raw = c.products(0);
+        let weighed = q_raw
+            .iter()
+            .zip(&c.qw)
+            .map(|(&q, &w)| q * w as f64)
+            .collect();
         check_outputs(&what("the query's rows weighed"), ys[0], &some(weighed));
         for (i, y) in ys.iter().enumerate().skip(1).filter(|(_, y)| !y.is_empty()) {
-            let want = some(products(ty, &w[i], &x));
-            check_outputs(&what(&format!("part {i}")), y, &want);
+            check_outputs(&what(&format!("part {i}")), y, &some(c.products(i)));
         }
         let q_f32: Vec<f32> = q_raw.iter().map(|&v| v as f32).collect();
-        let normed = rmsnorm_twin(&q_f32, &qw, eps);
+        let normed = rmsnorm_twin(&q_f32, &c.qw, LatentCase::EPS);
         let normed_f32: Vec<f32> = normed.iter().map(|&v| v as f32).collect();
-        check_outputs(
-            &what("q_b's rows"),
-            take(rows_b),
-            &some(products(ty, &wb, &normed_f32)),
-        );
+        let want_b = products(ty, &wb, &normed_f32);
+        check_outputs(&what("q_b's rows"), take(rows_b), &some(want_b));
         check_outputs(&what("the normed latent"), take(dq), &some(normed));
-        let want = latent_twin(ys[1], &kvw, eps, (&inv_freq, pos, mscale));
-        check_outputs(&what("latent"), take(dl + dr), &some(want));
-        if dk > 0 {
-            let want = layernorm_rope_twin(ys[2], (&kw, &kb), k_eps, (&inv_freq, pos, mscale));
-            check_outputs(&what("key"), take(dk), &some(want));
-        }
-        assert_eq!(
-            take(1),
-            [1.0],
-            "{}",
-            what("the rows before the token's touched")
-        );
+        c.check_cache_rows(&what, &ys, &mut take);
     }
 }
 
