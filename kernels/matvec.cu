@@ -1375,8 +1375,9 @@ struct TcQ6kTile {
 // (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
 // rows, at y + p * y_part: add_rmsnorm_cluster sums them in part order, so the rows come out the
 // same bits as above (matvec_tma_spread_<type>). matvec_tma_parts_<type> (below) walks the
-// tiles of two or three matrices of one x instead, a group each. Dynamic shared memory tma_smem_bytes(kpart)
-// (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
+// tiles of two or three matrices of one x instead, a group each. Dynamic shared memory
+// tma_smem_bytes(kpart) (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes,
+// then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
 // before the router, so it is complete when this kernel starts (the router waited for it
@@ -1681,8 +1682,8 @@ DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, matvec_tma_spread_q6_k, TcQ6kTile)
 // DSA indexer's key: Gpu::matvec_parts) in one launch, k in one part: the tiles of w, then of
 // pt.w1 and pt.w2, a group each, taken by the blocks in turn. With pt.done, the launch also
 // norms them as matvec_latent_<type>'s tail does (tma_parts_tail). On the CUDA cores (as
-// matvec_latent_q4_k) GLM-5's took 16.7 us a layer on an H100's chain clock; here, with its
-// norms in latent_norm_rope after it, 6.9 + 4.5 (docs/performance.md, thirty-seventh look).
+// matvec_latent_q4_k) GLM-5's took 16.7 us a layer on an H100's chain clock, here 10.6-11.0
+// with the tail (6.9 without it); decode +2.0% (docs/performance.md, thirty-seventh look).
 #define DEFINE_MATVEC_TMA_PARTS(kname, Tile)                                                    \
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         kname(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y,            \

@@ -32,7 +32,9 @@
 mod common;
 
 use common::synth::{synth, Synth};
-use common::{golden_dir, load, load_ref, manifest_noise, model_path, ref_tokens};
+use common::{
+    golden_dir, load, load_ref, logits_prefill_then_decode, manifest_noise, model_path, ref_tokens,
+};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -619,17 +621,6 @@ fn device_routing_equals_host_routing_on_the_gpu() {
     }
 }
 
-/// Logits of `tokens` fed one at a time from position 0: every step on the decode path.
-fn stepped_logits<B: Backend>(m: &Model<B>, tokens: &[u32]) -> Vec<f32> {
-    let mut cache = m.new_cache(tokens.len());
-    let mut out = Vec::new();
-    for &t in tokens {
-        let logits = m.forward(&mut cache, &[t], &mut Taps::none()).unwrap();
-        out.extend(m.backend.download(&logits));
-    }
-    out
-}
-
 /// The decode path as a GPU runs a full-width model's attention: from sm_90 on, q_a and kv_a
 /// of 2048-value rows go to the bulk-copy parts kernel, and q_b (8448 x 2048) after it to
 /// matvec_tma_query_<type>, which folds the query latent's norm and writes the cache rows
@@ -653,9 +644,10 @@ fn wide_model_decode_matches_the_cpu() {
     let on_cpu = Model::open(&path, Cpu).unwrap();
     let vocab = on_cpu.cfg.n_vocab as u32;
     let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % vocab).collect();
+    // A prefill of one token is a decode step too: every position on the decode path.
     let (got, want) = (
-        stepped_logits(&on_gpu, &tokens),
-        stepped_logits(&on_cpu, &tokens),
+        logits_prefill_then_decode(&on_gpu, &tokens, 1),
+        logits_prefill_then_decode(&on_cpu, &tokens, 1),
     );
     let e = relative_error(&got, &want);
     println!(

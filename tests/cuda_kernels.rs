@@ -1993,11 +1993,7 @@ fn matvec_parts_tail_norms_the_latent() {
         // last block the normed latent and the cache rows.
         let rows_b = 16384;
         let wb = random_rows(&mut rng, t, rows_b, dq);
-        let (dwb, dyb, dsq) = (
-            g.upload(&wb).unwrap(),
-            poisoned(&g, rows_b),
-            poisoned(&g, dq.div_ceil(16)),
-        );
+        let (dwb, dyb) = (g.upload(&wb).unwrap(), poisoned(&g, rows_b));
         let q_b = Matvec::single(
             t,
             g.ptr(&dwb, 0),
@@ -2010,7 +2006,7 @@ fn matvec_parts_tail_norms_the_latent() {
         }
         let x = rng.normals(k);
         let dx = g.upload(&x).unwrap();
-        g.query_projections(t, k, g.ptr(&dx, 0), parts, &latent, &q_b, g.ptr(&dsq, 0))
+        g.query_projections((t, k), g.ptr(&dx, 0), parts, &latent, &q_b)
             .unwrap();
         let what = |s: &str| format!("{t} with q_b: {s}");
         let ys = case.check(&g, &what("the projections"), (t, k), &x, Some(&qw));

@@ -148,11 +148,21 @@ pub fn latent_projections_apart<B: Backend + ?Sized>(
     let index_keys = p.index.zip(x_k.as_ref()).map(|(ix, x_k)| ix.with_keys(x_k));
     let query = p.q_lora.map(|(norm, _)| (&x_q, norm));
     let q_a = b.latent_append(cache, row0, &kv, p.kv_norm, p.eps, rope, query, index_keys);
-    let q = match (p.q_lora, &q_a) {
+    (lora_query(b, p.q_lora, x_q, q_a.as_ref()), q_a)
+}
+
+/// The query from the query's projection x_q: with q-LoRA (`LatentProjections::q_lora`), q_b's
+/// `linear` of the normed latent q_a.
+pub fn lora_query<B: Backend + ?Sized>(
+    b: &B,
+    q_lora: Option<(&B::Weight, &B::Weight)>,
+    x_q: B::Tensor,
+    q_a: Option<&B::Tensor>,
+) -> B::Tensor {
+    match (q_lora, q_a) {
         (Some((_, q_b)), Some(q_a)) => b.linear(q_a, q_b),
         _ => x_q,
-    };
-    (q, q_a)
+    }
 }
 
 /// The operations of the forward pass. Implemented by `cpu::Cpu` (the f32 reference) and by

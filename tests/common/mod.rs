@@ -106,7 +106,11 @@ pub fn traced_prefill(model: &Model<Cpu>, tokens: &[u32]) -> Trace {
 }
 
 /// Logits [tokens.len(), V] of one untraced forward pass over `tokens`, appended to `cache`.
-pub fn forward_logits(model: &Model<Cpu>, cache: &mut Cache<Cpu>, tokens: &[u32]) -> Vec<f32> {
+pub fn forward_logits<B: Backend>(
+    model: &Model<B>,
+    cache: &mut Cache<B>,
+    tokens: &[u32],
+) -> Vec<f32> {
     let logits = model
         .forward(cache, tokens, &mut Taps::none())
         .expect("forward");
@@ -114,7 +118,11 @@ pub fn forward_logits(model: &Model<Cpu>, cache: &mut Cache<Cpu>, tokens: &[u32]
 }
 
 /// Logits [n, V] of a prefill of `tokens[..k]` followed by one decode step per remaining token.
-pub fn logits_prefill_then_decode(model: &Model<Cpu>, tokens: &[u32], k: usize) -> Vec<f32> {
+pub fn logits_prefill_then_decode<B: Backend>(
+    model: &Model<B>,
+    tokens: &[u32],
+    k: usize,
+) -> Vec<f32> {
     let mut cache = model.new_cache(model.cfg.n_ctx);
     let mut out = forward_logits(model, &mut cache, &tokens[..k]);
     for &t in &tokens[k..] {

@@ -36,6 +36,13 @@ struct LatentCase {
         a.mscale = mscale, a.eps = eps, a.k_eps = k_eps;
         return parts;
     }
+    // matvec_tma_parts_<type> of the case's tile type (type >= 0).
+    auto tma_parts_kernel() const {
+        return type == 0   ? matvec_tma_parts_q4_k
+               : type == 1 ? matvec_tma_parts_q6_k
+               : type == 2 ? matvec_tma_parts_q5_k
+                           : matvec_tma_parts_iq4_xs;
+    }
     // Appends at p what out holds of the token's cache rows (laid out as parts() says): the
     // latent as x_hi + x_lo (dims 0 .. dl, then the rope's), the key's row, then 1 where the
     // rows before both are as in `before` (else 0). Returns the end.

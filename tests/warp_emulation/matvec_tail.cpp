@@ -30,10 +30,7 @@ int main(int argc, char** argv) {
             parts_tail(parts);
         });
     } else {
-        auto kernel = c.type == 0   ? matvec_tma_parts_q4_k
-                      : c.type == 1 ? matvec_tma_parts_q6_k
-                      : c.type == 2 ? matvec_tma_parts_q5_k
-                                    : matvec_tma_parts_iq4_xs;
+        auto kernel = c.tma_parts_kernel();
         launch((unsigned)grid, 288, shared, out, [&] {
             kernel(ptr(c.w0), c.dq, c.k, c.row_bytes, ptr<float>(c.x), f, parts);
         });

@@ -28,10 +28,7 @@ int main(int argc, char** argv) {
     MatvecParts parts = c.parts(f, at_q, at_cache, at_keys);
     parts.qsq = f + at_sq;
     QueryRows qr{f + at_sq, tiles, parts.latent};
-    auto parts_kernel = c.type == 0   ? matvec_tma_parts_q4_k
-                        : c.type == 1 ? matvec_tma_parts_q6_k
-                        : c.type == 2 ? matvec_tma_parts_q5_k
-                                      : matvec_tma_parts_iq4_xs;
+    auto parts_kernel = c.tma_parts_kernel();
     auto query_kernel = c.type == 0   ? matvec_tma_query_q4_k
                         : c.type == 1 ? matvec_tma_query_q6_k
                         : c.type == 2 ? matvec_tma_query_q5_k

@@ -21,8 +21,8 @@ use super::ops::{
     Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{
-    latent_projections_apart, Backend, BackendError, IndexKeys, LatentProjections, Rope, Tokens,
-    WeightRole,
+    latent_projections_apart, lora_query, Backend, BackendError, IndexKeys, LatentProjections,
+    Rope, Tokens, WeightRole,
 };
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
@@ -618,24 +618,18 @@ impl Backend for Cuda {
             // last block, so that its wait waits for no tail (docs/performance.md,
             // thirty-seventh look).
             let (q_k, q_rows) = (q_b.ne[0], q_b.dim(1));
-            let q = self.empty(1, q_rows);
-            let b_mat = Matvec::single(
-                q_b.ty,
-                self.w(q_b),
-                (self.p(&ys[0], 0), self.p(&q, 0)),
-                (q_rows, q_k),
-            );
+            let x_q = (self.p(&ys[0], 0), 0);
+            let mut b_mat = Matvec::single(q_b.ty, self.w(q_b), x_q, (q_rows, q_k));
             if self.gpu.query_takes(ty, k, &b_mat, &latent) {
-                let sq = self.empty(1, q_k.div_ceil(16));
+                let q = self.empty(1, q_rows);
+                b_mat.y = self.p(&q, 0);
                 ok(
                     self.gpu.query_projections(
-                        ty,
-                        k,
+                        (ty, k),
                         self.p(x, 0),
                         &self.parts_of(&ws, &ys),
                         &latent,
                         &b_mat,
-                        self.p(&sq, 0),
                     ),
                     "latent_projections",
                 );
@@ -657,11 +651,7 @@ impl Backend for Cuda {
             ok(self.gpu.latent_norm_rope(1, &latent), "latent_norm_rope");
         }
         let x_q = ys.into_iter().next().unwrap();
-        let q = match (p.q_lora, &q_a) {
-            (Some((_, q_b)), Some(q_a)) => self.linear(q_a, q_b),
-            _ => x_q,
-        };
-        (q, q_a)
+        (lora_query(self, p.q_lora, x_q, q_a.as_ref()), q_a)
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {

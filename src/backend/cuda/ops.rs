@@ -169,6 +169,16 @@ struct QueryRows {
 // then LatentNorm's).
 unsafe impl cudarc::driver::DeviceRepr for QueryRows {}
 
+/// What a parts launch does of a latent's norms (`Gpu::parts_launch`).
+#[derive(Clone, Copy)]
+enum PartsNorms<'a> {
+    /// All of them in its last blocks (`Gpu::matvec_parts`).
+    Tail(&'a LatentNorm),
+    /// Its query tiles times the norm's weights, their sums of squares at the address, for
+    /// q_b's launch after it (`Gpu::query_projections`).
+    Weighed(&'a LatentNorm, Ptr),
+}
+
 /// The norms that put tokens' MLA latents into their cache (kernels/common.cuh, LatentNorm),
 /// checked by `LatentNorm::new`: what latent_norm_rope runs, or for one token the tail of the
 /// parts launch that makes kv, the query latent and the index key (`Gpu::matvec_parts`).
@@ -895,7 +905,7 @@ impl Gpu {
         parts: &[MatvecPart],
         latent: Option<&LatentNorm>,
     ) -> Result<(), CudaError> {
-        self.parts_launch(ty, k, x, parts, latent.map(|a| (a, 0)))
+        self.parts_launch(ty, k, x, parts, latent.map(PartsNorms::Tail))
     }
 
     /// The bulk-copy kernel of q-LoRA's q_b after a parts launch (`a`, one token): the plain
@@ -918,32 +928,32 @@ impl Gpu {
 
     /// One token's projections with q-LoRA (`query_takes`): `matvec_parts`' launch, whose
     /// query tiles store the latent times its norm's weights (latent.qx) and their sums of
-    /// squares (`sq`, a float a 16-row tile), then q_b (`q_b`, x = latent.qx) on
+    /// squares (a float a 16-row tile), then q_b (`q_b`, x = latent.qx) on
     /// matvec_tma_query_<type>, whose rows take the norm's factor and whose last block writes
     /// the normed latent (latent.qy) and the latent's and the key's cache rows. q_b's wait then
     /// waits for no tail (docs/performance.md, thirty-seventh look).
-    #[allow(clippy::too_many_arguments)]
     pub fn query_projections(
         &self,
-        ty: GgmlType,
-        k: usize,
+        (ty, k): (GgmlType, usize),
         x: Ptr,
         parts: &[MatvecPart],
         latent: &LatentNorm,
         q_b: &Matvec,
-        sq: Ptr,
     ) -> Result<(), CudaError> {
         check(
             self.query_takes(ty, k, q_b, latent) && q_b.x == latent.qx,
             "query_projections",
             || format!("q_b of {} x {} after a {ty} parts launch", q_b.rows, q_b.k),
         )?;
-        self.parts_launch(ty, k, x, parts, Some((latent, sq)))?;
+        let tiles = (latent.dq as usize).div_ceil(16);
+        let sums = self.empty(tiles)?;
+        let sq = self.ptr(&sums, 0);
+        self.parts_launch(ty, k, x, parts, Some(PartsNorms::Weighed(latent, sq)))?;
         let tile = self.query_tile(q_b).expect("query_takes");
         let (_, rb) = typed_rows("matvec", q_b.ty, q_b.k)?;
         let rows = QueryRows {
             sq,
-            tiles: (latent.dq as usize).div_ceil(16) as i32,
+            tiles: tiles as i32,
             latent: *latent,
         };
         let smem = tma_smem_bytes(tile, q_b.k);
@@ -954,15 +964,14 @@ impl Gpu {
         Ok(())
     }
 
-    /// matvec_parts' launch; with `latent`, its norms in the tail, or with a nonzero `sq`, the
-    /// query's tiles weighed for query_projections' q_b.
+    /// matvec_parts' launch, with what it does of a latent's norms.
     fn parts_launch(
         &self,
         ty: GgmlType,
         k: usize,
         x: Ptr,
         parts: &[MatvecPart],
-        latent: Option<(&LatentNorm, Ptr)>,
+        latent: Option<PartsNorms<'_>>,
     ) -> Result<(), CudaError> {
         let (_, rb) = typed_rows("matvec", ty, k)?;
         check(
@@ -978,9 +987,10 @@ impl Gpu {
             })
         };
         let (p0, p1, p2) = (part(0), part(1), part(2));
-        if let Some((a, sq)) = latent {
+        if let Some(PartsNorms::Tail(a) | PartsNorms::Weighed(a, _)) = latent {
+            let weighed = matches!(latent, Some(PartsNorms::Weighed(..)));
             check(
-                (sq != 0 || self.parts_tail_takes(ty, k, a))
+                (weighed || self.parts_tail_takes(ty, k, a))
                     && (a.qx == 0 || a.qx == p0.y)
                     && a.kv == p1.y
                     && a.kx == if parts.len() == 3 { p2.y } else { 0 },
@@ -998,11 +1008,11 @@ impl Gpu {
             ..MatvecParts::default()
         };
         match latent {
-            Some((a, 0)) => {
+            Some(PartsNorms::Tail(a)) => {
                 extra.done = self.zeroed_counters(&self.latent_done, 3)?;
                 extra.latent = *a;
             }
-            Some((a, sq)) => {
+            Some(PartsNorms::Weighed(a, sq)) => {
                 extra.qsq = sq;
                 extra.latent = *a;
             }
