@@ -273,78 +273,96 @@ __device__ float block_max(float v, float* scratch) {
     return v;
 }
 
-// ---- Row norms by one block (norm.cu's kernels; the latent's also in matvec.cu's parts tail) ----
+// ---- Row norms by one block or one warp (norm.cu's kernels; the latent's also in matvec.cu's
+// parts and query tails) ----
 //
-// Thread i holds values i, i + blockDim.x, ... of its row in registers (at most V; the launch
-// picks blockDim.x >= n / V), so x, w and b are read once, every load of a thread issued
-// before the first use: a decode row is one block on one SM, and its time is the memory
+// Thread i of the team holds values i, i + size, ... of its row in registers (at most V; the
+// launch picks a team of at least n / V), so x, w and b are read once, every load of a thread
+// issued before the first use: a decode row is one team on one SM, and its time is the memory
 // latency, paid once rather than once per value. L2: read through L2 only (rows other blocks
 // of the same grid wrote).
 #define NORM_VALS 8
 
+// The threads that hold a row: a whole block, or one warp (the bulk-copy kernels' producer
+// warp, which norms rows while the block's other warps still compute theirs).
+struct BlockTeam {
+    static __device__ __forceinline__ int rank() { return threadIdx.x; }
+    static __device__ __forceinline__ int size() { return blockDim.x; }
+    static __device__ __forceinline__ float sum(float v, float* scratch) {
+        return block_sum(v, scratch);
+    }
+    static __device__ __forceinline__ void sync() { __syncthreads(); }
+};
+struct WarpTeam {
+    static __device__ __forceinline__ int rank() { return threadIdx.x & 31; }
+    static __device__ __forceinline__ int size() { return 32; }
+    static __device__ __forceinline__ float sum(float v, float*) { return warp_sum(v); }
+    static __device__ __forceinline__ void sync() { __syncwarp(); }
+};
+
 // This thread's values of a row of n (0 past the end), all loads issued at once.
-template <int V = NORM_VALS, bool L2 = false>
+template <int V = NORM_VALS, bool L2 = false, class Team = BlockTeam>
 __device__ __forceinline__ void load_row(float v[V], const float* row, int n) {
 #pragma unroll
     for (int k = 0; k < V; k++) {
-        int i = threadIdx.x + k * blockDim.x;
+        int i = Team::rank() + k * Team::size();
         v[k] = i >= n ? 0.0f : L2 ? __ldcg(row + i) : row[i];
     }
 }
 
 // 1 / sqrt(mean(v^2) + eps) for a row of n held as load_row leaves it.
-template <int V = NORM_VALS>
+template <int V = NORM_VALS, class Team = BlockTeam>
 __device__ __forceinline__ float rms_inv(const float v[V], int n, float eps, float* scratch) {
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < V; k++) ss += v[k] * v[k];
-    ss = block_sum(ss, scratch);
+    ss = Team::sum(ss, scratch);
     return rsqrtf(ss / (float)n + eps);
 }
 
 // y = v / sqrt(mean(v^2) + eps) * w for a row of n held as load_row leaves it (w likewise).
-template <int V = NORM_VALS>
+template <int V = NORM_VALS, class Team = BlockTeam>
 __device__ __forceinline__ void rms_store(const float v[V], const float wv[V], float* y, int n,
                                           float eps, float* scratch) {
-    float inv = rms_inv<V>(v, n, eps, scratch);
+    float inv = rms_inv<V, Team>(v, n, eps, scratch);
 #pragma unroll
     for (int k = 0; k < V; k++) {
-        int i = threadIdx.x + k * blockDim.x;
+        int i = Team::rank() + k * Team::size();
         if (i < n) y[i] = v[k] * inv * wv[k];
     }
 }
 
 // Row xr of n values layer-normed into yr (w, b), then with dr > 0 its first dr values
 // rotated as adjacent pairs at position `pos`, as rope_pairs turns them.
-template <int V = NORM_VALS, bool L2 = false>
+template <int V = NORM_VALS, bool L2 = false, class Team = BlockTeam>
 __device__ __forceinline__ void layernorm_rope_row(const float* xr, const float* w,
                                                    const float* b, float* yr, int n, float eps,
                                                    int dr, float pos, const float* inv_freq,
                                                    float mscale, float* scratch) {
     float v[V], wv[V], bv[V];
-    load_row<V, L2>(v, xr, n);
-    load_row<V>(wv, w, n);
-    load_row<V>(bv, b, n);
+    load_row<V, L2, Team>(v, xr, n);
+    load_row<V, false, Team>(wv, w, n);
+    load_row<V, false, Team>(bv, b, n);
     float s = 0.0f;
 #pragma unroll
     for (int k = 0; k < V; k++) s += v[k];
-    float mean = block_sum(s, scratch) / (float)n;
+    float mean = Team::sum(s, scratch) / (float)n;
     float var = 0.0f;
 #pragma unroll
     for (int k = 0; k < V; k++) {
-        int i = threadIdx.x + k * blockDim.x;
+        int i = Team::rank() + k * Team::size();
         float c = v[k] - mean;
         if (i < n) var += c * c;
     }
-    float inv = rsqrtf(block_sum(var, scratch) / (float)n + eps);
+    float inv = rsqrtf(Team::sum(var, scratch) / (float)n + eps);
 #pragma unroll
     for (int k = 0; k < V; k++) {
-        int i = threadIdx.x + k * blockDim.x;
+        int i = Team::rank() + k * Team::size();
         if (i < n) yr[i] = (v[k] - mean) * inv * wv[k] + bv[k];
     }
     if (dr == 0) return;
-    __syncthreads();  // a pair's two values come from different threads
-    for (int i = threadIdx.x; i < dr / 2; i += blockDim.x)
+    Team::sync();  // a pair's two values come from different threads
+    for (int i = Team::rank(); i < dr / 2; i += Team::size())
         rope_pair(yr[2 * i], yr[2 * i + 1], pos, inv_freq[i], mscale, yr + 2 * i);
 }
 
@@ -360,7 +378,7 @@ __device__ __forceinline__ void layernorm_rope_row(const float* xr, const float*
 //   key_row (kx not null): the DSA indexer's key into its cache row, rows of dk: ky[t] =
 //     layernorm(kx[t]) (kw, kb, k_eps), its first dr values roped as k_pe.
 // dl <= LATENT_ROPE_AT, dr <= LATENT_DIMS - LATENT_ROPE_AT, dr <= dk, each width <= V x the
-// block's threads (V: the values a thread holds, as load_row's).
+// team's threads (V: the values a thread holds, as load_row's).
 struct LatentNorm {
     const float* kv;
     const float* w;
@@ -377,14 +395,14 @@ struct LatentNorm {
     float mscale, eps, k_eps;
 };
 
-template <int V, bool L2>
+template <int V, bool L2, class Team = BlockTeam>
 __device__ __forceinline__ void latent_row(const LatentNorm& a, int t, float* scratch) {
     const float pos = (float)(a.pos0 + t);
     const float* xr = a.kv + t * (i64)(a.dl + a.dr);
     u16* yr = a.cache + t * (i64)(2 * LATENT_DIMS);
 
-    // k_pe: one pair per thread (a loop for widths past the block).
-    for (int i = threadIdx.x; i < a.dr / 2; i += blockDim.x) {
+    // k_pe: one pair per thread (a loop for widths past the team).
+    for (int i = Team::rank(); i < a.dr / 2; i += Team::size()) {
         const float x0 = L2 ? __ldcg(xr + a.dl + 2 * i) : xr[a.dl + 2 * i];
         const float x1 = L2 ? __ldcg(xr + a.dl + 2 * i + 1) : xr[a.dl + 2 * i + 1];
         float y[2];
@@ -395,26 +413,26 @@ __device__ __forceinline__ void latent_row(const LatentNorm& a, int t, float* sc
 
     // c_kv: as rmsnorm.
     float v[V], wv[V];
-    load_row<V, L2>(v, xr, a.dl);
-    load_row<V>(wv, a.w, a.dl);
-    const float inv = rms_inv<V>(v, a.dl, a.eps, scratch);
+    load_row<V, L2, Team>(v, xr, a.dl);
+    load_row<V, false, Team>(wv, a.w, a.dl);
+    const float inv = rms_inv<V, Team>(v, a.dl, a.eps, scratch);
 #pragma unroll
     for (int k = 0; k < V; k++) {
-        int i = threadIdx.x + k * blockDim.x;
+        int i = Team::rank() + k * Team::size();
         if (i < a.dl) latent_store(yr, i, v[k] * inv * wv[k]);
     }
 }
 
-template <int V, bool L2>
+template <int V, bool L2, class Team = BlockTeam>
 __device__ __forceinline__ void query_row(const LatentNorm& a, int t, float* scratch) {
     float v[V], wv[V];
-    load_row<V, L2>(v, a.qx + (i64)t * a.dq, a.dq);
-    load_row<V>(wv, a.qw, a.dq);
-    rms_store<V>(v, wv, a.qy + (i64)t * a.dq, a.dq, a.eps, scratch);
+    load_row<V, L2, Team>(v, a.qx + (i64)t * a.dq, a.dq);
+    load_row<V, false, Team>(wv, a.qw, a.dq);
+    rms_store<V, Team>(v, wv, a.qy + (i64)t * a.dq, a.dq, a.eps, scratch);
 }
 
-template <int V, bool L2>
+template <int V, bool L2, class Team = BlockTeam>
 __device__ __forceinline__ void key_row(const LatentNorm& a, int t, float* scratch) {
-    layernorm_rope_row<V, L2>(a.kx + (i64)t * a.dk, a.kw, a.kb, a.ky + (i64)t * a.dk, a.dk,
+    layernorm_rope_row<V, L2, Team>(a.kx + (i64)t * a.dk, a.kw, a.kb, a.ky + (i64)t * a.dk, a.dk,
                               a.k_eps, a.dr, (float)(a.pos0 + t), a.inv_freq, a.mscale, scratch);
 }

@@ -54,8 +54,9 @@ struct MatvecParts {
 // q_b's product of a token's query latent that matvec_tma_parts_<type> left unnormed (its qsq
 // mode): x is latent.qx, the latent times its norm's weights, and sq the sums of its squares
 // over each of `tiles` tiles of 16 values; matvec_tma_query_<type> scales its rows by the
-// norm's factor, and its last block writes the normed latent (latent.qy) and the latent's and
-// the key's cache rows (tma_query_tail), which the parts launch then leaves to it.
+// norm's factor, and its last block's producer warp writes the normed latent (latent.qy) and
+// the latent's and the key's cache rows (tma_query_tail), which the parts launch then leaves
+// to it.
 struct QueryRows {
     const float* sq;
     int tiles;
@@ -538,17 +539,24 @@ __device__ __forceinline__ float query_norm_factor(const QueryRows& qr) {
     return rsqrtf(warp_sum(s) / (float)qr.latent.dq + qr.latent.eps);
 }
 
-// The end of matvec_tma_query_<type>'s last block (all its threads, after its products): the
-// normed query latent, and the latent's and the key's rows into their caches, as
-// tma_parts_tail would have written them at the end of the parts launch (whose grid q_b's
-// wait then waited for).
-__device__ __forceinline__ void tma_query_tail(const QueryRows& qr, float* scratch) {
+// The values a lane of matvec_tma_query_<type>'s tail holds (one warp): a latent of 512 and
+// a key of 128 (ops.rs's query_takes checks).
+#define QUERY_TAIL_LATENT_VALS 16
+#define QUERY_TAIL_KEY_VALS 4
+
+// What the parts launch in its qsq mode left, by the producer warp of matvec_tma_query_<type>'s
+// last block once it has issued its copies (that block has the fewest tiles, and its other
+// warps still compute them): the normed query latent, and the latent's and the key's rows
+// into their caches, as tma_parts_tail would have written them at the end of the parts launch
+// (whose grid q_b's wait then waited for). At the end of the block, with all its threads, the
+// tail took 11.8 us a GLM-5 layer against q_b's 9.2 alone (H100, chain clock).
+__device__ __forceinline__ void tma_query_tail(const QueryRows& qr) {
     const LatentNorm& a = qr.latent;
-    __syncthreads();  // the consumers have waited for the parts launch; the scratch is read
+    pdl_wait(false);  // the parts launch's rows
     const float inv = query_norm_factor(qr);
-    for (int i = threadIdx.x; i < a.dq; i += blockDim.x) a.qy[i] = __ldcg(a.qx + i) * inv;
-    latent_row<TMA_TAIL_LATENT_VALS, true>(a, 0, scratch);
-    if (a.kx) key_row<TMA_TAIL_KEY_VALS, true>(a, 0, scratch);
+    for (int i = threadIdx.x & 31; i < a.dq; i += 32) a.qy[i] = __ldcg(a.qx + i) * inv;
+    latent_row<QUERY_TAIL_LATENT_VALS, true, WarpTeam>(a, 0, nullptr);
+    if (a.kx) key_row<QUERY_TAIL_KEY_VALS, true, WarpTeam>(a, 0, nullptr);
 }
 
 // The rows of one block of threads (see the launch geometry above) with PIECES pieces per
@@ -1560,7 +1568,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             }
         }
         if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
-        if (QUERY && blockIdx.x == gridDim.x - 1) tma_query_tail(qr, &partial[0][0][0][0]);
+        if (QUERY && blockIdx.x == gridDim.x - 1) tma_query_tail(qr);
         return;
     }
     if (!ids) pdl_enter();  // x may come from the previous kernel (with ids: see above)
@@ -1650,7 +1658,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         }
     }
     if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
-    if (QUERY && blockIdx.x == gridDim.x - 1) tma_query_tail(qr, &partial[0][0][0][0]);
 #else
     __trap();  // ops.rs launches it on sm_90 and later only
 #endif
@@ -1697,9 +1704,9 @@ DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs, TcIq4xs)
 DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k, TcQ6kTile)
 
 // q-LoRA's q_b for one token after a parts launch in its qsq mode (QueryRows): the plain walk
-// over x = qr.latent.qx, k in one part, its rows times the query norm's factor, the last block
-// then writing the normed latent and the cache rows the parts launch left (tma_query_tail), so
-// that q_b's wait no longer waits for a tail.
+// over x = qr.latent.qx, k in one part, its rows times the query norm's factor, the last
+// block's producer warp writing the normed latent and the cache rows the parts launch left
+// (tma_query_tail) beside its products, so that q_b's wait no longer waits for a tail.
 #define DEFINE_MATVEC_TMA_QUERY(kname, Tile)                                                    \
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         kname(const u8* w, int rows, int k, i64 row_bytes, float* y, QueryRows qr) {            \

@@ -101,34 +101,36 @@ const PIECES: &[Piece] = &[
     Def("common.cuh", "__device__ __forceinline__ void latent_store("),
     Def("common.cuh", "__device__ float block_max("),
     Line("common.cuh", "#define NORM_VALS "),
+    Def("common.cuh", "struct BlockTeam {"),
+    Def("common.cuh", "struct WarpTeam {"),
     Def(
         "common.cuh",
-        "template <int V = NORM_VALS, bool L2 = false>\n__device__ __forceinline__ void load_row(",
+        "template <int V = NORM_VALS, bool L2 = false, class Team = BlockTeam>\n__device__ __forceinline__ void load_row(",
     ),
     Def(
         "common.cuh",
-        "template <int V = NORM_VALS>\n__device__ __forceinline__ float rms_inv(",
+        "template <int V = NORM_VALS, class Team = BlockTeam>\n__device__ __forceinline__ float rms_inv(",
     ),
     Def(
         "common.cuh",
-        "template <int V = NORM_VALS>\n__device__ __forceinline__ void rms_store(",
+        "template <int V = NORM_VALS, class Team = BlockTeam>\n__device__ __forceinline__ void rms_store(",
     ),
     Def(
         "common.cuh",
-        "template <int V = NORM_VALS, bool L2 = false>\n__device__ __forceinline__ void layernorm_rope_row(",
+        "template <int V = NORM_VALS, bool L2 = false, class Team = BlockTeam>\n__device__ __forceinline__ void layernorm_rope_row(",
     ),
     Def("common.cuh", "struct LatentNorm {"),
     Def(
         "common.cuh",
-        "template <int V, bool L2>\n__device__ __forceinline__ void latent_row(",
+        "template <int V, bool L2, class Team = BlockTeam>\n__device__ __forceinline__ void latent_row(",
     ),
     Def(
         "common.cuh",
-        "template <int V, bool L2>\n__device__ __forceinline__ void query_row(",
+        "template <int V, bool L2, class Team = BlockTeam>\n__device__ __forceinline__ void query_row(",
     ),
     Def(
         "common.cuh",
-        "template <int V, bool L2>\n__device__ __forceinline__ void key_row(",
+        "template <int V, bool L2, class Team = BlockTeam>\n__device__ __forceinline__ void key_row(",
     ),
     Line("matvec.cu", "#define MATVEC_WARPS "),
     Line("matvec.cu", "#define MATVEC_WIDE_WARPS "),
@@ -157,6 +159,8 @@ const PIECES: &[Piece] = &[
         "matvec.cu",
         "__device__ __forceinline__ float query_norm_factor(",
     ),
+    Line("matvec.cu", "#define QUERY_TAIL_LATENT_VALS "),
+    Line("matvec.cu", "#define QUERY_TAIL_KEY_VALS "),
     Def(
         "matvec.cu",
         "__device__ __forceinline__ void tma_query_tail(",

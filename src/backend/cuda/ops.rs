@@ -272,8 +272,8 @@ impl LatentNorm {
         self.dq <= (q * threads) as i32 && self.cache_rows_fit(threads, (l, k))
     }
 
-    /// Whether a block of `threads` threads holding (latent, key) values each takes the
-    /// latent's and the key's rows.
+    /// Whether `threads` threads holding (latent, key) values each take the latent's and the
+    /// key's rows (a block's, or matvec_tma_query_<type>'s producer warp: QUERY_TAIL_*_VALS).
     fn cache_rows_fit(&self, threads: usize, (l, k): (usize, usize)) -> bool {
         self.dl <= (l * threads) as i32 && self.dk <= (k * threads) as i32
     }
@@ -923,15 +923,16 @@ impl Gpu {
             && self.query_tile(q_b).is_some()
             && latent.qx != 0
             && latent.dq as usize == q_b.k
-            && latent.cache_rows_fit(288, (2, 1))
+            && latent.cache_rows_fit(32, (16, 4))
     }
 
     /// One token's projections with q-LoRA (`query_takes`): `matvec_parts`' launch, whose
     /// query tiles store the latent times its norm's weights (latent.qx) and their sums of
     /// squares (a float a 16-row tile), then q_b (`q_b`, x = latent.qx) on
-    /// matvec_tma_query_<type>, whose rows take the norm's factor and whose last block writes
-    /// the normed latent (latent.qy) and the latent's and the key's cache rows. q_b's wait then
-    /// waits for no tail (docs/performance.md, thirty-seventh look).
+    /// matvec_tma_query_<type>, whose rows take the norm's factor and whose last block's
+    /// producer warp writes the normed latent (latent.qy, not x: the other blocks may still
+    /// read x) and the latent's and the key's cache rows. q_b's wait then waits for no tail
+    /// (docs/performance.md, thirty-seventh and thirty-eighth looks).
     pub fn query_projections(
         &self,
         (ty, k): (GgmlType, usize),
@@ -941,7 +942,7 @@ impl Gpu {
         q_b: &Matvec,
     ) -> Result<(), CudaError> {
         check(
-            self.query_takes(ty, k, q_b, latent) && q_b.x == latent.qx,
+            self.query_takes(ty, k, q_b, latent) && q_b.x == latent.qx && latent.qy != latent.qx,
             "query_projections",
             || format!("q_b of {} x {} after a {ty} parts launch", q_b.rows, q_b.k),
         )?;
