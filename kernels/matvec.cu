@@ -535,6 +535,7 @@ __device__ __forceinline__ void tma_parts_tail(const MatvecParts& pt, const int 
 // by every warp (the same bits in every thread).
 __device__ __forceinline__ float query_norm_factor(const QueryRows& qr) {
     float s = 0.0f;
+#pragma unroll 4
     for (int i = threadIdx.x & 31; i < qr.tiles; i += 32) s += __ldcg(qr.sq + i);
     return rsqrtf(warp_sum(s) / (float)qr.latent.dq + qr.latent.eps);
 }
@@ -544,17 +545,15 @@ __device__ __forceinline__ float query_norm_factor(const QueryRows& qr) {
 #define QUERY_TAIL_LATENT_VALS 16
 #define QUERY_TAIL_KEY_VALS 4
 
-// What the parts launch in its qsq mode left, by the producer warp of matvec_tma_query_<type>'s
-// last block once it has issued its copies (that block has the fewest tiles, and its other
-// warps still compute them): the normed query latent, and the latent's and the key's rows
-// into their caches, as tma_parts_tail would have written them at the end of the parts launch
-// (whose grid q_b's wait then waited for). At the end of the block, with all its threads, the
-// tail took 11.8 us a GLM-5 layer against q_b's 9.2 alone (H100, chain clock).
-__device__ __forceinline__ void tma_query_tail(const QueryRows& qr) {
-    const LatentNorm& a = qr.latent;
+// What the parts launch in its qsq mode left of the latent's and the key's rows, into their
+// caches as tma_parts_tail would have written them at the end of the parts launch (whose grid
+// q_b's wait then waited for): by the producer warp of matvec_tma_query_<type>'s last block
+// once it has issued its copies (that block has the fewest tiles, and its other warps still
+// compute them). The blocks' consumers write the normed query latent, a share each. H100,
+// chain clock, a GLM-5 layer: at the end of the block with all its threads the kernel took
+// 11.8 us, against q_b's 9.2 alone; here with the query latent in the tail's one warp, 17.9.
+__device__ __forceinline__ void tma_query_tail(const LatentNorm& a) {
     pdl_wait(false);  // the parts launch's rows
-    const float inv = query_norm_factor(qr);
-    for (int i = threadIdx.x & 31; i < a.dq; i += 32) a.qy[i] = __ldcg(a.qx + i) * inv;
     latent_row<QUERY_TAIL_LATENT_VALS, true, WarpTeam>(a, 0, nullptr);
     if (a.kx) key_row<QUERY_TAIL_KEY_VALS, true, WarpTeam>(a, 0, nullptr);
 }
@@ -1568,11 +1567,17 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             }
         }
         if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
-        if (QUERY && blockIdx.x == gridDim.x - 1) tma_query_tail(qr);
+        if (QUERY && blockIdx.x == gridDim.x - 1) tma_query_tail(qr.latent);
         return;
     }
     if (!ids) pdl_enter();  // x may come from the previous kernel (with ids: see above)
     const float inv = QUERY ? query_norm_factor(qr) : 1.0f;
+    if (QUERY) {  // the normed query latent, a share of it a block (the latent is not x)
+        const LatentNorm& a = qr.latent;
+        for (int i = 32 * TMA_BLOCKS * blockIdx.x + threadIdx.x; i < a.dq;
+             i += 32 * TMA_BLOCKS * gridDim.x)
+            a.qy[i] = __ldcg(a.qx + i) * inv;
+    }
     // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
     // segments (Q4_K: 1168 = 16 mod 128 bytes apart) put the 8 rows' headers on distinct banks
     // and their 32-byte qs pieces two to a bank (one and two wavefronts).
