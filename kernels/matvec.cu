@@ -550,8 +550,9 @@ __device__ __forceinline__ float query_norm_factor(const QueryRows& qr) {
 // q_b's wait then waited for): by the producer warp of matvec_tma_query_<type>'s last block
 // once it has issued its copies (that block has the fewest tiles, and its other warps still
 // compute them). The blocks' consumers write the normed query latent, a share each. H100,
-// chain clock, a GLM-5 layer: at the end of the block with all its threads the kernel took
-// 11.8 us, against q_b's 9.2 alone; here with the query latent in the tail's one warp, 17.9.
+// chain clock, a GLM-5 layer: 9.4-9.7 us as here, against q_b's 9.2 alone; 11.8 with the tail
+// after the block's products (all its threads), 17.9 with the query latent in this one warp
+// too (its 64 loads a lane one after another).
 __device__ __forceinline__ void tma_query_tail(const LatentNorm& a) {
     pdl_wait(false);  // the parts launch's rows
     latent_row<QUERY_TAIL_LATENT_VALS, true, WarpTeam>(a, 0, nullptr);
@@ -1696,6 +1697,7 @@ DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, matvec_tma_spread_q6_k, TcQ6kTile)
 // norms them as matvec_latent_<type>'s tail does (tma_parts_tail). On the CUDA cores (as
 // matvec_latent_q4_k) GLM-5's took 16.7 us a layer on an H100's chain clock, here 10.6-11.0
 // with the tail (6.9 without it); decode +2.0% (docs/performance.md, thirty-seventh look).
+// With pt.qsq (Gpu::query_projections) it leaves its norms to q_b's launch: 7.1-7.8 us.
 #define DEFINE_MATVEC_TMA_PARTS(kname, Tile)                                                    \
     extern "C" __global__ void __launch_bounds__(288, 2)                                        \
         kname(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y,            \
