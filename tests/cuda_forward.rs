@@ -622,41 +622,48 @@ fn device_routing_equals_host_routing_on_the_gpu() {
 }
 
 /// The decode path as a GPU runs a full-width model's attention: from sm_90 on, q_a and kv_a
-/// of 2048-value rows go to the bulk-copy parts kernel, and q_b (8448 x 2048) after it to
+/// of 2048-value rows go to the bulk-copy parts kernel, and q_b (8448 rows) after it to
 /// matvec_tma_query_<type>, which folds the query latent's norm and writes the cache rows
 /// (`Gpu::query_projections`); no golden model is wide enough to reach them. A ds3-shaped
-/// synthetic model 2048 wide with 176 heads and q_lora 2048, q_a, kv_a and q_b in Q4_K, the
-/// same tokens decoded one at a time on the GPU and on the CPU (the f32 reference): every
-/// position's logits within the f32 path's 1e-4.
+/// synthetic model 2048 wide with 176 heads, q_a, kv_a and q_b in Q4_K, q_lora 2048 (GLM-5's)
+/// and 1536 (DS3's, a partial stage of q_b's tiles), the same tokens decoded one at a time on
+/// the GPU and on the CPU (the f32 reference): every position's logits within the f32 path's
+/// 1e-4.
 #[test]
 fn wide_model_decode_matches_the_cpu() {
     let Some(gpu) = cuda() else { return };
-    let wide = Synth {
-        heads: 176,
-        width: Some(2048),
-        kv_a: GgmlType::Q4_K,
-        q_lora: Some(2048),
-        q_b: GgmlType::Q4_K,
-        ..Synth::default()
-    };
-    let path = synth(&wide, "wide-cuda");
-    let on_gpu = open(&path, gpu);
-    let on_cpu = Model::open(&path, Cpu).unwrap();
-    let vocab = on_cpu.cfg.n_vocab as u32;
-    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % vocab).collect();
-    // A prefill of one token is a decode step too: every position on the decode path.
-    let (got, want) = (
-        logits_prefill_then_decode(&on_gpu, &tokens, 1),
-        logits_prefill_then_decode(&on_cpu, &tokens, 1),
-    );
-    let e = relative_error(&got, &want);
-    println!(
-        "2048-wide synthetic model, {} decode steps: relative error {e:.2e}",
-        tokens.len()
-    );
-    assert!(
-        e <= 1e-4,
-        "the GPU's decode differs from the CPU's by {e:.2e}"
-    );
-    std::fs::remove_file(&path).unwrap();
+    let mut backend = Some(gpu);
+    for q_lora in [2048, 1536] {
+        let wide = Synth {
+            heads: 176,
+            width: Some(2048),
+            kv_a: GgmlType::Q4_K,
+            q_lora: Some(q_lora),
+            q_b: GgmlType::Q4_K,
+            ..Synth::default()
+        };
+        let path = synth(&wide, &format!("wide-cuda-{q_lora}"));
+        let on_gpu = open(
+            &path,
+            backend.take().unwrap_or_else(|| Cuda::new(0).unwrap()),
+        );
+        let on_cpu = Model::open(&path, Cpu).unwrap();
+        let vocab = on_cpu.cfg.n_vocab as u32;
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % vocab).collect();
+        // A prefill of one token is a decode step too: every position on the decode path.
+        let (got, want) = (
+            logits_prefill_then_decode(&on_gpu, &tokens, 1),
+            logits_prefill_then_decode(&on_cpu, &tokens, 1),
+        );
+        let e = relative_error(&got, &want);
+        println!(
+            "2048-wide synthetic model, q_lora {q_lora}, {} decode steps: relative error {e:.2e}",
+            tokens.len()
+        );
+        assert!(
+            e <= 1e-4,
+            "q_lora {q_lora}: the GPU's decode differs from the CPU's by {e:.2e}"
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
 }

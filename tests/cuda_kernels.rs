@@ -1882,6 +1882,7 @@ fn matvec_parts_tail_norms_the_latent() {
     let (eps, k_eps, mscale) = (1e-6, 1e-6, 1.2f32);
     for (t, k, dq, dk) in [
         (GgmlType::Q4_K, 6144, 2048, 128),
+        (GgmlType::Q4_K, 7168, 1536, 0),
         (GgmlType::Q8_0, 7168, 1536, 0),
         (GgmlType::Q6_K, 7168, 1536, 0),
     ] {
@@ -1987,10 +1988,11 @@ fn matvec_parts_tail_norms_the_latent() {
             check_rows(&what, &ys);
         }
 
-        // q-LoRA's q_b after the same projections (GLM-5's 16384 rows), where its bulk-copy
-        // kernel takes it (Gpu::query_projections): the parts launch stores the query's rows
-        // times its norm's weights, q_b's rows the product of the normed latent, and q_b's
-        // last block the normed latent and the cache rows.
+        // q-LoRA's q_b after the same projections (GLM-5's 16384 rows; DS3's k of 1536, a
+        // partial stage a tile), where its bulk-copy kernel takes it (Gpu::query_projections):
+        // the parts launch stores the query's rows times its norm's weights, q_b's rows the
+        // product of the normed latent, its blocks the normed latent and its last block the
+        // cache rows.
         let rows_b = 16384;
         let wb = random_rows(&mut rng, t, rows_b, dq);
         let (dwb, dyb) = (g.upload(&wb).unwrap(), poisoned(&g, rows_b));

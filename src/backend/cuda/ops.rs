@@ -909,10 +909,13 @@ impl Gpu {
     }
 
     /// The bulk-copy kernel of q-LoRA's q_b after a parts launch (`a`, one token): the plain
-    /// walk in one part of k.
+    /// walk in one part of k, also below TMA_K_MIN (DS3's 24576 x 1536, a partial stage a
+    /// tile): alone slower than `matvec_tc_q4_k`, but it takes the parts launch's tail. H100,
+    /// a DS3 layer on the chain clock: parts + q_b 11.2 + 11.1 -> 8.2 + 11.6 us, decode
+    /// 1,033.7-1,035.0 -> 1,045.2-1,045.7 tok/s (docs/performance.md, thirty-eighth look).
     fn query_tile(&self, a: &Matvec) -> Option<TmaTile> {
         let single = a.batch == 1 && a.ids == 0 && a.pair == 0 && !a.glu && !a.transposed;
-        let takes = single && self.on_tensor_cores(a) && self.uses_bulk_copies(a);
+        let takes = single && self.on_tensor_cores(a) && self.bulk_copies && one_x_of(a);
         tma_tile(a.ty).filter(|t| takes && a.k <= t.k_max)
     }
 
