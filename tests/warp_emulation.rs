@@ -1213,25 +1213,42 @@ impl LatentCase {
     /// The cache rows a harness prints after the parts' rows `ys` (kv's and the key's as the
     /// kernels wrote them): the latent's, the key's, then 1 where the rows before the token's
     /// are untouched; against the f64 twins of `ys`.
-    fn check_cache_rows<'a>(
-        &self,
-        what: &dyn Fn(&str) -> String,
-        ys: &[&[f32]],
-        mut take: impl FnMut(usize) -> &'a [f32],
-    ) {
+    /// The three parts' rows, the first of a harness's printed outputs.
+    fn parts<'a>(&self, out: &mut Printed<'a>) -> Vec<&'a [f32]> {
+        self.rows.iter().map(|&r| out.take(r)).collect()
+    }
+
+    fn check_cache_rows(&self, what: &dyn Fn(&str) -> String, ys: &[&[f32]], out: &mut Printed) {
         let rope = (&self.inv_freq[..], Self::POS, Self::MSCALE);
         let want = latent_twin(ys[1], &self.kvw, Self::EPS, rope);
-        check_outputs(&what("latent"), take(Self::DL + Self::DR), &some(want));
+        check_outputs(&what("latent"), out.take(Self::DL + Self::DR), &some(want));
         if self.rows[2] > 0 {
             let want = layernorm_rope_twin(ys[2], (&self.kw, &self.kb), Self::K_EPS, rope);
-            check_outputs(&what("key"), take(self.rows[2]), &some(want));
+            check_outputs(&what("key"), out.take(self.rows[2]), &some(want));
         }
         assert_eq!(
-            take(1),
+            out.take(1),
             [1.0],
             "{}",
             what("the rows before the token's touched")
         );
+    }
+}
+
+/// A harness's printed values, taken in the order it printed them.
+struct Printed<'a> {
+    values: &'a [f32],
+    at: usize,
+}
+
+impl<'a> Printed<'a> {
+    fn new(values: &'a [f32]) -> Self {
+        Printed { values, at: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> &'a [f32] {
+        self.at += n;
+        &self.values[self.at - n..self.at]
     }
 }
 
@@ -1273,19 +1290,15 @@ fn parts_tail_norms_the_latent_as_f64() {
         let got = h.run(c.args(code).i32(grid).i32(shared));
         let dkv = c.rows[1];
         let what = |s: &str| format!("{ty} parts tail {dq} + {dkv} + {dk}, {grid} blocks: {s}");
-        let mut at = 0;
-        let mut take = |n: usize| {
-            at += n;
-            &got[at - n..at]
-        };
-        let ys: Vec<&[f32]> = c.rows.iter().map(|&r| take(r)).collect();
+        let mut out = Printed::new(&got);
+        let ys = c.parts(&mut out);
         for (i, y) in ys.iter().enumerate().filter(|(_, y)| !y.is_empty()) {
             check_outputs(&what(&format!("part {i}")), y, &some(c.products(i)));
         }
         let want = rmsnorm_twin(ys[0], &c.qw, LatentCase::EPS);
-        check_outputs(&what("query"), take(dq), &some(want));
-        c.check_cache_rows(&what, &ys, &mut take);
-        assert_eq!(take(3), [0.0; 3], "{}", what("counters left"));
+        check_outputs(&what("query"), out.take(dq), &some(want));
+        c.check_cache_rows(&what, &ys, &mut out);
+        assert_eq!(out.take(3), [0.0; 3], "{}", what("counters left"));
     }
 }
 
@@ -1318,12 +1331,8 @@ fn query_projections_fold_the_norm_as_f64() {
         let got = h.run(args);
         let dkv = c.rows[1];
         let what = |s: &str| format!("{ty} q-LoRA {dq} + {dkv} + {dk}: {s}");
-        let mut at = 0;
-        let mut take = |n: usize| {
-            at += n;
-            &got[at - n..at]
-        };
-        let ys: Vec<&[f32]> = c.rows.iter().map(|&r| take(r)).collect();
+        let mut out = Printed::new(&got);
+        let ys = c.parts(&mut out);
         let q_raw = c.products(0);
         let weighed = q_raw
             .iter()
@@ -1338,9 +1347,9 @@ fn query_projections_fold_the_norm_as_f64() {
         let normed = rmsnorm_twin(&q_f32, &c.qw, LatentCase::EPS);
         let normed_f32: Vec<f32> = normed.iter().map(|&v| v as f32).collect();
         let want_b = products(ty, &wb, &normed_f32);
-        check_outputs(&what("q_b's rows"), take(rows_b), &some(want_b));
-        check_outputs(&what("the normed latent"), take(dq), &some(normed));
-        c.check_cache_rows(&what, &ys, &mut take);
+        check_outputs(&what("q_b's rows"), out.take(rows_b), &some(want_b));
+        check_outputs(&what("the normed latent"), out.take(dq), &some(normed));
+        c.check_cache_rows(&what, &ys, &mut out);
     }
 }
 
