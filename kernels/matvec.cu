@@ -56,20 +56,11 @@ struct MatvecParts {
 // over each of `tiles` tiles of 16 values; matvec_tma_query_<type> scales its rows by the
 // norm's factor, and its last block's producer warp writes the normed latent (latent.qy) and
 // the latent's and the key's cache rows (tma_query_tail), which the parts launch then leaves
-// to it. With heads.w, its launch also takes the absorbed decode's k_b (query_heads).
-struct QueryHeads {
-    const u8* w;  // k_b: head h's dl rows of dn values at w + h * mat_stride + r * row_bytes
-    i64 mat_stride, row_bytes;
-    float* y;    // [H * dl]: q_lat[h] = k_b[h] q_nope[h]
-    int* done;   // [H]: the head's q_nope tiles stored, zero before the launch and after it
-    int type;    // w's type: its index in ops.rs's HALF_WARP_TYPES (the per-head types)
-    int dn, dh, dl;  // q_nope's width, a head's width in q_b's rows (dn + dr), the latent's
-};
+// to it.
 struct QueryRows {
     const float* sq;
     int tiles;
     LatentNorm latent;
-    QueryHeads heads;
 };
 
 // A piece function: acc[r] += (piece p of block blk[r]) . (the x values of that piece), for
@@ -1454,78 +1445,6 @@ __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
 }
 
-// Row r of k_b's head (type ELEMS / BYTES / DQ8) times q_nope (qn, dn values).
-template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>
-__device__ __forceinline__ float head_row_dot(const u8* row, const float* qn, int dn) {
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int u = 0; u < dn / 8; u++) {
-        float v[8];
-        DQ8(row + (i64)(u / (ELEMS / 8)) * BYTES, u % (ELEMS / 8), v);
-        const float* q = qn + 8 * u;
-        acc += ((v[0] * q[0] + v[1] * q[1]) + (v[2] * q[2] + v[3] * q[3])) +
-               ((v[4] * q[4] + v[5] * q[5]) + (v[6] * q[6] + v[7] * q[7]));
-    }
-    return acc;
-}
-
-// k_b's bytes into L2 while the kernel before ends, a share a block: its heads are read by
-// whichever blocks complete them, at the launch's end.
-__device__ __forceinline__ void query_heads_prefetch(const QueryHeads& a, int heads) {
-    const i64 bytes = heads * a.mat_stride, share = (bytes + gridDim.x - 1) / gridDim.x;
-    const i64 end = min(bytes, share * (blockIdx.x + 1));
-    for (i64 at = share * blockIdx.x + 128 * threadIdx.x; at < end; at += 128 * blockDim.x)
-        prefetch_l2(a.w + at);
-}
-
-// The absorbed decode's k_b in q_b's launch (QueryRows::heads): q_lat[h] = k_b[h] q_nope[h],
-// by the block that stores the last of head h's q_nope tiles (a count a head; each tile lies
-// in one head's q_nope or q_pe: ops.rs's heads_take). After the block's products, by its
-// consumers; warp 0 stored the rows (matvec_tma_body), its lane j counts the block's j-th
-// group. sm: shared memory the block no longer reads, 33 ints and dn floats (static shared
-// memory would take Q5_K's launch past 99 KiB).
-__device__ void query_heads(const QueryHeads& a, const float* q, int groups, u8* sm) {
-    int* mine = (int*)sm;  // the heads this block completes, then their count
-    int& n_mine = mine[32];
-    float* qn = (float*)sm + 33;
-    const int lane = threadIdx.x & 31;
-    if (threadIdx.x < 32) {
-        __threadfence();  // the rows this warp stored, before their counts
-        __syncwarp();
-        const int grp = blockIdx.x + lane * gridDim.x, r0 = 16 * grp, h = r0 / a.dh;
-        bool ends = false;
-        if (grp < groups && r0 - h * a.dh < a.dn) {
-            ends = atomicAdd(a.done + h, 1) == a.dn / 16 - 1;
-            if (ends) a.done[h] = 0;  // for the next launch (stream order)
-        }
-        const u32 ended = __ballot_sync(0xffffffffu, ends);
-        if (ends) mine[__popc(ended & ((1u << lane) - 1))] = h;
-        if (lane == 0) n_mine = __popc(ended);
-    }
-    consumers_sync();
-    if (n_mine == 0) return;
-    __threadfence();  // the other blocks' rows of these heads, stored before their counts
-    for (int i = 0; i < n_mine; i++) {
-        const int h = mine[i];
-        for (int c = threadIdx.x; c < a.dn; c += 32 * TMA_BLOCKS) qn[c] = __ldcg(q + h * a.dh + c);
-        consumers_sync();
-        const u8* w = a.w + h * a.mat_stride;
-        for (int r = threadIdx.x; r < a.dl; r += 32 * TMA_BLOCKS) {
-            const u8* row = w + r * a.row_bytes;
-            float s;
-            switch (a.type) {
-            case 0: s = head_row_dot<32, 18, dq8_q4_0>(row, qn, a.dn); break;
-            case 1: s = head_row_dot<32, 22, dq8_q5_0>(row, qn, a.dn); break;
-            case 2: s = head_row_dot<32, 34, dq8_q8_0>(row, qn, a.dn); break;
-            case 3: s = head_row_dot<8, 16, dq8_f16>(row, qn, a.dn); break;
-            default: s = head_row_dot<8, 16, dq8_bf16>(row, qn, a.dn); break;
-            }
-            a.y[h * a.dl + r] = s;
-        }
-        consumers_sync();  // qn read by all before the next head's
-    }
-}
-
 template <class Tile, bool SPREAD, bool PARTS = false, bool QUERY = false>
 __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const u8* sw,
                                                 const u8* sw2, i64 mat_stride, const int* ids,
@@ -1550,7 +1469,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     if (PARTS && pt.done) {
         for (int item = 0; item < 3; item++) parts_tail_prefetch(pt.latent, item);
     }
-    if (QUERY && qr.heads.w) query_heads_prefetch(qr.heads, rows / qr.heads.dh);
     // With a shared expert, groups 0 .. tiles - 1 are its choice (the token's last), then
     // choices 0, 1, ...: rot turns group order into choice order.
     const int choices = items / mats;
@@ -1746,7 +1664,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         }
     }
     if (PARTS && pt.done) tma_parts_tail(pt, part_tiles, &partial[0][0][0][0]);
-    if (QUERY && qr.heads.w) query_heads(qr.heads, y, groups, tma_sm);  // x's planes are read
 #else
     __trap();  // ops.rs launches it on sm_90 and later only
 #endif

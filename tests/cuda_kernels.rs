@@ -1988,19 +1988,12 @@ fn matvec_parts_tail_norms_the_latent() {
             check_rows(&what, &ys);
         }
 
-        // q-LoRA's q_b after the same projections (GLM-5's 64 heads of 192 + 64 rows; DS3's
-        // 128 of 128 + 64, k of 1536, a partial stage a tile), where its bulk-copy kernel
-        // takes it (Gpu::query_projections): the parts launch stores the query's rows times
-        // its norm's weights, q_b's rows the product of the normed latent, its blocks the
-        // normed latent and its last block the cache rows; with the absorbed decode's k_b
-        // (GLM-5's in Q5_0, DS3's in Q8_0), the blocks that complete a head its q_lat. Two
-        // rounds: the second finds the heads' counters as the first left them.
-        let (heads, dn, kb_ty) = if dq == 2048 {
-            (64, 192, GgmlType::Q5_0)
-        } else {
-            (128, 128, GgmlType::Q8_0)
-        };
-        let (dh, rows_b) = (dn + dr, heads * (dn + dr));
+        // q-LoRA's q_b after the same projections (GLM-5's 16384 rows; DS3's k of 1536, a
+        // partial stage a tile), where its bulk-copy kernel takes it (Gpu::query_projections):
+        // the parts launch stores the query's rows times its norm's weights, q_b's rows the
+        // product of the normed latent, its blocks the normed latent and its last block the
+        // cache rows.
+        let rows_b = 16384;
         let wb = random_rows(&mut rng, t, rows_b, dq);
         let (dwb, dyb) = (g.upload(&wb).unwrap(), poisoned(&g, rows_b));
         let q_b = Matvec::single(
@@ -2013,54 +2006,26 @@ fn matvec_parts_tail_norms_the_latent() {
             println!("{t}: q_b {rows_b} x {dq} is not on the bulk copies here");
             continue;
         }
-        let w_kb = random_rows(&mut rng, kb_ty, heads * dl, dn);
-        let (dwk, dlat) = (g.upload(&w_kb).unwrap(), poisoned(&g, heads * dl));
-        let mut k_b = Matvec::single(
-            kb_ty,
-            g.ptr(&dwk, 0),
-            (g.ptr(&dyb, 0), g.ptr(&dlat, 0)),
-            (dl, dn),
-        );
-        (k_b.mat_stride, k_b.x_stride) = (dl * kb_ty.row_bytes(dn).unwrap(), dh);
-        (k_b.batch, k_b.y_stride) = (heads, dl);
-        assert!(
-            Gpu::heads_take(&q_b, &k_b),
-            "{t}: k_b {kb_ty} in q_b's launch"
-        );
-        let kbf = dequant_rows(kb_ty, &w_kb, heads * dl, dn);
-        for round in 0..2 {
-            let x = rng.normals(k);
-            let dx = g.upload(&x).unwrap();
-            g.query_projections((t, k), g.ptr(&dx, 0), parts, &latent, &q_b, Some(&k_b))
-                .unwrap();
-            let what = |s: &str| format!("{t} with q_b, round {round}: {s}");
-            let ys = case.check(&g, &what("the projections"), (t, k), &x, Some(&qw));
-            let wq = dequant_rows(t, &case.ws[0], dq, k);
-            let q_raw: Vec<f32> = (0..dq)
-                .map(|j| dot64(&wq[j * k..][..k], &x) as f32)
-                .collect();
-            let normed = rmsnorm_twin(&q_raw, &qw, eps);
-            let q = g.download(&dqy).unwrap();
-            assert_close(&what("the normed latent"), &q, &normed, F32_OP);
-            let normed: Vec<f32> = normed.iter().map(|&v| v as f32).collect();
-            let wbf = dequant_rows(t, &wb, rows_b, dq);
-            let want: Vec<f64> = (0..rows_b)
-                .map(|j| dot64(&wbf[j * dq..][..dq], &normed))
-                .collect();
-            let q = g.download(&dyb).unwrap();
-            assert_close(&what("q_b"), &q, &want, F32_OP);
-            // q_lat of the kernel's own q_nope.
-            let want: Vec<f64> = (0..heads * dl)
-                .map(|r| dot64(&kbf[r * dn..][..dn], &q[(r / dl) * dh..][..dn]))
-                .collect();
-            assert_close(
-                &what("k_b's q_lat"),
-                &g.download(&dlat).unwrap(),
-                &want,
-                F32_OP,
-            );
-            check_rows(&what, &ys);
-        }
+        let x = rng.normals(k);
+        let dx = g.upload(&x).unwrap();
+        g.query_projections((t, k), g.ptr(&dx, 0), parts, &latent, &q_b)
+            .unwrap();
+        let what = |s: &str| format!("{t} with q_b: {s}");
+        let ys = case.check(&g, &what("the projections"), (t, k), &x, Some(&qw));
+        let wq = dequant_rows(t, &case.ws[0], dq, k);
+        let q_raw: Vec<f32> = (0..dq)
+            .map(|j| dot64(&wq[j * k..][..k], &x) as f32)
+            .collect();
+        let normed = rmsnorm_twin(&q_raw, &qw, eps);
+        let q = g.download(&dqy).unwrap();
+        assert_close(&what("the normed latent"), &q, &normed, F32_OP);
+        let normed: Vec<f32> = normed.iter().map(|&v| v as f32).collect();
+        let wbf = dequant_rows(t, &wb, rows_b, dq);
+        let want: Vec<f64> = (0..rows_b)
+            .map(|j| dot64(&wbf[j * dq..][..dq], &normed))
+            .collect();
+        assert_close(&what("q_b"), &g.download(&dyb).unwrap(), &want, F32_OP);
+        check_rows(&what, &ys);
     }
 }
 

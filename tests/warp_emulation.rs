@@ -54,7 +54,7 @@ use mla_engine::backend::cuda::kernels::{
 };
 use mla_engine::backend::cuda::ops::{
     latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tma_tile,
-    tmi_smem_bytes, MlaDecode, CP_SPANS64_ROWS, HALF_WARP_TYPES, MOE_SHARED, TMA_TILE_TYPES,
+    tmi_smem_bytes, MlaDecode, CP_SPANS64_ROWS, MOE_SHARED, TMA_TILE_TYPES,
 };
 use mla_engine::gguf::ggml_type::GgmlType;
 use mla_engine::quant;
@@ -99,13 +99,6 @@ const PIECES: &[Piece] = &[
     Def("common.cuh", "__device__ __forceinline__ void rope_turn("),
     Def("common.cuh", "__device__ __forceinline__ void rope_pair("),
     Def("common.cuh", "__device__ __forceinline__ void latent_store("),
-    Def("common.cuh", "__device__ __forceinline__ u16 load_u16("),
-    Def("common.cuh", "__device__ __forceinline__ u32 load_u32("),
-    Def("quant.cuh", "__device__ __forceinline__ void dq8_f16("),
-    Def("quant.cuh", "__device__ __forceinline__ void dq8_bf16("),
-    Def("quant.cuh", "__device__ __forceinline__ void dq8_q4_0("),
-    Def("quant.cuh", "__device__ __forceinline__ void dq8_q5_0("),
-    Def("quant.cuh", "__device__ __forceinline__ void dq8_q8_0("),
     Def("common.cuh", "__device__ float block_max("),
     Line("common.cuh", "#define NORM_VALS "),
     Def("common.cuh", "struct BlockTeam {"),
@@ -143,7 +136,6 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "#define MATVEC_WIDE_WARPS "),
     Line("matvec.cu", "#define MATVEC_ROWS "),
     Def("matvec.cu", "struct MatvecParts {"),
-    Def("matvec.cu", "struct QueryHeads {"),
     Def("matvec.cu", "struct QueryRows {"),
     Line("matvec.cu", "#define TAIL_QUERY_VALS "),
     Line("matvec.cu", "#define TAIL_LATENT_VALS "),
@@ -228,15 +220,6 @@ const PIECES: &[Piece] = &[
         "matvec.cu",
         "__device__ __forceinline__ void bulk_copy_from_any(",
     ),
-    Def(
-        "matvec.cu",
-        "template <int ELEMS, int BYTES, void (*DQ8)(const u8*, int, float*)>\n__device__ __forceinline__ float head_row_dot(",
-    ),
-    Def(
-        "matvec.cu",
-        "__device__ __forceinline__ void query_heads_prefetch(",
-    ),
-    Def("matvec.cu", "__device__ void query_heads("),
     Def(
         "matvec.cu",
         "template <class Tile, bool SPREAD, bool PARTS = false, bool QUERY = false>\n__device__ __forceinline__ void matvec_tma_body(",
@@ -584,7 +567,7 @@ impl Drop for Emulation {
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::IQ4_XS | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::IQ4_XS | GgmlType::Q8_0 => &[0],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
         GgmlType::Q6_K => &[208],
@@ -1329,19 +1312,12 @@ fn query_projections_fold_the_norm_as_f64() {
     let Some(h) = Emulation::build("tma_query") else {
         return;
     };
-    // A case for each of k_b's types, over the tile types in turn.
-    for (i, kb_ty) in HALF_WARP_TYPES.into_iter().enumerate() {
-        let ty = TMA_TILE_TYPES[i % TMA_TILE_TYPES.len()];
+    for (i, ty) in TMA_TILE_TYPES.into_iter().enumerate() {
         let (dq, dk, grid) = [(2048, 128, 41), (1536, 0, 13)][i % 2];
         let nb = aligned_blocks(ty, 9);
         let c = LatentCase::new(ty, nb, (dq, dk), 110 + i as u64);
-        // q_b of 3 heads [q_nope 64 | q_pe 32] in 5 blocks (18 tiles: 4, 4, 4, 3, 3), and k_b
-        // of 300 latent rows a head (more than the block's 256 consumers).
-        let (heads, dn, dh, dl_b, grid_b) = (3, 64, 96, 300, 5);
-        let rows_b = heads * dh;
-        let mut rng = Rng::new(120 + i as u64);
-        let wb = random_rows(ty, rows_b, dq / 256, &mut rng);
-        let wk = head_rows(kb_ty, heads * dl_b, dn, &mut rng);
+        let (rows_b, grid_b) = (200, 5);
+        let wb = random_rows(ty, rows_b, dq / 256, &mut Rng::new(120 + i as u64));
         let tile = tma_tile(ty).unwrap();
         let args = c
             .args(type_code(ty))
@@ -1351,17 +1327,10 @@ fn query_projections_fold_the_norm_as_f64() {
             .i32(rows_b as i32)
             .i64((ty.type_size() * dq / 256) as i64)
             .i32(grid_b)
-            .i32(tma_smem_bytes(tile, dq) as i32)
-            .i32(heads as i32)
-            .i32(dn as i32)
-            .i32(dh as i32)
-            .i32(dl_b as i32)
-            .i32(i as i32)
-            .bytes(&wk)
-            .i64(kb_ty.row_bytes(dn).unwrap() as i64);
+            .i32(tma_smem_bytes(tile, dq) as i32);
         let got = h.run(args);
         let dkv = c.rows[1];
-        let what = |s: &str| format!("{ty} q-LoRA {dq} + {dkv} + {dk}, k_b {kb_ty}: {s}");
+        let what = |s: &str| format!("{ty} q-LoRA {dq} + {dkv} + {dk}: {s}");
         let mut out = Printed::new(&got);
         let ys = c.parts(&mut out);
         let q_raw = c.products(0);
@@ -1378,39 +1347,9 @@ fn query_projections_fold_the_norm_as_f64() {
         let normed = rmsnorm_twin(&q_f32, &c.qw, LatentCase::EPS);
         let normed_f32: Vec<f32> = normed.iter().map(|&v| v as f32).collect();
         let want_b = products(ty, &wb, &normed_f32);
-        let q = out.take(rows_b);
-        check_outputs(&what("q_b's rows"), q, &some(want_b));
+        check_outputs(&what("q_b's rows"), out.take(rows_b), &some(want_b));
         check_outputs(&what("the normed latent"), out.take(dq), &some(normed));
         c.check_cache_rows(&what, &ys, &mut out);
-        // q_lat of the kernel's own q_nope.
-        let want_lat = (0..heads)
-            .flat_map(|hd| {
-                let w = &wk[hd * dl_b * kb_ty.row_bytes(dn).unwrap()..];
-                products(
-                    kb_ty,
-                    &w[..dl_b * kb_ty.row_bytes(dn).unwrap()],
-                    &q[hd * dh..][..dn],
-                )
-            })
-            .collect();
-        check_outputs(
-            &what("k_b's q_lat"),
-            out.take(heads * dl_b),
-            &some(want_lat),
-        );
-    }
-}
-
-/// `rows` rows of `k` values of one of k_b's types (HALF_WARP_TYPES), finite.
-fn head_rows(ty: GgmlType, rows: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
-    match ty {
-        GgmlType::F16 => (0..rows * k)
-            .flat_map(|_| half::f16::from_f32(signed(rng)).to_le_bytes())
-            .collect(),
-        GgmlType::BF16 => (0..rows * k)
-            .flat_map(|_| half::bf16::from_f32(signed(rng)).to_le_bytes())
-            .collect(),
-        _ => random_rows(ty, rows, k / ty.block_size(), rng),
     }
 }
 

@@ -100,20 +100,6 @@ pub struct LatentProjections<'a, B: Backend + ?Sized> {
     pub eps: f32,
     /// In DSA layers with an indexer: its key's projection and the keys' cache.
     pub index: Option<IndexKeyProjection<'a, B>>,
-    /// The absorbed decode's k_b, the query's heads and q_nope's width: with it, the query
-    /// in the latent space too (`Projected::q_lat`).
-    pub absorb: Option<(&'a B::Weight, usize, usize)>,
-}
-
-/// What `Backend::latent_projections` returns.
-pub struct Projected<T> {
-    /// The query [n, H*(dn+dr)], each head [q_nope | q_pe].
-    pub q: T,
-    /// With q-LoRA, its latent normed [n, q_lora].
-    pub q_a: Option<T>,
-    /// With `LatentProjections::absorb`, k_b q_nope per head [n, H*kv_lora]
-    /// (`head_matmul_cols`).
-    pub q_lat: Option<T>,
 }
 
 /// The DSA indexer's key projection `w` (indexer.attn_k) of n positions, whose outputs go into
@@ -148,8 +134,7 @@ impl<'a, B: Backend + ?Sized> IndexKeyProjection<'a, B> {
 }
 
 /// `Backend::latent_projections` as its parts: `linears` of x, `latent_append` of their
-/// outputs, then with q-LoRA q_b's `linear` of the normed latent, and with `absorb` k_b's
-/// `head_matmul_cols` of q_nope.
+/// outputs, then with q-LoRA q_b's `linear` of the normed latent.
 pub fn latent_projections_apart<B: Backend + ?Sized>(
     b: &B,
     x: &B::Tensor,
@@ -157,25 +142,13 @@ pub fn latent_projections_apart<B: Backend + ?Sized>(
     cache: &mut B::Latent,
     row0: usize,
     rope: &Rope,
-) -> Projected<B::Tensor> {
+) -> (B::Tensor, Option<B::Tensor>) {
     let mut of_x = b.linears(x, &p.weights()).into_iter();
     let (x_q, kv, x_k) = (of_x.next().unwrap(), of_x.next().unwrap(), of_x.next());
     let index_keys = p.index.zip(x_k.as_ref()).map(|(ix, x_k)| ix.with_keys(x_k));
     let query = p.q_lora.map(|(norm, _)| (&x_q, norm));
     let q_a = b.latent_append(cache, row0, &kv, p.kv_norm, p.eps, rope, query, index_keys);
-    let q = lora_query(b, p.q_lora, x_q, q_a.as_ref());
-    let q_lat = p.absorb.map(|a| absorbed_query(b, &q, a));
-    Projected { q, q_a, q_lat }
-}
-
-/// The absorbed decode's query in the latent space (`LatentProjections::absorb`): k_b q_nope
-/// per head, q_nope the first dn columns of each of q's heads.
-pub fn absorbed_query<B: Backend + ?Sized>(
-    b: &B,
-    q: &B::Tensor,
-    (k_b, heads, dn): (&B::Weight, usize, usize),
-) -> B::Tensor {
-    b.head_matmul_cols(q, heads, 0..dn, k_b, false)
+    (lora_query(b, p.q_lora, x_q, q_a.as_ref()), q_a)
 }
 
 /// The query from the query's projection x_q: with q-LoRA (`LatentProjections::q_lora`), q_b's
@@ -360,10 +333,9 @@ pub trait Backend: Send + Sync {
 
     /// A layer's first projections of x (`LatentProjections`: the query's, kv_a's and the
     /// indexer key's) with their latent parts normed into the caches at positions
-    /// `row0..row0+n` (`latent_append`): returns the query (with q-LoRA through its latent's
-    /// norm and q_b), with q-LoRA its latent normed, and with `absorb` the query in the
-    /// latent space (`Projected`). A GPU runs the norms in the products' launches for one
-    /// token, and k_b in q_b's.
+    /// `row0..row0+n` (`latent_append`): returns the query [n, H*(dn+dr)] (with q-LoRA through
+    /// its latent's norm and q_b) and, with q-LoRA, its latent normed (q_a). A GPU runs the
+    /// norms in the products' launches for one token.
     fn latent_projections(
         &self,
         x: &Self::Tensor,
@@ -371,7 +343,7 @@ pub trait Backend: Send + Sync {
         cache: &mut Self::Latent,
         row0: usize,
         rope: &Rope,
-    ) -> Projected<Self::Tensor> {
+    ) -> (Self::Tensor, Option<Self::Tensor>) {
         latent_projections_apart(self, x, p, cache, row0, rope)
     }
 

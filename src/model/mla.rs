@@ -10,7 +10,7 @@
 //! query, where the absorbed form reads 576 values per position instead of H*(dn+dr+dv).
 
 use super::{dsa, Cache, Model, Taps};
-use crate::backend::{Backend, LatentProjections, Projected};
+use crate::backend::{Backend, LatentProjections};
 use crate::weights::QueryProj;
 
 /// RMSNorm epsilon of q_a_norm and kv_a_norm: the reference models build these two norms
@@ -54,12 +54,9 @@ pub fn attention<B: Backend>(
                 .expect("allocated for full indexer layers");
             dsa::key_projection(ix, keys)
         }),
-        // The absorbed form (one token) takes q_nope into the latent space, k_b q_nope.
-        absorb: (n == 1).then_some((&w.k_b, h, dn)),
     };
     // Queries [n, H*(dn+dr)], each head [q_nope | q_pe]; q_a feeds DSA too.
-    let Projected { mut q, q_a, q_lat } =
-        b.latent_projections(x, projections, &mut cache.latent[il], pos0, &m.rope);
+    let (mut q, q_a) = b.latent_projections(x, projections, &mut cache.latent[il], pos0, &m.rope);
     taps.tensor(b, || format!("L{il}.q"), &q);
     // q_pe's rope: here for the expanded form and the trace; the absorbed form ropes it in
     // latent_attention (on a GPU as the kernel loads the query: one launch fewer).
@@ -104,8 +101,8 @@ pub fn attention<B: Backend>(
         let v = b.head_matmul(&c_kv_all, &w.v_b, false); // [S, H*dv]
         b.attention(&q, &k_nope, &k_pe_all, &v, pos0, scale, keep)
     } else {
-        // Absorbed: queries move into the latent space instead (k_b q_nope [n, H*kv_lora]).
-        let q_lat = q_lat.expect("absorb asked for with one token");
+        // Absorbed: queries move into the latent space instead.
+        let q_lat = b.head_matmul_cols(&q, h, 0..dn, &w.k_b, false); // k_b q_nope [n, H*kv_lora]
         let rope = (!roped).then_some(&m.rope);
         let out_lat = b.latent_attention(&q_lat, &q, h, rope, latent, pos0, scale, keep); // [n, H*kv_lora]
         b.head_matmul(&out_lat, &w.v_b, false) // [n, H*dv]

@@ -68,7 +68,6 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int __ffs(u32 x) { return x ? __builtin_ctz(x) + 1 : 0; }
-inline int __popc(u32 x) { return __builtin_popcount(x); }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 template <class T>

@@ -3,10 +3,8 @@
 // matvec_tma_query_<type> (q_b, its rows times the norm's factor, its last block writing the
 // normed latent and the cache rows). Input (Input, in order): a LatentCase (latent_case.h) of
 // a tile type, the parts' grid and shared bytes (i32), q_b (buffer), its rows (i32),
-// row_bytes (i64), grid and shared bytes (i32), then k_b in q_b's launch (QueryHeads): heads,
-// dn, dh, dl and type (i32), the matrices (buffer), row_bytes (i64). Prints the three parts'
-// rows (the query's weighed), q_b's rows, the normed latent, the cache rows
-// (LatentCase::put_cache_rows) and q_lat.
+// row_bytes (i64), grid and shared bytes (i32). Prints the three parts' rows (the query's
+// weighed), q_b's rows, the normed latent and the cache rows (LatentCase::put_cache_rows).
 #include "latent_case.h"
 
 int main(int argc, char** argv) {
@@ -17,25 +15,19 @@ int main(int argc, char** argv) {
     const int rows_b = in.i32();
     const i64 row_bytes_b = in.i64_();
     const int grid_b = in.i32(), shared_b = in.i32();
-    const int heads = in.i32(), dn = in.i32(), dh = in.i32(), dl_b = in.i32(), kb_type = in.i32();
-    auto wk = in.buffer();
-    const i64 kb_row_bytes = in.i64_();
     // One buffer for all the launches write: the parts' rows, the sums of squares, q_b's rows,
     // the normed latent, two cache rows and two key rows (the second of each the token's).
     const int tiles = (c.dq + 15) / 16;
     const size_t at_sq = c.dq + c.dkv + c.dk, at_b = at_sq + tiles, at_q = at_b + rows_b,
                  at_cache = at_q + c.dq, at_keys = at_cache + 2 * LATENT_DIMS,
-                 at_lat = at_keys + 2 * c.dk, n = at_lat + heads * dl_b;
+                 n = at_keys + 2 * c.dk;
     std::vector<u8> out(4 * n);
     float* f = (float*)out.data();
     for (size_t i = 0; i < n; i++) f[i] = 1000.0f + i;  // the untouched rows' values
     const std::vector<u8> before = out;
     MatvecParts parts = c.parts(f, at_q, at_cache, at_keys);
     parts.qsq = f + at_sq;
-    std::vector<int> done(heads, 0);
-    const QueryHeads kb{ptr(wk), dl_b * kb_row_bytes, kb_row_bytes, f + at_lat, done.data(),
-                        kb_type,  dn,                 dh,           dl_b};
-    QueryRows qr{f + at_sq, tiles, parts.latent, kb};
+    QueryRows qr{f + at_sq, tiles, parts.latent};
     auto parts_kernel = c.tma_parts_kernel();
     auto query_kernel = c.type == 0   ? matvec_tma_query_q4_k
                         : c.type == 1 ? matvec_tma_query_q6_k
@@ -47,14 +39,11 @@ int main(int argc, char** argv) {
     launch((unsigned)grid_b, 288, shared_b, out, [&] {
         query_kernel(ptr(wb), rows_b, c.dq, row_bytes_b, f + at_b, qr);
     });
-    for (int h = 0; h < heads; h++) expect(done[h] == 0, "a head's counter left nonzero");
     f = (float*)out.data();
-    const size_t at_rows = at_sq + rows_b + c.dq + c.dl + c.dr + c.dk + 1;
-    std::vector<u8> printed(4 * (at_rows + heads * dl_b));
+    std::vector<u8> printed(4 * (at_sq + rows_b + c.dq + c.dl + c.dr + c.dk + 1));
     float* p = (float*)printed.data();
     std::memcpy(p, f, 4 * at_sq);
     std::memcpy(p + at_sq, f + at_b, 4 * (rows_b + c.dq));
     c.put_cache_rows(p + at_sq + rows_b + c.dq, out, before, at_cache, at_keys);
-    std::memcpy(p + at_rows, f + at_lat, 4 * heads * dl_b);
     print_f32(printed);
 }

@@ -21,8 +21,8 @@ use super::ops::{
     Matmul, Matvec, MatvecPart, MlaDecode, MoeRouter, PairRope, RowsNorm, KERNEL_TYPES,
 };
 use crate::backend::{
-    absorbed_query, latent_projections_apart, lora_query, Backend, BackendError, IndexKeys,
-    LatentProjections, Projected, Rope, Tokens, WeightRole,
+    latent_projections_apart, lora_query, Backend, BackendError, IndexKeys, LatentProjections,
+    Rope, Tokens, WeightRole,
 };
 use crate::config::{Gating, MoeConfig};
 use crate::gguf::ggml_type::GgmlType;
@@ -591,7 +591,7 @@ impl Backend for Cuda {
         cache: &mut CudaLatent,
         row0: usize,
         rope: &Rope,
-    ) -> Projected<CudaTensor> {
+    ) -> (CudaTensor, Option<CudaTensor>) {
         let ws = p.weights();
         if !self.takes_parts(x, &ws) {
             return latent_projections_apart(self, x, p, cache, row0, rope);
@@ -623,12 +623,6 @@ impl Backend for Cuda {
             if self.gpu.query_takes(ty, k, &b_mat, &latent) {
                 let q = self.empty(1, q_rows);
                 b_mat.y = self.p(&q, 0);
-                // k_b in q_b's launch where its kernel takes it (one launch fewer a layer).
-                let k_b = p.absorb.and_then(|(k_b, heads, _)| {
-                    let q_lat = self.empty(1, heads * k_b.dim(1));
-                    let mv = self.head_matvec(&q, 0, q_rows / heads, k_b, false, &q_lat);
-                    Gpu::heads_take(&b_mat, &mv).then_some((mv, q_lat))
-                });
                 ok(
                     self.gpu.query_projections(
                         (ty, k),
@@ -636,15 +630,10 @@ impl Backend for Cuda {
                         &self.parts_of(&ws, &ys),
                         &latent,
                         &b_mat,
-                        k_b.as_ref().map(|(mv, _)| mv),
                     ),
                     "latent_projections",
                 );
-                let q_lat = match k_b {
-                    Some((_, q_lat)) => Some(q_lat),
-                    None => p.absorb.map(|a| absorbed_query(self, &q, a)),
-                };
-                return Projected { q, q_a, q_lat };
+                return (q, q_a);
             }
         }
         let tail = self.gpu.parts_tail_takes(ty, k, &latent);
@@ -662,9 +651,7 @@ impl Backend for Cuda {
             ok(self.gpu.latent_norm_rope(1, &latent), "latent_norm_rope");
         }
         let x_q = ys.into_iter().next().unwrap();
-        let q = lora_query(self, p.q_lora, x_q, q_a.as_ref());
-        let q_lat = p.absorb.map(|a| absorbed_query(self, &q, a));
-        Projected { q, q_a, q_lat }
+        (lora_query(self, p.q_lora, x_q, q_a.as_ref()), q_a)
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor) -> CudaTensor {
@@ -1382,45 +1369,6 @@ impl Cuda {
             })
     }
 
-    /// `head_product`'s matrix-vector items into y, no ids: item b = t * heads + h, head h's
-    /// matrix, reads x + col0 + (b / x_group) * x_stride.
-    fn head_matvec(
-        &self,
-        x: &CudaTensor,
-        col0: usize,
-        head_stride: usize,
-        w: &CudaWeight,
-        transpose: bool,
-        y: &CudaTensor,
-    ) -> Matvec {
-        let (a, b, heads) = (w.ne[0], w.dim(1), w.dim(2));
-        let (x_group, x_stride) = if head_stride == 0 {
-            (heads, x.cols)
-        } else {
-            (1, head_stride)
-        };
-        Matvec {
-            ty: w.ty,
-            w: self.w(w),
-            mat_stride: b * w.row_bytes(),
-            ids: 0,
-            rows: b,
-            k: a,
-            x: self.p(x, col0),
-            x_group,
-            x_stride,
-            y: self.p(y, 0),
-            y_stride: if transpose { a } else { b },
-            batch: x.rows * heads,
-            transposed: transpose,
-            pair: 0,
-            glu: false,
-            combine: None,
-            shared: (0, 0),
-            y_part: 0,
-        }
-    }
-
     /// Per-head products (`Backend::head_matmul`) where head h reads its input row at
     /// `x[t, col0 + h * head_stride ..]` (`head_stride` 0: one input shared by every head).
     /// x's rows must hold `heads * head_stride` columns for the matrix-vector path's item
@@ -1451,15 +1399,39 @@ impl Cuda {
         let n = x.rows;
         let y = self.empty(n, heads * dout);
         if n < MATMUL_MIN_ROWS || din % 32 != 0 {
-            // One f32 matrix-vector item per (token, head), matrix index = head. One token
-            // (decode) needs no ids: item h is matrix h, and a copy to the device between two
-            // kernels would stall the chain of programmatic launches twice a layer.
+            // One f32 matrix-vector item per (token, head), matrix index = head; item
+            // b = t * heads + h reads x + col0 + (b / x_group) * x_stride. One token (decode)
+            // needs no ids: item h is matrix h, and a copy to the device between two kernels
+            // would stall the chain of programmatic launches twice a layer.
             let dids = (n > 1).then(|| {
                 let ids: Vec<i32> = (0..n * heads).map(|i| (i % heads) as i32).collect();
                 self.upload_i32(&ids)
             });
-            let mut mv = self.head_matvec(x, col0, head_stride, w, transpose, &y);
-            mv.ids = dids.as_ref().map_or(0, |d| self.gpu.ptr(d, 0));
+            let (x_group, x_stride) = if shared {
+                (heads, x.cols)
+            } else {
+                (1, head_stride)
+            };
+            let mv = Matvec {
+                ty: w.ty,
+                w: self.w(w),
+                mat_stride: head_bytes,
+                ids: dids.as_ref().map_or(0, |d| self.gpu.ptr(d, 0)),
+                rows: b,
+                k: a,
+                x: self.p(x, col0),
+                x_group,
+                x_stride,
+                y: self.p(&y, 0),
+                y_stride: dout,
+                batch: n * heads,
+                transposed: transpose,
+                pair: 0,
+                glu: false,
+                combine: None,
+                shared: (0, 0),
+                y_part: 0,
+            };
             ok(self.gpu.matvec(&mv), "head_matmul");
             return y;
         }

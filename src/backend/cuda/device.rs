@@ -64,9 +64,6 @@ pub struct Gpu {
     /// matvec_tma_parts_<type>: `Gpu::matvec_parts`, ops.rs), zero between launches: the last
     /// block of each item puts its counter back.
     pub(super) latent_done: Mutex<Option<CudaSlice<i32>>>,
-    /// The per-head counters of k_b in q_b's launch (`Gpu::query_projections`, ops.rs), zero
-    /// between launches: the block that completes a head puts its counter back.
-    pub(super) heads_done: Mutex<Option<CudaSlice<i32>>>,
     /// The chain clock's stamps and launches, where `kernels::chain_clock` is on.
     chain_clock: Option<ChainClock>,
 }
@@ -179,7 +176,6 @@ impl Gpu {
             combine_done: Mutex::default(),
             argmax_work: Mutex::default(),
             latent_done: Mutex::default(),
-            heads_done: Mutex::default(),
             chain_clock,
         })
     }

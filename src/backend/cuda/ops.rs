@@ -164,28 +164,10 @@ struct QueryRows {
     sq: Ptr,
     tiles: i32,
     latent: LatentNorm,
-    heads: QueryHeads,
 }
 // SAFETY: plain integers in the kernel's C layout (an 8-byte address, a 4-byte int, padding,
-// then LatentNorm's and QueryHeads').
+// then LatentNorm's).
 unsafe impl cudarc::driver::DeviceRepr for QueryRows {}
-
-/// The kernel's QueryHeads (kernels/matvec.cu): the absorbed decode's k_b in q_b's launch, or
-/// all 0.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct QueryHeads {
-    w: Ptr,
-    mat_stride: i64,
-    row_bytes: i64,
-    y: Ptr,
-    done: Ptr,
-    /// w's type: its index in HALF_WARP_TYPES.
-    ty: i32,
-    dn: i32,
-    dh: i32,
-    dl: i32,
-}
 
 /// What a parts launch does of a latent's norms (`Gpu::parts_launch`).
 #[derive(Clone, Copy)]
@@ -354,8 +336,7 @@ fn matvec_blocks(
 /// GLM-5's 192-value k_b (24 pieces) would take two rounds on half warps. H200, ncu per layer:
 /// DS3's k_b 14.1 -> 9.4 us.
 const MATVEC_HALF_WARP_K: usize = 128;
-/// The per-head types: MLA's k_b and v_b, rows of 128 or 192 values (no K-quant fits them).
-pub const HALF_WARP_TYPES: [GgmlType; 5] = [
+const HALF_WARP_TYPES: [GgmlType; 5] = [
     GgmlType::Q4_0,
     GgmlType::Q5_0,
     GgmlType::Q8_0,
@@ -948,33 +929,13 @@ impl Gpu {
             && latent.cache_rows_fit(32, (16, 4))
     }
 
-    /// Whether `query_projections` takes the absorbed decode's k_b (`k_b`: its per-head
-    /// product of the heads' q_nope, the first columns of q_b's output) into q_b's launch:
-    /// a per-head type, q_nope and the heads 16-row tiles of q_b (a tile in one head's q_nope
-    /// or q_pe), q_nope at most 512 values (the kernel's shared memory for it).
-    pub fn heads_take(q_b: &Matvec, k_b: &Matvec) -> bool {
-        let plain = k_b.ids == 0 && k_b.x_group == 1 && !k_b.transposed && k_b.pair == 0;
-        plain
-            && HALF_WARP_TYPES.contains(&k_b.ty)
-            && k_b.k.is_multiple_of(k_b.ty.block_size())
-            && k_b.k.is_multiple_of(16)
-            && k_b.k <= 512
-            && k_b.x_stride.is_multiple_of(16)
-            && k_b.batch * k_b.x_stride == q_b.rows
-            && k_b.x == q_b.y
-            && k_b.y_stride == k_b.rows
-    }
-
     /// One token's projections with q-LoRA (`query_takes`): `matvec_parts`' launch, whose
     /// query tiles store the latent times its norm's weights (latent.qx) and their sums of
     /// squares (a float a 16-row tile), then q_b (`q_b`, x = latent.qx) on
     /// matvec_tma_query_<type>, whose rows take the norm's factor and whose last block's
     /// producer warp writes the normed latent (latent.qy, not x: the other blocks may still
     /// read x) and the latent's and the key's cache rows. q_b's wait then waits for no tail
-    /// (docs/performance.md, thirty-seventh and thirty-eighth looks). With `k_b`
-    /// (`heads_take`), the launch also runs the absorbed decode's k_b of the heads' q_nope: the
-    /// block that stores a head's last q_nope tile, at the launch's end, instead of a launch of
-    /// its own.
+    /// (docs/performance.md, thirty-seventh and thirty-eighth looks).
     pub fn query_projections(
         &self,
         (ty, k): (GgmlType, usize),
@@ -982,52 +943,27 @@ impl Gpu {
         parts: &[MatvecPart],
         latent: &LatentNorm,
         q_b: &Matvec,
-        k_b: Option<&Matvec>,
     ) -> Result<(), CudaError> {
         check(
             self.query_takes(ty, k, q_b, latent) && q_b.x == latent.qx && latent.qy != latent.qx,
             "query_projections",
             || format!("q_b of {} x {} after a {ty} parts launch", q_b.rows, q_b.k),
         )?;
-        let tile = self.query_tile(q_b).expect("query_takes");
-        let smem = tma_smem_bytes(tile, q_b.k);
-        let slots = self.wave_blocks(tile.query, 288, smem)?;
-        let q_tiles = q_b.rows.div_ceil(16);
-        let grid = q_tiles.min(slots);
-        let heads = match k_b {
-            Some(h) => {
-                // A block counts its groups a lane each (query_heads).
-                check(
-                    Self::heads_take(q_b, h) && q_tiles.div_ceil(grid) <= 32,
-                    "query_projections",
-                    || format!("k_b of {} x {} in q_b's launch", h.rows, h.k),
-                )?;
-                QueryHeads {
-                    w: h.w,
-                    mat_stride: h.mat_stride as i64,
-                    row_bytes: h.ty.row_bytes(h.k).expect("heads_take") as i64,
-                    y: h.y,
-                    done: self.zeroed_counters(&self.heads_done, h.batch)?,
-                    ty: HALF_WARP_TYPES.iter().position(|&t| t == h.ty).unwrap() as i32,
-                    dn: h.k as i32,
-                    dh: h.x_stride as i32,
-                    dl: h.rows as i32,
-                }
-            }
-            None => QueryHeads::default(),
-        };
         let tiles = (latent.dq as usize).div_ceil(16);
         let sums = self.empty(tiles)?;
         let sq = self.ptr(&sums, 0);
         self.parts_launch(ty, k, x, parts, Some(PartsNorms::Weighed(latent, sq)))?;
+        let tile = self.query_tile(q_b).expect("query_takes");
         let (_, rb) = typed_rows("matvec", q_b.ty, q_b.k)?;
         let rows = QueryRows {
             sq,
             tiles: tiles as i32,
             latent: *latent,
-            heads,
         };
-        launch!(self, tile.query, (grid as u32, 1, 1), 288, smem as u32;
+        let smem = tma_smem_bytes(tile, q_b.k);
+        let slots = self.wave_blocks(tile.query, 288, smem)?;
+        launch!(self, tile.query, (q_b.rows.div_ceil(16).min(slots) as u32, 1, 1), 288,
+            smem as u32;
             q_b.w, q_b.rows as i32, q_b.k as i32, rb as i64, q_b.y, rows);
         Ok(())
     }
