@@ -119,20 +119,18 @@ __device__ __forceinline__ void mla_copy_key(u32 stage, const u8* cache, int s, 
     cp_commit();
 }
 
-// Query values d, d + 1 (d even) of head h at tile dims (latent below 512, rope from 512),
-// zero outside. `pair` (rows of even length, 8-byte aligned): one 8-byte load, from q_lat's
-// first value where (h, d) is outside, so that no load waits on a branch.
-__device__ __forceinline__ float2 mla_q2(const float* ql, const float* qp, int qp_head, int h,
-                                         int n_heads, int d, int dl, int dr, bool pair) {
+// Query values d, d + 1 (d even) of head h at tile dims (latent below 512, rope from 512):
+// where they lie, and how many of the two are in the row (0 outside it).
+struct MlaQ {
+    const float* p;
+    int n;
+};
+__device__ __forceinline__ MlaQ mla_q_at(const float* ql, const float* qp, int qp_head, int h,
+                                         int n_heads, int d, int dl, int dr) {
     const bool latent = d < MLA_DL_MAX;
     const int dd = latent ? d : d - MLA_DL_MAX;
     const float* p = latent ? ql + (i64)h * dl + dd : qp + (i64)h * qp_head + dd;
-    const int n = h >= n_heads ? 0 : (latent ? dl : dr) - dd;  // values left in the row
-    if (pair) {
-        float2 v = __ldg((const float2*)(n >= 2 ? p : ql));
-        return n >= 2 ? v : make_float2(0.0f, 0.0f);
-    }
-    return make_float2(n >= 1 ? __ldg(p) : 0.0f, n >= 2 ? __ldg(p + 1) : 0.0f);
+    return {p, h >= n_heads ? 0 : (latent ? dl : dr) - dd};
 }
 
 // One warp's share of a 16-head tile in the split kernels (W warps a tile): warp c sums
@@ -180,22 +178,41 @@ struct MlaWarp {
             for (int i = 0; i < 2; i++)
                 freq[i] = __ldg(qp_freq + min(8 * c + tig + 4 * i, dr / 2 - 1));
         }
-        float2 qv[KL + 1][4];
-        auto load = [&](bool pair) {
+        // Every load before any value is used: with each value zeroed outside the row right
+        // after its load, the loads went out one round trip after another (SASS, sm_90: 20
+        // for the 16-head form, 4-5 us of an H100 lab's ~8 us launch).
+        MlaQ at[KL + 1][4];
 #pragma unroll
-            for (int ks = 0; ks < KL + 1; ks++) {
-                int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
+        for (int ks = 0; ks < KL + 1; ks++) {
+            int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                at[ks][e] = mla_q_at(ql, qp, qp_head, h_tile + grp + 8 * (e & 1), n_heads,
+                                     d0 + 2 * tig + 8 * (e >> 1), dl, dr);
+        }
+        float2 qv[KL + 1][4];
+        if (pair) {  // one 8-byte load, from q_lat's first value where the pair is outside
+#pragma unroll
+            for (int ks = 0; ks < KL + 1; ks++)
 #pragma unroll
                 for (int e = 0; e < 4; e++)
-                    qv[ks][e] = mla_q2(ql, qp, qp_head, h_tile + grp + 8 * (e & 1), n_heads,
-                                       d0 + 2 * tig + 8 * (e >> 1), dl, dr, pair);
-            }
-        };
-        if (pair) {  // a constant `pair` in each loop: no branch between its loads
-            load(true);
+                    qv[ks][e] = __ldg((const float2*)(at[ks][e].n >= 2 ? at[ks][e].p : ql));
         } else {
-            load(false);
+#pragma unroll
+            for (int ks = 0; ks < KL + 1; ks++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    qv[ks][e] = make_float2(__ldg(at[ks][e].n >= 1 ? at[ks][e].p : ql),
+                                            __ldg(at[ks][e].n >= 2 ? at[ks][e].p + 1 : ql));
         }
+        asm volatile("" ::: "memory");  // the loads above, the zeros below
+#pragma unroll
+        for (int ks = 0; ks < KL + 1; ks++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = at[ks][e].n;
+                qv[ks][e] = make_float2(n >= 1 ? qv[ks][e].x : 0.0f, n >= 2 ? qv[ks][e].y : 0.0f);
+            }
         if (turn) {  // two angles, each for the lane's two heads (e & 1)
             const float2 cs[2] = {rope_cos_sin((float)last, freq[0], qp_mscale),
                                   rope_cos_sin((float)last, freq[1], qp_mscale)};

@@ -273,7 +273,8 @@ const PIECES: &[Piece] = &[
         "mla_decode.cu",
         "__device__ __forceinline__ void mla_copy_key(",
     ),
-    Def("mla_decode.cu", "__device__ __forceinline__ float2 mla_q2("),
+    Def("mla_decode.cu", "struct MlaQ {"),
+    Def("mla_decode.cu", "__device__ __forceinline__ MlaQ mla_q_at("),
     Def("mla_decode.cu", "template <int W>\nstruct MlaWarp {"),
     Def(
         "mla_decode.cu",
