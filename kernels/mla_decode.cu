@@ -179,8 +179,9 @@ struct MlaWarp {
                 freq[i] = __ldg(qp_freq + min(8 * c + tig + 4 * i, dr / 2 - 1));
         }
         // Every load before any value is used: with each value zeroed outside the row right
-        // after its load, the loads went out one round trip after another (SASS, sm_90: 20
-        // for the 16-head form, 4-5 us of an H100 lab's ~8 us launch).
+        // after its load, ptxas waited for each load before the next (20 round trips a lane
+        // in the 16-head form; H100 lab, one split of 24 keys: the launch 10.8 -> 8.3 us, in
+        // the decode chain 7.2-7.7 -> 6.7-6.8 us; docs/performance.md, thirty-ninth look).
         MlaQ at[KL + 1][4];
 #pragma unroll
         for (int ks = 0; ks < KL + 1; ks++) {
