@@ -319,18 +319,29 @@ __device__ __forceinline__ u32 bits_to_byte4(u32 h) { return ((h * 0x00204081u) 
 // is qs word p: elements 4p .. 4p + 3 in its low nibbles, 16 + 4p .. in its high ones, their
 // fifth bits at the same positions of qh; value = d * (q - 16). (The unit walk read each block
 // byte by byte, 14 loads per 8 values and row; one piece per block left 26 of 32 lanes idle
-// on MLA's k_b, whose rows are 6 blocks long.)
+// on MLA's k_b, whose rows are 6 blocks long.) Every row's loads go out before any is used:
+// ptxas put each row's loads after the row before's math, four round trips a piece where
+// MLA's k_b has one piece a lane (SASS, sm_90), whatever the order in the source; it moves no
+// load past a fence, and the math after it needs the loads anyway.
 __device__ __forceinline__ void piece_q5_0(const u8* const* blk, int p, const float* xb,
                                            float* acc) {
     float4 x0 = *(const float4*)(xb + 4 * p), x1 = *(const float4*)(xb + 16 + 4 * p);
+    u32 qs[MATVEC_ROWS];
+    u16 d[MATVEC_ROWS], qh_lo[MATVEC_ROWS], qh_hi[MATVEC_ROWS];
 #pragma unroll
     for (int r = 0; r < MATVEC_ROWS; r++) {
-        u32 qs;
-        ld_words<1>(blk[r] + 6 + 4 * p, &qs);
-        u32 qh = (u32)ld_nc16(blk[r] + 2) | ((u32)ld_nc16(blk[r] + 4) << 16);
-        u32 lo = (qs & 0x0F0F0F0Fu) | bits_to_byte4((qh >> (4 * p)) & 15u);
-        u32 hi = ((qs >> 4) & 0x0F0F0F0Fu) | bits_to_byte4((qh >> (16 + 4 * p)) & 15u);
-        acc[r] += f16_to_f32(ld_nc16(blk[r])) * dot4(hi, x1, 16.0f, dot4(lo, x0, 16.0f, 0.0f));
+        ld_words<1>(blk[r] + 6 + 4 * p, &qs[r]);
+        d[r] = ld_nc16(blk[r]);
+        qh_lo[r] = ld_nc16(blk[r] + 2);
+        qh_hi[r] = ld_nc16(blk[r] + 4);
+    }
+    __threadfence_block();
+#pragma unroll
+    for (int r = 0; r < MATVEC_ROWS; r++) {
+        u32 qh = (u32)qh_lo[r] | ((u32)qh_hi[r] << 16);
+        u32 lo = (qs[r] & 0x0F0F0F0Fu) | bits_to_byte4((qh >> (4 * p)) & 15u);
+        u32 hi = ((qs[r] >> 4) & 0x0F0F0F0Fu) | bits_to_byte4((qh >> (16 + 4 * p)) & 15u);
+        acc[r] += f16_to_f32(d[r]) * dot4(hi, x1, 16.0f, dot4(lo, x0, 16.0f, 0.0f));
     }
 }
 

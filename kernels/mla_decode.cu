@@ -501,6 +501,15 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_decode_com
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
     const i64 first = (i64)t * n_splits * n_heads + h;  // (split 0, head h) of token t
     const float* ml = part_ml + first * 2;
+    const int cols = dl / 4 / gridDim.z, groups = blockDim.x / cols, g = tid / cols;
+    const int col = blockIdx.z * cols + tid % cols;  // float4 column of the head's row
+    const i64 step = (i64)n_heads * dl / 4;          // float4s from one split to the next
+    const float4* acc = (const float4*)(part_acc + first * dl) + col;
+    // The thread's first four rows (splits g, g + groups, ...; clamped) go out with the
+    // weights' loads, not a round trip after them.
+    float4 a[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) a[u] = __ldg(acc + min(g + u * groups, n_splits - 1) * step);
     float mx = NEG_INF;
     for (int s = tid; s < n_splits; s += blockDim.x) mx = fmaxf(mx, ml[(i64)s * n_heads * 2]);
     mx = block_max(mx, red);
@@ -512,27 +521,25 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_decode_com
         den += e * ml[(i64)s * n_heads * 2 + 1];
     }
     den = block_sum(den, red);  // ends with a barrier: w is visible
-    const int cols = dl / 4 / gridDim.z, groups = blockDim.x / cols, g = tid / cols;
-    const int col = blockIdx.z * cols + tid % cols;  // float4 column of the head's row
-    const i64 step = (i64)n_heads * dl / 4;          // float4s from one split to the next
-    const float4* acc = (const float4*)(part_acc + first * dl) + col;
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (g < groups) {
         int s = g;
-        for (; s + 3 * groups < n_splits; s += 4 * groups) {
-            float4 a[4];
+        bool loaded = true;  // a holds the rows of s, s + groups, ...
+        for (; s + 3 * groups < n_splits; s += 4 * groups, loaded = false) {
 #pragma unroll
-            for (int u = 0; u < 4; u++) a[u] = __ldg(acc + (s + u * groups) * step);
+            for (int u = 0; u < 4 && !loaded; u++) a[u] = __ldg(acc + (s + u * groups) * step);
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 float e = w[s + u * groups];
                 sum.x += e * a[u].x, sum.y += e * a[u].y, sum.z += e * a[u].z, sum.w += e * a[u].w;
             }
         }
-        for (; s < n_splits; s += groups) {
-            float4 a = __ldg(acc + s * step);
+#pragma unroll
+        for (int u = 0; u < 3; u++, s += groups) {  // fewer than 4 left
+            if (s >= n_splits) break;
+            float4 v = loaded ? a[u] : __ldg(acc + s * step);
             float e = w[s];
-            sum.x += e * a.x, sum.y += e * a.y, sum.z += e * a.z, sum.w += e * a.w;
+            sum.x += e * v.x, sum.y += e * v.y, sum.z += e * v.z, sum.w += e * v.w;
         }
     }
     sums[tid] = sum;

@@ -172,6 +172,8 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "__device__ __forceinline__ float sum4("),
     Def("matvec.cu", "__device__ __forceinline__ void piece_q2_k("),
     Def("matvec.cu", "__device__ __forceinline__ void piece_q3_k("),
+    Def("matvec.cu", "__device__ __forceinline__ u32 bits_to_byte4("),
+    Def("matvec.cu", "__device__ __forceinline__ void piece_q5_0("),
     Line("matvec.cu", "#define IQ4_B0 "),
     Line("matvec.cu", "#define IQ4_B1 "),
     Line("matvec.cu", "#define IQ4_B2 "),
@@ -568,7 +570,7 @@ impl Drop for Emulation {
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::IQ4_XS | GgmlType::Q8_0 => &[0],
+        GgmlType::IQ4_XS | GgmlType::Q8_0 | GgmlType::Q5_0 => &[0],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
         GgmlType::Q6_K => &[208],
@@ -1093,12 +1095,14 @@ fn bulk_copy_q6_k_kernel_matches_f64() {
     check_tma_q6k(&h, 33, 32, 2, 33);
 }
 
-/// The CUDA-core matrix-vector kernels' Q2_K and Q3_K pieces (matvec_body, the harness
+/// The CUDA-core matrix-vector kernels' Q2_K, Q3_K and Q5_0 pieces (matvec_body, the harness
 /// matvec.cpp) against f64: 37 rows (a partial last group of 4), rows of 1, 7 and 28 blocks
 /// (Q3_K's 110-byte blocks 2-byte aligned), a group per block and groups sharing blocks
-/// (the warps of a group splitting k).
+/// (the warps of a group splitting k); Q5_0 (22-byte blocks) as MLA's k_b has it, rows of 6
+/// blocks (GLM-5's 192 values: 24 pieces, a lane idle in 4) and of 4 on half warps (DeepSeek's
+/// 128, matvec_half_q5_0), with the grids ops.rs gives them.
 #[test]
-fn cuda_core_q2_k_and_q3_k_pieces_match_f64() {
+fn cuda_core_q2_k_q3_k_and_q5_0_pieces_match_f64() {
     let Some(h) = Emulation::build("matvec") else {
         return;
     };
@@ -1122,6 +1126,30 @@ fn cuda_core_q2_k_and_q3_k_pieces_match_f64() {
             let what = format!("matvec {ty:?} {rows} x {}, {grid} blocks", 256 * nb);
             check_outputs(&what, &h.run(args), &want);
         }
+    }
+    // (code, blocks a row, grid, warps a block): 512 rows in groups of 4 as one head of k_b;
+    // a whole warp a group (4 groups a block), two groups a half warp (8 a block).
+    for (code, nb, grid, seed) in [(2, 6, 32, 83), (2, 1, 32, 84), (3, 4, 16, 85)] {
+        let (ty, rows) = (GgmlType::Q5_0, 512);
+        let mut rng = Rng::new(seed);
+        let w = random_rows(ty, rows, nb, &mut rng);
+        let x = random_x(1, &mut rng)[..32 * nb].to_vec();
+        let args = Args::default()
+            .i32(code)
+            .bytes(&w)
+            .i32(rows as i32)
+            .i32(32 * nb as i32)
+            .i64((ty.type_size() * nb) as i64)
+            .floats(&x)
+            .floats(&vec![UNWRITTEN; rows])
+            .i32(grid)
+            .i32(4);
+        let want: Vec<Option<f64>> = products(ty, &w, &x).into_iter().map(Some).collect();
+        let what = format!(
+            "matvec Q5_0 {rows} x {}, code {code}, {grid} blocks",
+            32 * nb
+        );
+        check_outputs(&what, &h.run(args), &want);
     }
 }
 
@@ -1563,6 +1591,9 @@ fn mla_decode_kernels_match_f64() {
     check_mla_decode(&h, split, &case(32, 30, true, true, 7), 45);
     check_mla_decode(&h, split, &case(32, 60, true, false, 40), 46);
     check_mla_decode(&h, split, &case(32, 47, false, false, 16), 47);
+    // 82 splits of one key: the combine's groups (16) take whole rounds of 4 splits, then the
+    // rest, past the 4 rows each thread loaded before the weights.
+    check_mla_decode(&h, split, &case(32, 80, false, false, 1), 49);
     let narrow = MlaCase {
         dl: 128,
         dr: 32,

@@ -75,6 +75,7 @@ inline T __ldcg(const T* p) { return *p; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // Blocks run one after another: a fence orders nothing more, an atomic needs no more than this.
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 
 // Byte s_i (0-7) of the pair (x: 0-3, y: 4-7) for each result byte i.
