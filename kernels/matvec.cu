@@ -1393,10 +1393,11 @@ struct TcQ6kTile {
 // attn_output: 384 tiles over 264 blocks, of which 120 take two), the blocks take the units
 // (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
 // rows, at y + p * y_part: add_rmsnorm_cluster sums them in part order, so the rows come out the
-// same bits as above (matvec_tma_spread_<type>). matvec_tma_parts_<type> (below) walks the
-// tiles of two or three matrices of one x instead, a group each. Dynamic shared memory
-// tma_smem_bytes(kpart) (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes,
-// then the stages.
+// same bits as above where the parts are the same (matvec_tma_spread_<type>; ops.rs's
+// spread_part_k may take more, shorter parts: DS3's attn_output in 4). matvec_tma_parts_<type>
+// (below) walks the tiles of two or three matrices of one x instead, a group each. Dynamic
+// shared memory tma_smem_bytes(kpart) (ops.rs): x's planes as tc_smem_bytes(kpart), rounded
+// up to 128 bytes, then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
 // before the router, so it is complete when this kernel starts (the router waited for it

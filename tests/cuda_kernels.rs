@@ -440,11 +440,13 @@ fn matvec_tensor_core_types_match_dequantized_dot() {
 }
 
 /// A product whose k the bulk-copy kernel takes in parts, spread over its blocks
-/// (`Matvec::y_part`, `Gpu::spread_parts`): its partials added in part order are, bit for bit,
-/// the rows the kernel stores walking each tile through all parts itself, and match the
-/// dequantized f64 product; for GLM-5's attn_output (6144 x 16384, spread where a wave is 264
-/// blocks) and a matrix of m + 1/2 waves of tiles (2m + 2 rounds whole, 2m + 1 spread in two
-/// parts: spread on any GPU with bulk copies; m makes it rows enough for the tensor cores).
+/// (`Matvec::y_part`, `Gpu::spread_parts`): its partials added in part order match the
+/// dequantized f64 product and, where the spread parts are those the kernel walks each tile
+/// through itself, are bit for bit the rows it stores so; for GLM-5's attn_output (6144 x
+/// 16384, spread in those 2 parts where a wave is 264 blocks), DeepSeek-V3's (7168 x 16384, in
+/// 4 parts there) and a matrix of m + 1/2 waves of tiles (2m + 2 rounds whole, 2m + 1 spread
+/// in two parts: spread on any GPU with bulk copies; m makes it rows enough for the tensor
+/// cores).
 #[test]
 fn matvec_spread_parts_add_up_to_the_rows() {
     let Some(g) = gpu() else { return };
@@ -460,7 +462,8 @@ fn matvec_spread_parts_add_up_to_the_rows() {
         let slots = g.wave_blocks(tile.spread, 288, smem).unwrap();
         let m = (1..).find(|m| 8 * slots * (2 * m + 1) >= 6144).unwrap();
         let half_wave = 8 * slots * (2 * m + 1);
-        for rows in [6144, half_wave] {
+        let walked_parts = k.div_ceil(tma_part_k(tile, k));
+        for rows in [6144, 7168, half_wave] {
             let w = random_rows(&mut rng, t, rows, k);
             let wf = dequant_rows(t, &w, rows, k);
             let x = hard_x(&mut rng, k);
@@ -493,9 +496,8 @@ fn matvec_spread_parts_add_up_to_the_rows() {
             }
             let whole = g.download(&whole).unwrap();
             for (r, (s, w)) in sum.iter().zip(&whole).enumerate() {
-                assert_eq!(
-                    s.to_bits(),
-                    w.to_bits(),
+                assert!(
+                    parts != walked_parts || s.to_bits() == w.to_bits(),
                     "{t} {rows}x{k} row {r}: {s} against {w}"
                 );
             }

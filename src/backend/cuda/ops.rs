@@ -599,6 +599,10 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
     }
 }
 
+/// The 256-blocks of a row in one stage of the bulk-copy kernels (TMA_BLOCKS of
+/// kernels/matvec.cu: a consumer warp each).
+const TMA_BLOCKS: usize = 8;
+
 /// Dynamic shared memory of a tile type's kernel: x as tc_smem_bytes(k) to a 128-byte
 /// boundary, the zeros, then the stages.
 pub fn tma_smem_bytes(tile: TmaTile, k: usize) -> usize {
@@ -625,11 +629,39 @@ pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
     256 * blocks.div_ceil(parts).next_multiple_of(tile.block_step())
 }
 
-/// Whether `tiles` tiles of `parts` parts each take fewer part-times on a wave of `slots`
-/// blocks as units (part, tile) taken in turn than as tiles each walked through all parts by
-/// one block (`Gpu::spread_parts`).
-fn spreads(parts: usize, tiles: usize, slots: usize) -> bool {
-    parts > 1 && (parts * tiles).div_ceil(slots) < parts * tiles.div_ceil(slots)
+/// The part of k (elements) of a one-matrix product whose units (part, tile) its `slots`
+/// blocks take in turn, part by part (`Gpu::spread_parts`), or None where each block walking
+/// whole tiles through tma_part_k's parts is as quick. Each choice is costed by its busiest
+/// block in half stage steps (a step: TMA_BLOCKS 256-blocks of the tile's 16 rows), plus one
+/// for each part whose x planes it prepares; the spread parts are tma_part_k's or a number of
+/// whole stages. DeepSeek-V3's attn_output (448 tiles of k 16384 over 264 blocks): walked in
+/// 2 parts, a block's 2 tiles take 16 steps; spread in 2 parts, 4 units of 4; in 4 parts,
+/// 7 units of 2 steps, 14. GLM-5's (384 tiles): 2 parts, 3 units of 4 steps.
+pub fn spread_part_k(tile: TmaTile, k: usize, tiles: usize, slots: usize) -> Option<usize> {
+    // The stage steps of each part of k in parts of kpart.
+    let steps = |kpart: usize| -> Vec<usize> {
+        (0..k.div_ceil(kpart))
+            .map(|p| (kpart.min(k - p * kpart) / 256).div_ceil(TMA_BLOCKS))
+            .collect()
+    };
+    let walked = tma_part_k(tile, k);
+    let walk = {
+        let st = steps(walked);
+        2 * tiles.div_ceil(slots) * st.iter().sum::<usize>() + st.len()
+    };
+    let stage = 256 * TMA_BLOCKS;
+    let spread_cost = |kpart: usize| {
+        let st = steps(kpart);
+        let rounds = (st.len() * tiles).div_ceil(slots);
+        2 * rounds * st.iter().max().unwrap() + st.len().min(rounds)
+    };
+    std::iter::once(walked)
+        .chain((1..).map(|n| n * stage).take_while(|&kp| kp <= tile.k_max))
+        .filter(|&kp| kp < k)
+        .map(|kp| (spread_cost(kp), std::cmp::Reverse(kp)))
+        .min()
+        .filter(|&(cost, _)| cost < walk)
+        .map(|(_, std::cmp::Reverse(kp))| kp)
 }
 
 /// Blocks and threads of mla_decode_combine for `splits` partials: chunks of dims (1, 2, 4
@@ -687,19 +719,23 @@ impl Gpu {
     /// parts by one block (GLM-5's attn_output, 384 tiles of 2 parts over an H200's 264
     /// blocks: 3 rounds of units instead of 4), else 1 (no y_part).
     pub fn spread_parts(&self, a: &Matvec) -> Result<usize, CudaError> {
+        Ok(self.spread_kpart(a)?.map_or(1, |kpart| a.k.div_ceil(kpart)))
+    }
+
+    /// spread_part_k for `a`: None where `a` is not one matrix on the bulk-copy kernel.
+    fn spread_kpart(&self, a: &Matvec) -> Result<Option<usize>, CudaError> {
         let single = a.batch == 1 && a.ids == 0 && a.pair == 0 && !a.transposed;
         if !(single && self.on_tensor_cores(a) && self.uses_bulk_copies(a)) {
-            return Ok(1);
+            return Ok(None);
         }
         let tile = tma_tile(a.ty).expect("a tensor-core type");
-        let kpart = tma_part_k(tile, a.k);
-        let parts = a.k.div_ceil(kpart);
-        let slots = self.wave_blocks(tile.spread, 288, tma_smem_bytes(tile, kpart))?;
-        Ok(if spreads(parts, a.rows.div_ceil(16), slots) {
-            parts
-        } else {
-            1
-        })
+        // A wave of the spread kernel with the walk's (largest) parts: every kpart fits it.
+        let slots = self.wave_blocks(
+            tile.spread,
+            288,
+            tma_smem_bytes(tile, tma_part_k(tile, a.k)),
+        )?;
+        Ok(spread_part_k(tile, a.k, a.rows.div_ceil(16), slots))
     }
 
     /// Whether the tensor-core product `a` goes to matvec_tma_items_<type>.
@@ -774,6 +810,7 @@ impl Gpu {
                 let smem = tma_smem_bytes(tile, kpart);
                 if a.y_part > 0 {
                     // A unit per part of each tile (spread_parts checked a single matrix).
+                    let kpart = self.spread_kpart(a)?.expect("checked above");
                     let units = tiles * a.k.div_ceil(kpart);
                     let slots = self.wave_blocks(tile.spread, 288, smem)?;
                     launch!(self, tile.spread, (units.min(slots) as u32, 1, 1), 288, smem as u32;
@@ -2324,20 +2361,41 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{cp_plan, cp_splits, spreads, tc8_tiles_per_block, CpPlan};
+    use super::{cp_plan, cp_splits, spread_part_k, tc8_tiles_per_block, tma_tile, CpPlan};
+    use crate::gguf::ggml_type::GgmlType;
 
     #[test]
-    fn spreads_where_the_units_take_fewer_rounds() {
+    fn spread_part_k_takes_the_fewest_steps_of_the_busiest_block() {
         // An H200 or H100: 132 SMs x 2 blocks of matvec_tma_q4_k; tiles of 16 rows.
-        assert!(spreads(2, 384, 264), "GLM-5 attn_output: 4 -> 3 part-times");
-        assert!(
-            !spreads(2, 448, 264),
-            "DS3 attn_output: 4 part-times either way"
+        let tile = tma_tile(GgmlType::Q4_K).unwrap();
+        let kp = |k, rows: usize| spread_part_k(tile, k, rows / 16, 264);
+        assert_eq!(
+            kp(16384, 6144),
+            Some(8192),
+            "GLM-5 attn_output: 16 steps + 2 parts -> 12 + 2"
         );
-        assert!(!spreads(3, 448, 264), "DS3 dense down: 6 either way");
-        assert!(spreads(2, 132, 264), "half a wave of tiles: 2 -> 1");
-        assert!(!spreads(1, 100, 264), "one part: nothing to spread");
-        assert!(!spreads(2, 264, 264), "a full wave: 2 either way");
+        assert_eq!(
+            kp(16384, 7168),
+            Some(4096),
+            "DS3 attn_output: 16 + 2 -> 14 + 4"
+        );
+        assert_eq!(
+            kp(12288, 6144),
+            Some(6144),
+            "GLM-5 dense down: 12 + 2 -> 9 + 2"
+        );
+        assert_eq!(
+            kp(18432, 7168),
+            Some(6144),
+            "DS3 dense down: 20 + 2 -> 18 + 3"
+        );
+        assert_eq!(
+            kp(16384, 2112),
+            Some(8192),
+            "half a wave of tiles: 8 + 2 -> 4 + 1"
+        );
+        assert_eq!(kp(16384, 4224), None, "a full wave: 8 + 2 at best");
+        assert_eq!(kp(2048, 7168), None, "one stage: nothing to spread");
     }
 
     #[test]
