@@ -786,8 +786,13 @@ impl Gpu {
         check(a.shared == (0, 0) || self.takes_shared(a), "matvec", || {
             "a shared matrix needs the tensor-core kernel and ids".into()
         })?;
+        // With y_part, the part of k the blocks take as units (spread_part_k).
+        let spread_kpart = match a.y_part {
+            0 => None,
+            _ => self.spread_kpart(a)?,
+        };
         check(
-            a.y_part == 0 || (a.y_part >= a.rows && self.spread_parts(a)? > 1),
+            a.y_part == 0 || (a.y_part >= a.rows && spread_kpart.is_some()),
             "matvec",
             || "partial outputs: where spread_parts says so, rows apart".into(),
         )?;
@@ -808,9 +813,8 @@ impl Gpu {
                 // with y_part, a unit per part of each group.
                 let kpart = tma_part_k(tile, a.k);
                 let smem = tma_smem_bytes(tile, kpart);
-                if a.y_part > 0 {
+                if let Some(kpart) = spread_kpart {
                     // A unit per part of each tile (spread_parts checked a single matrix).
-                    let kpart = self.spread_kpart(a)?.expect("checked above");
                     let units = tiles * a.k.div_ceil(kpart);
                     let slots = self.wave_blocks(tile.spread, 288, smem)?;
                     launch!(self, tile.spread, (units.min(slots) as u32, 1, 1), 288, smem as u32;
