@@ -636,7 +636,10 @@ pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
 /// for each part whose x planes it prepares; the spread parts are tma_part_k's or a number of
 /// whole stages. DeepSeek-V3's attn_output (448 tiles of k 16384 over 264 blocks): walked in
 /// 2 parts, a block's 2 tiles take 16 steps; spread in 2 parts, 4 units of 4; in 4 parts,
-/// 7 units of 2 steps, 14. GLM-5's (384 tiles): 2 parts, 3 units of 4 steps.
+/// 7 units of 2 steps, 14. GLM-5's (384 tiles): 2 parts, 3 units of 4 steps. Rows whose
+/// planes fit whole stay whole: spread in parts, they were not timed against the walk in one
+/// call (at f42dc02 the bench's IQ4_XS ffn_up read 65% of an H100's copy so, the walk 71% in
+/// another; docs/performance.md, fortieth look).
 pub fn spread_part_k(tile: TmaTile, k: usize, tiles: usize, slots: usize) -> Option<usize> {
     // The stage steps of each part of k in parts of kpart.
     let steps = |kpart: usize| -> Vec<usize> {
@@ -645,6 +648,9 @@ pub fn spread_part_k(tile: TmaTile, k: usize, tiles: usize, slots: usize) -> Opt
             .collect()
     };
     let walked = tma_part_k(tile, k);
+    if walked >= k {
+        return None;
+    }
     let walk = {
         let st = steps(walked);
         2 * tiles.div_ceil(slots) * st.iter().sum::<usize>() + st.len()
@@ -2399,7 +2405,7 @@ mod tests {
             "half a wave of tiles: 8 + 2 -> 4 + 1"
         );
         assert_eq!(kp(16384, 4224), None, "a full wave: 8 + 2 at best");
-        assert_eq!(kp(2048, 7168), None, "one stage: nothing to spread");
+        assert_eq!(kp(7168, 18432), None, "rows whole in one part stay whole");
     }
 
     #[test]
