@@ -1390,14 +1390,14 @@ struct TcQ6kTile {
 // before (so the rows need no combine between blocks, and the copies run on into the next part
 // while x is prepared). glu needs one part. With y_part (not 0: one matrix, no ids), where a
 // wave of blocks would otherwise leave many of them idle in its last round (GLM-5's
-// attn_output: 384 tiles over 264 blocks, of which 120 take two), the blocks take the units
-// (part, tile) in turn instead, part by part, and each unit stores its sum as partial p of its
-// rows, at y + p * y_part: add_rmsnorm_cluster sums them in part order, so the rows come out the
-// same bits as above where the parts are the same (matvec_tma_spread_<type>; ops.rs's
-// spread_part_k may take more, shorter parts: DS3's attn_output in 4). matvec_tma_parts_<type>
-// (below) walks the tiles of two or three matrices of one x instead, a group each. Dynamic
-// shared memory tma_smem_bytes(kpart) (ops.rs): x's planes as tc_smem_bytes(kpart), rounded
-// up to 128 bytes, then the stages.
+// attn_output: 384 tiles over 264 blocks, of which 120 take two), the units (part, tile) go
+// to the blocks instead, a run of blocks a part taking its tiles in turn, and each unit stores
+// its sum as partial p of its rows, at y + p * y_part: add_rmsnorm_cluster sums them in part
+// order, so the rows come out the same bits as above where the parts are the same
+// (matvec_tma_spread_<type>; ops.rs's spread_part_k may take more, shorter parts: DS3's
+// attn_output in 4). matvec_tma_parts_<type> (below) walks the tiles of two or three
+// matrices of one x instead, a group each. Dynamic shared memory tma_smem_bytes(kpart)
+// (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
 // before the router, so it is complete when this kernel starts (the router waited for it
@@ -1495,13 +1495,20 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     // Part p's 256-blocks and stages (it starts at 256-block p * part_blocks).
     auto part_nb = [&](int p) { return min(part_blocks, nb - p * part_blocks); };
     auto part_steps = [&](int p) { return (part_nb(p) + TMA_BLOCKS - 1) / TMA_BLOCKS; };
-    // The block's first group of part p: its own index in every part, or with y_part (the
-    // parts spread) unit p * groups + grp of the sequence the blocks take in turn.
+    // With y_part (the parts spread), part p's groups go to blocks part_lo(p) .. part_hi(p) - 1
+    // in turn: the grid split into a run of blocks a part (one block for several parts where
+    // the grid has fewer blocks than parts), so that a block prepares x's planes of one part.
+    auto part_lo = [&](int p) { return (int)((i64)p * gridDim.x / parts); };
+    auto part_hi = [&](int p) {
+        return max(part_lo(p) + 1, (int)((i64)(p + 1) * gridDim.x / parts));
+    };
+    // The block's first group of part p (groups: none) and the step to its next.
     auto first_group = [&](int p) {
         if (!SPREAD) return (int)blockIdx.x;
-        const int r = ((int)blockIdx.x - p * groups) % (int)gridDim.x;
-        return r < 0 ? r + (int)gridDim.x : r;
+        const int b = (int)blockIdx.x;
+        return b >= part_lo(p) && b < part_hi(p) ? b - part_lo(p) : groups;
     };
+    auto group_step = [&](int p) { return SPREAD ? part_hi(p) - part_lo(p) : (int)gridDim.x; };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // Unit m of group grp: its item (glu: the gate's, then the up's).
     auto item_of = [&](int grp, int m) {
@@ -1537,7 +1544,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         if (consumer) pdl_launch_next();
         routed = true;
     };
-    // The block's next group from grp on whose item this rank holds.
+    // The block's next group from grp on whose item this rank holds (no ids with SPREAD).
     auto next_group = [&](int grp, bool consumer) {
         while (grp < groups) {
             if (!is_shared(grp)) route(consumer);
@@ -1554,7 +1561,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         for (int p = 0; p < parts; p++) {
             const int pnb = part_nb(p), steps = part_steps(p);
             for (int grp = next_group(first_group(p), false); grp < groups;
-                 grp = next_group(grp + gridDim.x, false)) {
+                 grp = next_group(grp + group_step(p), false)) {
                 for (int m = 0; m < mats; m++) {
                     const GroupTile u = group_tile(grp, m);
                     const int r0 = u.tile * 16, nr = min(16, u.rows - r0);
@@ -1609,7 +1616,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                                    TMA_BLOCKS);  // by consumers
         consumers_sync();
         for (int grp = next_group(first_group(p), true); grp < groups;
-             grp = next_group(grp + gridDim.x, true), par ^= 1) {
+             grp = next_group(grp + group_step(p), true), par ^= 1) {
             const GroupTile u = group_tile(grp, 0);
             const int tile = u.tile;
             for (int m = 0; m < mats; m++) {

@@ -974,6 +974,16 @@ fn bulk_copy_kernels_match_f64() {
                     7,
                 )
             },
+            TmaCase {
+                spread: true,
+                ..one_matrix(
+                    "40 x 36 256-blocks in 4 parts spread over 3 blocks (one with two parts)",
+                    40,
+                    36,
+                    Some(10),
+                    3,
+                )
+            },
         ];
         for (i, c) in cases.iter().enumerate() {
             check_tma(&h, ty, c, 10 + i as u64);

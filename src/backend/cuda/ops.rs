@@ -630,16 +630,18 @@ pub fn tma_part_k(tile: TmaTile, k: usize) -> usize {
 }
 
 /// The part of k (elements) of a one-matrix product whose units (part, tile) its `slots`
-/// blocks take in turn, part by part (`Gpu::spread_parts`), or None where each block walking
-/// whole tiles through tma_part_k's parts is as quick. Each choice is costed by its busiest
-/// block in half stage steps (a step: TMA_BLOCKS 256-blocks of the tile's 16 rows), plus one
-/// for each part whose x planes it prepares; the spread parts are tma_part_k's or a number of
-/// whole stages. DeepSeek-V3's attn_output (448 tiles of k 16384 over 264 blocks): walked in
-/// 2 parts, a block's 2 tiles take 16 steps; spread in 2 parts, 4 units of 4; in 4 parts,
-/// 7 units of 2 steps, 14. GLM-5's (384 tiles): 2 parts, 3 units of 4 steps. Rows whose
-/// planes fit whole stay whole: spread in parts, they were not timed against the walk in one
-/// call (at f42dc02 the bench's IQ4_XS ffn_up read 65% of an H100's copy so, the walk 71% in
-/// another; docs/performance.md, fortieth look).
+/// blocks take (`Gpu::spread_parts`; a run of blocks a part, kernels/matvec.cu), or None
+/// where each block walking whole tiles through tma_part_k's parts is as quick. Each choice
+/// is costed by its busiest block in half stage steps (a step: TMA_BLOCKS 256-blocks of the
+/// tile's 16 rows), plus one for each part whose x planes it prepares; the spread parts are
+/// tma_part_k's or a number of whole stages, at least half as long (more, shorter parts than
+/// that: more partials for the residual add to read, not measured). DeepSeek-V3's
+/// attn_output (448 tiles of k 16384 over 264 blocks): walked in 2 parts, a block's 2 tiles
+/// take 16 steps; spread in 2 parts, 132 blocks a part, 4 tiles of 4; in 4 parts, 66 blocks
+/// a part, 7 tiles of 2 steps, 14. GLM-5's (384 tiles): 2 parts, 3 tiles of 4 steps. Rows
+/// whose planes fit whole stay whole: spread in parts, they were not timed against the walk
+/// in one call (at f42dc02 the bench's IQ4_XS ffn_up read 65% of an H100's copy so, the walk
+/// 71% in another; docs/performance.md, fortieth look).
 pub fn spread_part_k(tile: TmaTile, k: usize, tiles: usize, slots: usize) -> Option<usize> {
     // The stage steps of each part of k in parts of kpart.
     let steps = |kpart: usize| -> Vec<usize> {
@@ -658,12 +660,15 @@ pub fn spread_part_k(tile: TmaTile, k: usize, tiles: usize, slots: usize) -> Opt
     let stage = 256 * TMA_BLOCKS;
     let spread_cost = |kpart: usize| {
         let st = steps(kpart);
-        let rounds = (st.len() * tiles).div_ceil(slots);
-        2 * rounds * st.iter().max().unwrap() + st.len().min(rounds)
+        let (parts, longest) = (st.len(), *st.iter().max().unwrap());
+        match slots / parts {
+            0 => 2 * tiles * st.iter().sum::<usize>() + parts.div_ceil(slots),
+            blocks => 2 * tiles.div_ceil(blocks) * longest + 1,
+        }
     };
     std::iter::once(walked)
         .chain((1..).map(|n| n * stage).take_while(|&kp| kp <= tile.k_max))
-        .filter(|&kp| kp < k)
+        .filter(|&kp| kp < k && 2 * kp >= walked)
         .map(|kp| (spread_cost(kp), std::cmp::Reverse(kp)))
         .min()
         .filter(|&(cost, _)| cost < walk)
@@ -2379,32 +2384,27 @@ mod tests {
         // An H200 or H100: 132 SMs x 2 blocks of matvec_tma_q4_k; tiles of 16 rows.
         let tile = tma_tile(GgmlType::Q4_K).unwrap();
         let kp = |k, rows: usize| spread_part_k(tile, k, rows / 16, 264);
-        assert_eq!(
-            kp(16384, 6144),
-            Some(8192),
-            "GLM-5 attn_output: 16 steps + 2 parts -> 12 + 2"
-        );
-        assert_eq!(
-            kp(16384, 7168),
-            Some(4096),
-            "DS3 attn_output: 16 + 2 -> 14 + 4"
-        );
-        assert_eq!(
-            kp(12288, 6144),
-            Some(6144),
-            "GLM-5 dense down: 12 + 2 -> 9 + 2"
-        );
-        assert_eq!(
-            kp(18432, 7168),
-            Some(6144),
-            "DS3 dense down: 20 + 2 -> 18 + 3"
-        );
-        assert_eq!(
-            kp(16384, 2112),
-            Some(8192),
-            "half a wave of tiles: 8 + 2 -> 4 + 1"
-        );
-        assert_eq!(kp(16384, 4224), None, "a full wave: 8 + 2 at best");
+        let cases = [
+            (
+                16384,
+                6144,
+                Some(8192),
+                "GLM-5 attn_output: 16 steps + 2 parts -> 12 + 1",
+            ),
+            (16384, 7168, Some(4096), "DS3 attn_output: 16 + 2 -> 14 + 1"),
+            (12288, 6144, Some(6144), "GLM-5 dense down: 12 + 2 -> 9 + 1"),
+            (18432, 7168, Some(6144), "DS3 dense down: 20 + 2 -> 18 + 1"),
+            (
+                16384,
+                2112,
+                Some(8192),
+                "half a wave of tiles: 8 + 2 -> 4 + 1",
+            ),
+            (16384, 4224, Some(8192), "a full wave: 8 + 2 -> 8 + 1"),
+        ];
+        for (k, rows, want, what) in cases {
+            assert_eq!(kp(k, rows), want, "{what}");
+        }
         assert_eq!(kp(7168, 18432), None, "rows whole in one part stay whole");
     }
 
