@@ -725,10 +725,10 @@ impl Gpu {
     }
 
     /// How many partial outputs `matvec` writes for `a` with a `y_part`: more than 1 where
-    /// `a`, one matrix on the bulk-copy kernel with k in parts, takes fewer rounds of its wave
-    /// of blocks as units (part, tile) taken in turn than as tiles each walked through all
-    /// parts by one block (GLM-5's attn_output, 384 tiles of 2 parts over an H200's 264
-    /// blocks: 3 rounds of units instead of 4), else 1 (no y_part).
+    /// `a`, one matrix on the bulk-copy kernel with k in parts, takes fewer stage steps of
+    /// its busiest block as units (part, tile) than as tiles each walked through all parts by
+    /// one block (spread_part_k: GLM-5's attn_output, 384 tiles of 2 parts over 264 blocks,
+    /// 3 tiles of one part a block instead of 2 of both), else 1 (no y_part).
     pub fn spread_parts(&self, a: &Matvec) -> Result<usize, CudaError> {
         Ok(self.spread_kpart(a)?.map_or(1, |kpart| a.k.div_ceil(kpart)))
     }
