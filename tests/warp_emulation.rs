@@ -1116,49 +1116,34 @@ fn cuda_core_q2_k_q3_k_and_q5_0_pieces_match_f64() {
     let Some(h) = Emulation::build("matvec") else {
         return;
     };
+    // (harness code, type, rows, blocks a row, grid, seed); Q5_0: 512 rows as one head of
+    // k_b, a whole warp a group (4 groups a block) or two groups a half warp (8 a block).
+    let mut cases = Vec::new();
     for (code, ty) in [(0, GgmlType::Q2_K), (1, GgmlType::Q3_K)] {
         for (nb, grid, seed) in [(1, 10, 80), (7, 3, 81), (28, 5, 82)] {
-            let rows = 37;
-            let mut rng = Rng::new(seed);
-            let w = random_rows(ty, rows, nb, &mut rng);
-            let x = random_x(nb, &mut rng);
-            let args = Args::default()
-                .i32(code)
-                .bytes(&w)
-                .i32(rows as i32)
-                .i32(256 * nb as i32)
-                .i64((ty.type_size() * nb) as i64)
-                .floats(&x)
-                .floats(&vec![UNWRITTEN; rows])
-                .i32(grid)
-                .i32(4);
-            let want: Vec<Option<f64>> = products(ty, &w, &x).into_iter().map(Some).collect();
-            let what = format!("matvec {ty:?} {rows} x {}, {grid} blocks", 256 * nb);
-            check_outputs(&what, &h.run(args), &want);
+            cases.push((code, ty, 37, nb, grid, seed));
         }
     }
-    // (code, blocks a row, grid, warps a block): 512 rows in groups of 4 as one head of k_b;
-    // a whole warp a group (4 groups a block), two groups a half warp (8 a block).
     for (code, nb, grid, seed) in [(2, 6, 32, 83), (2, 1, 32, 84), (3, 4, 16, 85)] {
-        let (ty, rows) = (GgmlType::Q5_0, 512);
+        cases.push((code, GgmlType::Q5_0, 512, nb, grid, seed));
+    }
+    for (code, ty, rows, nb, grid, seed) in cases {
+        let k = nb * ty.block_size();
         let mut rng = Rng::new(seed);
         let w = random_rows(ty, rows, nb, &mut rng);
-        let x = random_x(1, &mut rng)[..32 * nb].to_vec();
+        let x = random_x(k.div_ceil(256), &mut rng)[..k].to_vec();
         let args = Args::default()
             .i32(code)
             .bytes(&w)
             .i32(rows as i32)
-            .i32(32 * nb as i32)
+            .i32(k as i32)
             .i64((ty.type_size() * nb) as i64)
             .floats(&x)
             .floats(&vec![UNWRITTEN; rows])
             .i32(grid)
             .i32(4);
         let want: Vec<Option<f64>> = products(ty, &w, &x).into_iter().map(Some).collect();
-        let what = format!(
-            "matvec Q5_0 {rows} x {}, code {code}, {grid} blocks",
-            32 * nb
-        );
+        let what = format!("matvec {ty:?} {rows} x {k}, code {code}, {grid} blocks");
         check_outputs(&what, &h.run(args), &want);
     }
 }
