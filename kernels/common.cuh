@@ -62,6 +62,12 @@ __device__ __forceinline__ void pdl_launch_next() {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
+// A device-scope acquire-release fence, for the "last block in" counts: thread 0 fences after
+// its block's stores (a __syncthreads before, so every thread's), then adds to the count; the
+// block whose add completes it fences again before the __syncthreads after which its threads
+// read the other blocks' stores. __threadfence() is a sequentially consistent fence
+// (MEMBAR.SC), more than these need.
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 // The usual start of a kernel: wait for the previous one, then let the next one launch.
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();

@@ -491,13 +491,15 @@ __device__ __forceinline__ void parts_tail(const MatvecParts& parts) {
     __syncthreads();
     const int item = blockIdx.y;
     if (threadIdx.x == 0) {
-        __threadfence();  // the rows before the count that lets another block read them
+        fence_acq_rel();  // the rows before the count that lets another block read them
         last = atomicAdd(parts.done + item, 1) == (int)gridDim.x - 1;
-        if (last) parts.done[item] = 0;  // for the next launch (stream order)
+        if (last) {
+            parts.done[item] = 0;  // for the next launch (stream order)
+            fence_acq_rel();
+        }
     }
     __syncthreads();
     if (!last || (item == 0 && !parts.latent.qx)) return;
-    __threadfence();
     if (item == 0)
         query_row<TAIL_QUERY_VALS, true>(parts.latent, 0, scratch);
     else if (item == 1)
@@ -523,7 +525,7 @@ __device__ __forceinline__ void tma_parts_tail(const MatvecParts& pt, const int 
     float* last = scratch + 32;
     __syncthreads();  // the block's rows stored, its scratch read
     if (threadIdx.x == 0) {
-        __threadfence();  // the rows before the counts that let another block read them
+        fence_acq_rel();  // the rows before the counts that let another block read them
         const int b = blockIdx.x, n = gridDim.x;
         // The block's groups before group g: b, b + n, ... below g.
         auto before = [&](int g) { return g > b ? (g - b + n - 1) / n : 0; };
@@ -533,10 +535,10 @@ __device__ __forceinline__ void tma_parts_tail(const MatvecParts& pt, const int 
             if (ends) pt.done[item] = 0;  // for the next launch (stream order)
             last[item] = ends ? 1.0f : 0.0f;
         }
+        if (last[0] != 0.0f || last[1] != 0.0f || last[2] != 0.0f) fence_acq_rel();
     }
     __syncthreads();
     const bool q = last[0] != 0.0f, l = last[1] != 0.0f, k = last[2] != 0.0f;
-    if (q || l || k) __threadfence();
     if (q && pt.latent.qx) query_row<TMA_TAIL_QUERY_VALS, true>(pt.latent, 0, scratch);
     if (l) latent_row<TMA_TAIL_LATENT_VALS, true>(pt.latent, 0, scratch);
     if (k) key_row<TMA_TAIL_KEY_VALS, true>(pt.latent, 0, scratch);
@@ -1190,18 +1192,20 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
             }
             y[(grp / per_item) * y_stride + tile * 16 + lane] = sum;
         }
-        if (comb.out) __threadfence();  // the rows before the count that lets another block read them
         __syncthreads();  // partial and the x planes are free again
         if (comb.out) {
             const int tok = grp / per_item / comb.choices, gi = grp % per_item;
             int* done = comb.done + (i64)tok * per_item + gi;
             if (threadIdx.x == 0) {
+                fence_acq_rel();  // the rows before the count that lets another block read them
                 last = atomicAdd(done, 1) == comb.choices - 1;
-                if (last) *done = 0;  // for the next launch (stream order)
+                if (last) {
+                    *done = 0;  // for the next launch (stream order)
+                    fence_acq_rel();
+                }
             }
             __syncthreads();
             if (last) {
-                __threadfence();
                 const float* wt = comb.weights + (i64)tok * comb.choices;
                 const float* yt = y + (i64)tok * comb.choices * y_stride;
                 for (int r = gi * span * 16 + threadIdx.x; r < min((gi + 1) * span * 16, rows);

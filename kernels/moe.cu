@@ -219,13 +219,15 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_route_f32(
     acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) {
         logits[(i64)t * n_exp + e] = acc;
-        __threadfence();  // the logit before the count that may let another block read it
+        fence_acq_rel();  // the logit before the count that may let another block read it
         last = atomicAdd(done + t, 1) == (int)gridDim.x - 1;
+        if (last) {
+            done[t] = 0;  // for the next launch (stream order)
+            fence_acq_rel();
+        }
     }
     __syncthreads();
     if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) done[t] = 0;  // for the next launch (stream order)
     const int row = k + (shared ? 1 : 0);
     route_token(logits + (i64)t * n_exp, bias, n_exp, k, gating, n_group, group_used, norm,
                 scale, held_lo, held_hi, shared, ids + (i64)t * row, weights + (i64)t * row);

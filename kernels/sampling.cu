@@ -65,12 +65,12 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     if (threadIdx.x == 0) {
         pairs[2 * blockIdx.x] = __float_as_int(arg < n ? x[arg] : NEG_INF);
         pairs[2 * blockIdx.x + 1] = arg;
-        __threadfence();
+        fence_acq_rel();
         last = atomicAdd(count, 1) == (int)gridDim.x - 1;
+        if (last) fence_acq_rel();
     }
     __syncthreads();
     if (!last) return;
-    __threadfence();
     best = NEG_INF;
     arg = 1 << 30;
     for (int b = threadIdx.x; b < (int)gridDim.x; b += ARGMAX_THREADS)
