@@ -24,10 +24,10 @@
 //   experts that come before them (larger choice, or equal and lower id, in the total order of
 //   float_key), and the one of rank j < k is choice j. All experts at once, no serial rounds
 //   of warp reductions (one warp doing k of them took ~10 us per decode token on an H200).
-//   Only experts of the kept groups are counted against (one that comes before a kept expert
-//   is kept too), and an expert out with its group needs no rank while the kept experts alone
-//   fill the k choices: DeepSeek-V3 ranks 128 experts against 128 instead of 256 against 256.
-//   A group's two best are a shuffle reduction over the lanes sharing it.
+//   Only candidates are ranked, against each other: the experts at or above the k-th largest
+//   of 32 chunks' maxima, which hold the top k and whatever comes before any of them (about 9
+//   of 256 for independent random logits, by simulation, not 256 against 256). A group's two best are a shuffle
+//   reduction over the lanes sharing it.
 // moe_combine: out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] (slots < 0 skipped);
 //   rows are the expert outputs, one per (token, choice), in any order. A weight of 0 adds
 //   nothing, so its row is not read (a choice held by another rank has no row here).
@@ -36,6 +36,7 @@
 #define ROUTER_MAX_EXP 1024
 #define ROUTER_THREADS 256
 #define ROUTE_VALS 8
+#define KEY_MIN ((int)0x80000000)  // below every float_key
 
 // f's bits as an int that orders like f (Rust's f32::total_cmp): -0 < +0, NaN at the ends.
 // Its own inverse.
@@ -72,9 +73,12 @@ __device__ void route_token(const float* lg, const float* bias, int n_exp, int k
                             int held_hi, int shared, int* ids, float* weights) {
     __shared__ float s[ROUTER_MAX_EXP], scratch[32];
     __shared__ __align__(16) int key[ROUTER_MAX_EXP], group_key[32];
-    __shared__ int kept[32], chosen[32];
-    const int tid = threadIdx.x;
+    __shared__ __align__(16) int chunk_max[32];
+    __shared__ int2 cand[ROUTER_MAX_EXP];
+    __shared__ int kept[32], chosen[32], n_cand;
+    const int tid = threadIdx.x, lane = tid % 32;
     const int NEG_KEY = float_key(NEG_INF);
+    if (tid == 0) n_cand = 0;
 
     float mx = 0.0f, sum = 1.0f;  // softmax's max and sum
     if (gating == 1) {
@@ -129,30 +133,39 @@ __device__ void route_token(const float* lg, const float* bias, int n_exp, int k
             for (int i = 0; i < n_kept; i++) in |= kept[i] == gr;
             if (!in) key[e] = NEG_KEY;
         }
-    } else {
-        if (tid == 0) kept[0] = 0;
+    }
+    // The top k are among the candidates, the experts at or above T: the k-th largest of the
+    // maxima of 32 disjoint chunks of experts (8 threads' each; k <= 32). At least k experts
+    // are at or above T, so one below it comes after k others; and whatever comes before a
+    // candidate is one too, so its rank among the candidates is its rank among all. A thread
+    // masked its own experts above, so it needs no barrier before their maximum.
+    static_assert(ROUTER_THREADS / 8 == 32, "32 chunks of 8 threads");
+    int mk = KEY_MIN;
+    for (int e = tid; e < n_exp; e += blockDim.x) mk = max(mk, key[e]);
+    for (int o = 1; o < 8; o <<= 1) mk = max(mk, __shfl_xor_sync(0xffffffffu, mk, o));
+    if (lane % 8 == 0) chunk_max[tid / 8] = mk;
+    __syncthreads();
+    // Every warp finds T itself (the lane whose chunk ranks k - 1): no barrier more.
+    const int cm = chunk_max[lane];
+    const u32 kth = __ballot_sync(0xffffffffu, rank_of(chunk_max, 0, 32, cm, lane) == k - 1);
+    const int T = __shfl_sync(0xffffffffu, cm, __ffs(kth) - 1);
+    for (int e0 = 0; e0 < n_exp; e0 += blockDim.x) {
+        const int e = e0 + tid;
+        const bool in = e < n_exp && key[e] >= T;
+        const u32 ins = __ballot_sync(0xffffffffu, in);
+        int at = 0;
+        if (lane == 0 && ins) at = atomicAdd(&n_cand, __popc(ins));
+        at = __shfl_sync(0xffffffffu, at, 0) + __popc(ins & ((1u << lane) - 1));
+        if (in) cand[at] = make_int2(key[e], e);
     }
     __syncthreads();
-    int live = 0;  // experts above -inf
-    for (int e0 = 0; e0 < n_exp; e0 += blockDim.x)
-        live += __syncthreads_count(e0 + tid < n_exp && key[e0 + tid] != NEG_KEY);
-
-    // Ranks. A kept expert above -inf comes after no expert out (those are all -inf), so it
-    // counts against the kept groups only (their key ranges are 16-byte aligned when per % 4
-    // == 0; else all keys). An expert at -inf needs a rank only when fewer than k are above.
-    const bool by_group = n_group > 1 && per % 4 == 0;
-    for (int e = tid; e < n_exp; e += blockDim.x) {
-        int ke = key[e], r;
-        if (ke == NEG_KEY) {
-            if (live >= k) continue;  // at least `live` come before it
-            r = rank_of(key, 0, n_exp, ke, e);
-        } else if (by_group) {
-            r = 0;
-            for (int i = 0; i < n_kept; i++) r += rank_of(key, kept[i] * per, per, ke, e);
-        } else {
-            r = rank_of(key, 0, n_exp, ke, e);
-        }
-        if (r < k) chosen[r] = e;
+    // Ranks among the candidates (all experts when many tie, as with equal logits).
+    const int nc = n_cand;
+    for (int i = tid; i < nc; i += blockDim.x) {
+        const int2 c = cand[i];
+        int r = 0;
+        for (int j = 0; j < nc; j++) r += before(cand[j].x, cand[j].y, c.x, c.y);
+        if (r < k) chosen[r] = c.y;
     }
     __syncthreads();
     // k <= 32: lane j of the first warp finishes choice j.

@@ -2801,6 +2801,14 @@ fn moe_router_and_combine_match() {
             .unwrap();
         let (ids, w) = (g.download(&dids).unwrap(), g.download(&dw).unwrap());
         check("moe_router", &logits, &ids, &w);
+        // Again on logits of a few values: exact ties (without a bias, of the choices too),
+        // so that many experts are candidates at once.
+        let few: Vec<f32> = logits.iter().map(|v| (v * 0.5).round()).collect();
+        let dl = g.upload(&few).unwrap();
+        g.moe_router(&router(g.ptr(&dl, 0), g.ptr(&dids, 0), g.ptr(&dw, 0)))
+            .unwrap();
+        let (ids, w) = (g.download(&dids).unwrap(), g.download(&dw).unwrap());
+        check("moe_router, few values", &few, &ids, &w);
 
         // moe_route_f32: its logits against an f64 product, its choice against the twin on
         // those logits; launched twice (its per-token counters must be back at zero).
