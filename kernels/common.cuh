@@ -251,6 +251,49 @@ __device__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// The argmax's order on (value, index) pairs: the larger value, then the lower index (a NaN,
+// never larger, never wins). warp_argmax: the best pair of the warp, in every lane.
+__device__ __forceinline__ void argmax_pair(float* best, int* arg, float ob, int oa) {
+    if (ob > *best || (ob == *best && oa < *arg)) {
+        *best = ob;
+        *arg = oa;
+    }
+}
+__device__ __forceinline__ void warp_argmax(float* best, int* arg) {
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_pair(best, arg, __shfl_xor_sync(0xffffffffu, *best, o),
+                    __shfl_xor_sync(0xffffffffu, *arg, o));
+}
+
+// The end of an argmax over a grid's blocks of n values, by one whole warp of each block
+// whose lanes all hold the block's best pair: the last block in reduces the blocks' pairs and
+// writes the index to out[0] (0 when no value is above -inf, as for NaNs, so that it always
+// names a row of the embedding). work: [1 + 2 * grid] i32, work[0] zero before the launch and
+// after it (the last block resets it).
+__device__ void grid_argmax(float best, int arg, int n, int* work, int* out) {
+    const int lane = threadIdx.x & 31;
+    int last = 0;
+    if (lane == 0) {
+        work[1 + 2 * blockIdx.x] = __float_as_int(best);
+        work[2 + 2 * blockIdx.x] = arg;
+        fence_acq_rel();
+        last = atomicAdd(work, 1) == (int)gridDim.x - 1;
+        if (last) fence_acq_rel();
+    }
+    __syncwarp();  // lane 0's acquire before the other lanes' loads
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    best = NEG_INF;
+    arg = 1 << 30;
+#pragma unroll 4
+    for (int b = lane; b < (int)gridDim.x; b += 32)
+        argmax_pair(&best, &arg, __int_as_float(__ldcg(work + 1 + 2 * b)), __ldcg(work + 2 + 2 * b));
+    warp_argmax(&best, &arg);
+    if (lane == 0) {
+        out[0] = arg < n ? arg : 0;
+        work[0] = 0;
+    }
+}
+
 // Rotary embedding of one adjacent pair (x0, x1) into y[0], y[1] (y may hold x): the angle
 // pos * inv_freq (an f32 product, as the CPU computes it), cos and sin scaled by YaRN's mscale.
 // rope_cos_sin and rope_turn are its two halves, for pairs that share an angle.

@@ -2117,8 +2117,11 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // dynamic shared memory tma6_smem_bytes(k) (ops.rs): x's planes, scales and sums as
 // tc_prepare_x writes them (tc_x_bytes, the sums unused), 256 bytes of zeros (q6_dot's B where
 // a lane's columns are not its sub-block's), then the stages. One grid wave of blocks.
+// With `pick` (the lm head), also the index of y's largest value at pick[0], as argmax_row
+// finds it (grid_argmax; pick_work as its work): the greedy pick without a launch of its own.
 extern "C" __global__ void __launch_bounds__(288, 2)
-    matvec_tma_q6_k(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y) {
+    matvec_tma_q6_k(const u8* w, int rows, int k, i64 row_bytes, const float* x, float* y,
+                    int* pick_work, int* pick) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 tma_sm[];
     __shared__ u64 full[TMA6_STAGES], empty[TMA6_STAGES];
@@ -2170,6 +2173,8 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     const u32 row8 = (u32)(8 * row_bytes), tile_step = (u32)(16 * gridDim.x * row_bytes);
     u32 row_lo = (u32)(unsigned long long)w + (u32)(16 * blockIdx.x + g) * (u32)row_bytes;
     float acc_lo = 0.0f, acc_hi = 0.0f, next_lo = 0.0f, next_hi = 0.0f;
+    float best = NEG_INF;  // with pick: the best of the rows this lane stored
+    int arg = 1 << 30;
     for (int n = 0, i0 = 0, a = 0; n < nst; n++) {
         const int slot = n % TMA6_STAGES, cnt0 = min(TMA_BLOCKS, nb - a);
         const bool second = c >= cnt0;  // the block is tile i0 + 1's
@@ -2209,11 +2214,16 @@ extern "C" __global__ void __launch_bounds__(288, 2)
                 float sum = 0.0f;
                 for (int p = 0; p < TMA_BLOCKS; p++) sum += partial[par][p][lane];
                 y[r0 + lane] = sum;
+                argmax_pair(&best, &arg, sum, r0 + lane);
             }
             acc_lo = next_lo, acc_hi = next_hi, next_lo = 0.0f, next_hi = 0.0f;
         }
         a += TMA_BLOCKS;
         if (a >= nb) a -= nb, i0++, row_lo += tile_step;
+    }
+    if (pick && warp == 0) {
+        warp_argmax(&best, &arg);
+        grid_argmax(best, arg, rows, pick_work, pick);
     }
 #else
     __trap();  // ops.rs launches it on sm_90 and later only

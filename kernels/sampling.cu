@@ -11,28 +11,15 @@
 //   kept index, in index order, at which the running kept mass reaches u times the kept mass
 //   (u uniform in [0, 1), drawn on the host). probs: [n] scratch. grid (1), block 1024.
 
-__device__ void argmax_pair(float* best, int* arg, float ob, int oa) {
-    if (ob > *best || (ob == *best && oa < *arg)) {
-        *best = ob;
-        *arg = oa;
-    }
-}
-
-// Block argmax over (value, index) pairs, lowest index on ties; every thread gets the index.
-__device__ int block_argmax(float best, int arg, float* sv, int* si) {
+// Block argmax over (value, index) pairs; every thread gets the block's best pair.
+__device__ void block_argmax(float* best, int* arg, float* sv, int* si) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1)
-        argmax_pair(&best, &arg, __shfl_xor_sync(0xffffffffu, best, o),
-                    __shfl_xor_sync(0xffffffffu, arg, o));
-    if (lane == 0) { sv[warp] = best; si[warp] = arg; }
+    warp_argmax(best, arg);
+    if (lane == 0) { sv[warp] = *best; si[warp] = *arg; }
     __syncthreads();
-    best = lane < nw ? sv[lane] : NEG_INF;
-    arg = lane < nw ? si[lane] : 1 << 30;
-    for (int o = 16; o > 0; o >>= 1)
-        argmax_pair(&best, &arg, __shfl_xor_sync(0xffffffffu, best, o),
-                    __shfl_xor_sync(0xffffffffu, arg, o));
-    __syncthreads();
-    return arg;
+    *best = lane < nw ? sv[lane] : NEG_INF;
+    *arg = lane < nw ? si[lane] : 1 << 30;
+    warp_argmax(best, arg);
 }
 
 // A block per ARGMAX_SPAN values, every thread's loads issued at once: the logits' one pass
@@ -47,7 +34,6 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
-    __shared__ bool last;
     int first = blockIdx.x * ARGMAX_SPAN + threadIdx.x;
     float v[ARGMAX_PER_THREAD];
 #pragma unroll
@@ -59,28 +45,8 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     int arg = 1 << 30;
 #pragma unroll
     for (int j = 0; j < ARGMAX_PER_THREAD; j++) argmax_pair(&best, &arg, v[j], first + j * ARGMAX_THREADS);
-    arg = block_argmax(best, arg, sv, si);
-    int* count = work;
-    int* pairs = work + 1;  // per block: the best value's bits, its index
-    if (threadIdx.x == 0) {
-        pairs[2 * blockIdx.x] = __float_as_int(arg < n ? x[arg] : NEG_INF);
-        pairs[2 * blockIdx.x + 1] = arg;
-        fence_acq_rel();
-        last = atomicAdd(count, 1) == (int)gridDim.x - 1;
-        if (last) fence_acq_rel();
-    }
-    __syncthreads();
-    if (!last) return;
-    best = NEG_INF;
-    arg = 1 << 30;
-    for (int b = threadIdx.x; b < (int)gridDim.x; b += ARGMAX_THREADS)
-        argmax_pair(&best, &arg, __int_as_float(((volatile int*)pairs)[2 * b]),
-                    ((volatile int*)pairs)[2 * b + 1]);
-    arg = block_argmax(best, arg, sv, si);
-    if (threadIdx.x == 0) {
-        out[0] = arg < n ? arg : 0;
-        *count = 0;
-    }
+    block_argmax(&best, &arg, sv, si);
+    if (threadIdx.x < 32) grid_argmax(best, arg, n, work, out);
 }
 
 // The kept mass for threshold bits `thr` (p >= thr, p positive floats compare as u32 bits).

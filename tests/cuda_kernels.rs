@@ -258,6 +258,7 @@ fn expert_matvec(
         combine: None,
         shared: (0, 0),
         y_part: 0,
+        pick: 0,
     })
     .unwrap();
     g.download(&dy).unwrap()
@@ -727,6 +728,7 @@ fn matvec_q4_k_pair_matches_two_products() {
             combine: None,
             shared: (0, 0),
             y_part: 0,
+            pick: 0,
         };
         assert!(g.takes_pair(&a), "the tensor-core kernel takes this pair");
         g.matvec(&a).unwrap();
@@ -1139,6 +1141,7 @@ fn matvec_transposed_every_type_matches() {
             combine: None,
             shared: (0, 0),
             y_part: 0,
+            pick: 0,
         })
         .unwrap();
         let y = g.download(&dy).unwrap();
@@ -2941,6 +2944,58 @@ fn argmax_takes_the_lowest_of_equal_maxima() {
     g.argmax_row(g.ptr(&dx, 0), 129_280, g.ptr(&dout, 0))
         .unwrap();
     assert_eq!(g.download(&dout).unwrap()[0], 0);
+}
+
+/// The greedy pick of a one-row lm head (`Backend::linear`, then `argmax_pick`): where the
+/// product is matvec_tma_q6_k it finds the index in its own launch (`Matvec::pick`), else
+/// argmax_row does. Either way the host's argmax of the logits, the lowest index of equal
+/// maxima (the largest row copied to an earlier one, in another block's tiles), in two
+/// launches (the counter back at zero).
+#[test]
+fn lm_head_pick_is_the_argmax_of_its_logits() {
+    let Some(g) = gpu() else { return };
+    let cuda = Cuda::new(0).unwrap();
+    let mut rng = Rng::new("lm_head_pick");
+    let (t, rows, k) = (GgmlType::Q6_K, 32790, 2048);
+    let fused = g.takes_pick(&Matvec::single(t, 0, (0, 0), (rows, k)));
+    println!("lm head {rows}x{k} Q6_K: the pick in the product's launch: {fused}");
+    let mut w = random_rows(&mut rng, t, rows, k);
+    let gx = cuda.upload(&rng.normals(k), 1, k);
+    let picks = |w: &[u8]| {
+        let output = TensorRef {
+            name: "output.weight".into(),
+            ggml_type: t,
+            ne: vec![k, rows],
+            bytes: MappedBytes::owned(w.to_vec()),
+        };
+        let lw = cuda.load_weight(&output, WeightRole::Matrix).unwrap();
+        let mut ids = Vec::new();
+        let mut y = Vec::new();
+        for _ in 0..2 {
+            let logits = cuda.linear(&gx, &lw);
+            ids.push(cuda.pick_id(&cuda.argmax_pick(&logits)) as usize);
+            y = cuda.download(&logits);
+        }
+        (y, ids)
+    };
+    let (y, ids) = picks(&w);
+    let top = mla_engine::sampling::argmax(&y);
+    assert_eq!(ids, [top; 2], "lm head pick");
+    let rb = t.row_bytes(k).unwrap();
+    let (from, to) = if top > 0 {
+        (top, top / 2)
+    } else {
+        (0, rows - 1)
+    };
+    w.copy_within(from * rb..(from + 1) * rb, to * rb);
+    let (y, ids) = picks(&w);
+    assert_eq!(y[from].to_bits(), y[to].to_bits(), "a row and its copy");
+    let first = from.min(to);
+    assert_eq!(mla_engine::sampling::argmax(&y), first);
+    assert_eq!(
+        ids, [first; 2],
+        "lm head pick of two equal maxima (rows {from} and {to})"
+    );
 }
 
 /// CPU twin of top_p_sample (f64).

@@ -638,6 +638,7 @@ impl Bench {
                     combine: None,
                     shared: (0, 0),
                     y_part: 0,
+                    pick: 0,
                     ids: ids_ptr + (4 * MOE_USED * (i % 64)) as u64,
                     rows,
                     k,

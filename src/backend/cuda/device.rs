@@ -57,8 +57,8 @@ pub struct Gpu {
     /// Grow-only counters of the tensor-core matvec's combine (`Matvec::combine`, ops.rs), zero
     /// between launches: the block that sums a group's rows puts its counter back.
     pub(super) combine_done: Mutex<Option<CudaSlice<i32>>>,
-    /// Grow-only counter and per-block pairs of `argmax_row` (ops.rs), the counter zero
-    /// between launches.
+    /// Grow-only counter and per-block pairs of `argmax_row` and of the lm head's pick
+    /// (`Matvec::pick`, ops.rs), the counter zero between launches.
     pub(super) argmax_work: Mutex<Option<CudaSlice<i32>>>,
     /// The per-item counters of the parts launches' tails (matvec_latent_<type>,
     /// matvec_tma_parts_<type>: `Gpu::matvec_parts`, ops.rs), zero between launches: the last

@@ -81,6 +81,9 @@ pub struct Matvec {
     /// bulk-copy kernel takes in parts of k spread over its blocks (`Gpu::spread_parts` of
     /// them): part p's sums at y + p * y_part, their sum in part order is y.
     pub y_part: usize,
+    /// 0, or an i32 for the index of y's largest value (the lowest on ties, as `argmax_row`):
+    /// only matvec_tma_q6_k takes it (`Gpu::takes_pick`), finding it in its own launch.
+    pub pick: Ptr,
 }
 
 /// The id of the shared expert among a token's MoE choices (`Matvec::shared`, moe_router).
@@ -108,6 +111,7 @@ impl Matvec {
             combine: None,
             shared: (0, 0),
             y_part: 0,
+            pick: 0,
         }
     }
 }
@@ -770,9 +774,21 @@ impl Gpu {
         a.ids != 0 && self.on_tensor_cores(a)
     }
 
+    /// Whether `matvec` takes `a` with `pick`: the one Q6_K matrix of many rows on bulk copies
+    /// (matvec_tma_q6_k: in practice the lm head).
+    pub fn takes_pick(&self, a: &Matvec) -> bool {
+        uses_int_q6_k(a)
+            && self.bulk_copies
+            && (TMA6_K_MIN..=TMA6_K_MAX).contains(&a.k)
+            && a.w.is_multiple_of(16)
+    }
+
     pub fn matvec(&self, a: &Matvec) -> Result<(), CudaError> {
         let prefix = if a.transposed { "matvec_t" } else { "matvec" };
         let (kernel, row_bytes) = typed_rows(prefix, a.ty, a.k)?;
+        check(a.pick == 0 || self.takes_pick(a), "matvec", || {
+            "a pick from a product matvec_tma_q6_k does not take".into()
+        })?;
         check(
             a.x.is_multiple_of(16) && a.x_stride.is_multiple_of(4),
             "matvec",
@@ -891,13 +907,10 @@ impl Gpu {
                 a.glu as i32, combine);
             return Ok(());
         }
+        if self.takes_pick(a) {
+            return self.matvec_tma_q6_k(a, row_bytes);
+        }
         if uses_int_q6_k(a) {
-            if self.bulk_copies
-                && (TMA6_K_MIN..=TMA6_K_MAX).contains(&a.k)
-                && a.w.is_multiple_of(16)
-            {
-                return self.matvec_tma_q6_k(a, row_bytes);
-            }
             return self.matvec_int_q6_k(a, row_bytes);
         }
         let rb = row_bytes as i64;
@@ -1128,9 +1141,16 @@ impl Gpu {
     fn matvec_tma_q6_k(&self, a: &Matvec, row_bytes: usize) -> Result<(), CudaError> {
         let kernel = "matvec_tma_q6_k";
         let smem = tma6_smem_bytes(a.k);
-        let slots = self.wave_blocks(kernel, 288, smem)?;
-        launch!(self, kernel, (a.rows.div_ceil(16).min(slots) as u32, 1, 1), 288, smem as u32;
-            a.w, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.y);
+        let blocks = a
+            .rows
+            .div_ceil(16)
+            .min(self.wave_blocks(kernel, 288, smem)?);
+        let work = match a.pick {
+            0 => 0,
+            _ => self.zeroed_counters(&self.argmax_work, 1 + 2 * blocks)?,
+        };
+        launch!(self, kernel, (blocks as u32, 1, 1), 288, smem as u32;
+            a.w, a.rows as i32, a.k as i32, row_bytes as i64, a.x, a.y, work, a.pick);
         Ok(())
     }
 
