@@ -100,6 +100,15 @@ const PIECES: &[Piece] = &[
     Def("common.cuh", "__device__ __forceinline__ void rope_pair("),
     Def("common.cuh", "__device__ __forceinline__ void latent_store("),
     Def("common.cuh", "__device__ float block_max("),
+    Def(
+        "common.cuh",
+        "__device__ __forceinline__ void argmax_pair(",
+    ),
+    Def(
+        "common.cuh",
+        "__device__ __forceinline__ void warp_argmax(",
+    ),
+    Def("common.cuh", "__device__ void grid_argmax("),
     Line("common.cuh", "#define NORM_VALS "),
     Def("common.cuh", "struct BlockTeam {"),
     Def("common.cuh", "struct WarpTeam {"),
@@ -1073,13 +1082,18 @@ fn bulk_copy_items_kernels_match_f64() {
     }
 }
 
-/// A launch of matvec_tma_q6_k over `rows` x 256 nb.
-fn check_tma_q6k(h: &Emulation, rows: usize, nb: usize, grid: u32, seed: u64) {
+/// A launch of matvec_tma_q6_k over `rows` x 256 nb; with `pick`, also y's argmax (the lm
+/// head's greedy pick, `Matvec::pick`) against the lowest index of y's largest value.
+fn check_tma_q6k(h: &Emulation, rows: usize, nb: usize, grid: u32, pick: bool, seed: u64) {
     let ty = GgmlType::Q6_K;
     let k = 256 * nb;
     let mut rng = Rng::new(seed);
     let w = random_rows(ty, rows, nb, &mut rng);
     let x = random_x(nb, &mut rng);
+    let (work, id) = match pick {
+        true => (vec![0u8; 4 * (1 + 2 * grid as usize)], vec![0xffu8; 4]),
+        false => (Vec::new(), Vec::new()),
+    };
     let args = Args::default()
         .bytes(&w)
         .i32(rows as i32)
@@ -1088,10 +1102,19 @@ fn check_tma_q6k(h: &Emulation, rows: usize, nb: usize, grid: u32, seed: u64) {
         .floats(&x)
         .floats(&vec![UNWRITTEN; rows])
         .i32(grid as i32)
-        .i32(tma6_smem_bytes(k) as i32);
+        .i32(tma6_smem_bytes(k) as i32)
+        .bytes(&work)
+        .bytes(&id);
     let want: Vec<Option<f64>> = products(ty, &w, &x).into_iter().map(Some).collect();
     let what = format!("matvec_tma_q6_k {rows} x {k}, {grid} blocks");
-    check_outputs(&what, &h.run(args), &want);
+    let mut got = h.run(args);
+    if pick {
+        let id = got.pop().unwrap().to_bits() as i32;
+        let top = mla_engine::sampling::argmax(&got);
+        println!("{what}: pick {id}, y's argmax {top}");
+        assert_eq!(id, top as i32, "{what}: the pick");
+    }
+    check_outputs(&what, &got, &want);
 }
 
 #[test]
@@ -1099,10 +1122,10 @@ fn bulk_copy_q6_k_kernel_matches_f64() {
     let Some(h) = Emulation::build("tma_q6k") else {
         return;
     };
-    check_tma_q6k(&h, 37, 9, 3, 30); // rows of 1890 bytes: the matrix ends off 16 bytes
-    check_tma_q6k(&h, 40, 8, 2, 31);
-    check_tma_q6k(&h, 20, 12, 1, 32);
-    check_tma_q6k(&h, 33, 32, 2, 33);
+    check_tma_q6k(&h, 37, 9, 3, true, 30); // rows of 1890 bytes: the matrix ends off 16 bytes
+    check_tma_q6k(&h, 40, 8, 2, false, 31);
+    check_tma_q6k(&h, 20, 12, 1, true, 32);
+    check_tma_q6k(&h, 33, 32, 2, false, 33);
 }
 
 /// The CUDA-core matrix-vector kernels' Q2_K, Q3_K and Q5_0 pieces (matvec_body, the harness

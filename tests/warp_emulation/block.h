@@ -65,6 +65,7 @@ inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // ties t
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 inline float fabsf(float a) { return std::fabs(a); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int __ffs(u32 x) { return x ? __builtin_ctz(x) + 1 : 0; }
@@ -74,7 +75,7 @@ template <class T>
 inline T __ldcg(const T* p) { return *p; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // Blocks run one after another: a fence orders nothing more, an atomic needs no more than this.
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void fence_acq_rel() { std::atomic_thread_fence(std::memory_order_acq_rel); }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 
