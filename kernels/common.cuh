@@ -62,12 +62,23 @@ __device__ __forceinline__ void pdl_launch_next() {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
-// A device-scope acquire-release fence, for the "last block in" counts: thread 0 fences after
-// its block's stores (a __syncthreads before, so every thread's), then adds to the count; the
-// block whose add completes it fences again before the __syncthreads after which its threads
-// read the other blocks' stores. __threadfence() is a sequentially consistent fence
-// (MEMBAR.SC), more than these need.
+// A device-scope acquire-release fence: what the "last block in" counts need (count_in);
+// __threadfence() is a sequentially consistent one (MEMBAR.SC), more than they need.
 __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// "Last block in", by one thread of a block after its block's stores (a __syncthreads before,
+// so every thread's): a release fence, then n added to `count`, which `total` completes. The
+// block whose add completes it puts the count back to 0 (for the next launch, in stream
+// order) and fences again, so that after the __syncthreads that follows, its threads read the
+// other blocks' stores. Returns whether this block completed the count.
+__device__ __forceinline__ bool count_in(int* count, int n, int total) {
+    fence_acq_rel();
+    const bool last = atomicAdd(count, n) + n == total;
+    if (last) {
+        *count = 0;
+        fence_acq_rel();
+    }
+    return last;
+}
 // The usual start of a kernel: wait for the previous one, then let the next one launch.
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
@@ -269,16 +280,14 @@ __device__ __forceinline__ void warp_argmax(float* best, int* arg) {
 // whose lanes all hold the block's best pair: the last block in reduces the blocks' pairs and
 // writes the index to out[0] (0 when no value is above -inf, as for NaNs, so that it always
 // names a row of the embedding). work: [1 + 2 * grid] i32, work[0] zero before the launch and
-// after it (the last block resets it).
+// after it (count_in).
 __device__ void grid_argmax(float best, int arg, int n, int* work, int* out) {
     const int lane = threadIdx.x & 31;
     int last = 0;
     if (lane == 0) {
         work[1 + 2 * blockIdx.x] = __float_as_int(best);
         work[2 + 2 * blockIdx.x] = arg;
-        fence_acq_rel();
-        last = atomicAdd(work, 1) == (int)gridDim.x - 1;
-        if (last) fence_acq_rel();
+        last = count_in(work, 1, gridDim.x);
     }
     __syncwarp();  // lane 0's acquire before the other lanes' loads
     if (!__shfl_sync(0xffffffffu, last, 0)) return;
@@ -288,10 +297,7 @@ __device__ void grid_argmax(float best, int arg, int n, int* work, int* out) {
     for (int b = lane; b < (int)gridDim.x; b += 32)
         argmax_pair(&best, &arg, __int_as_float(__ldcg(work + 1 + 2 * b)), __ldcg(work + 2 + 2 * b));
     warp_argmax(&best, &arg);
-    if (lane == 0) {
-        out[0] = arg < n ? arg : 0;
-        work[0] = 0;
-    }
+    if (lane == 0) out[0] = arg < n ? arg : 0;
 }
 
 // Rotary embedding of one adjacent pair (x0, x1) into y[0], y[1] (y may hold x): the angle

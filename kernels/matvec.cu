@@ -490,14 +490,7 @@ __device__ __forceinline__ void parts_tail(const MatvecParts& parts) {
     // H100's chain clock, against 13.5 for it and latent_norm_rope apart: docs/performance.md).
     __syncthreads();
     const int item = blockIdx.y;
-    if (threadIdx.x == 0) {
-        fence_acq_rel();  // the rows before the count that lets another block read them
-        last = atomicAdd(parts.done + item, 1) == (int)gridDim.x - 1;
-        if (last) {
-            parts.done[item] = 0;  // for the next launch (stream order)
-            fence_acq_rel();
-        }
-    }
+    if (threadIdx.x == 0) last = count_in(parts.done + item, 1, gridDim.x);
     __syncthreads();
     if (!last || (item == 0 && !parts.latent.qx)) return;
     if (item == 0)
@@ -525,7 +518,8 @@ __device__ __forceinline__ void tma_parts_tail(const MatvecParts& pt, const int 
     float* last = scratch + 32;
     __syncthreads();  // the block's rows stored, its scratch read
     if (threadIdx.x == 0) {
-        fence_acq_rel();  // the rows before the counts that let another block read them
+        // count_in's steps for three counts, behind one release fence for the block's rows.
+        fence_acq_rel();
         const int b = blockIdx.x, n = gridDim.x;
         // The block's groups before group g: b, b + n, ... below g.
         auto before = [&](int g) { return g > b ? (g - b + n - 1) / n : 0; };
@@ -1197,7 +1191,9 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
             const int tok = grp / per_item / comb.choices, gi = grp % per_item;
             int* done = comb.done + (i64)tok * per_item + gi;
             if (threadIdx.x == 0) {
-                fence_acq_rel();  // the rows before the count that lets another block read them
+                // count_in's steps, written out: through the helper ptxas spilled registers
+                // in this kernel's main loop (sm_90, 128 registers).
+                fence_acq_rel();
                 last = atomicAdd(done, 1) == comb.choices - 1;
                 if (last) {
                     *done = 0;  // for the next launch (stream order)

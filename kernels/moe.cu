@@ -26,8 +26,8 @@
 //   of warp reductions (one warp doing k of them took ~10 us per decode token on an H200).
 //   Only candidates are ranked, against each other: the experts at or above the k-th largest
 //   of 32 chunks' maxima, which hold the top k and whatever comes before any of them (about 9
-//   of 256 for independent random logits, by simulation, not 256 against 256). A group's two best are a shuffle
-//   reduction over the lanes sharing it.
+//   of 256 for independent random logits, by simulation, not 256 against 256). A group's two
+//   best are a shuffle reduction over the lanes sharing it.
 // moe_combine: out[t, :] = sum_j weights[t, j] * rows[slots[t, j], :] (slots < 0 skipped);
 //   rows are the expert outputs, one per (token, choice), in any order. A weight of 0 adds
 //   nothing, so its row is not read (a choice held by another rank has no row here).
@@ -232,12 +232,7 @@ extern "C" __global__ void __launch_bounds__(ROUTER_THREADS, 1) moe_route_f32(
     acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) {
         logits[(i64)t * n_exp + e] = acc;
-        fence_acq_rel();  // the logit before the count that may let another block read it
-        last = atomicAdd(done + t, 1) == (int)gridDim.x - 1;
-        if (last) {
-            done[t] = 0;  // for the next launch (stream order)
-            fence_acq_rel();
-        }
+        last = count_in(done + t, 1, gridDim.x);
     }
     __syncthreads();
     if (!last) return;

@@ -74,6 +74,7 @@ use Piece::{Def, Kernel, Line};
 const PIECES: &[Piece] = &[
     Line("common.cuh", "#define NEG_INF"),
     Line("common.cuh", "#define MOE_SHARED"),
+    Def("common.cuh", "__device__ __forceinline__ bool count_in("),
     Def("common.cuh", "__device__ __forceinline__ float silu("),
     Def(
         "common.cuh",
