@@ -673,7 +673,8 @@ __device__ void matvec_body(const u8* w, i64 mat_stride, const int* ids, int row
 // per group, the last of three waves was mostly idle). A block prepares x again when its next
 // group's item reads another one: rarely within a run. Dynamic shared memory tc_smem_bytes(k)
 // (ops.rs): 4 planes of k + 32 bytes (the padding puts the 16 lanes reading one sub-block on
-// distinct banks), k / 256 scales (rounded up to even), k / 32 sums.
+// distinct banks), k / 256 scales (rounded up to even), k / 32 sums, to a 128-byte boundary,
+// then 256 bytes of zeros (TcBPair).
 
 
 __device__ __forceinline__ void mma_s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
@@ -692,6 +693,23 @@ __device__ __forceinline__ void mma_u8s8_16832(int* c, u32 a0, u32 a1, u32 a2, u
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+// c += the products (A signed, or unsigned: the _u8s8 form).
+__device__ __forceinline__ void mma_s8_16832_acc(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                                 u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_u8s8_16832_acc(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                                   u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Weights through L1 here (unlike ld_stream16): a lane's 8 bytes of a chunk share a 32-byte
@@ -713,11 +731,13 @@ __device__ __forceinline__ uint4 ld_cached16(const u8* p) {
 __device__ __forceinline__ int tc_plane_stride(int k) { return k + 32; }
 // The sums of x follow the k / 256 scales, from an 8-byte boundary (lanes read them in pairs).
 __device__ __forceinline__ int tc_scales_len(int k) { return (k / 256 + 1) & ~1; }
-// Bytes of x's planes, scales and sums (tc_prepare_x) to a 128-byte boundary: where the bulk-copy
-// kernels' stages begin (ops.rs: tc_smem_bytes(k) rounded up to 128).
-__device__ __forceinline__ int tc_x_bytes(int k) {
+// Bytes of x's planes, scales and sums to a 128-byte boundary: where 256 bytes of zeros follow,
+// the B of lanes whose columns a product must not add to (TcBPair, TcQ6k::b_block).
+__device__ __forceinline__ int tc_zeros_at(int k) {
     return (4 * tc_plane_stride(k) + 4 * tc_scales_len(k) + 4 * (k / 32) + 127) & ~127;
 }
+// All that tc_prepare_x writes: where the bulk-copy kernels' stages begin (ops.rs: tc_smem_bytes).
+__device__ __forceinline__ int tc_x_bytes(int k) { return tc_zeros_at(k) + 256; }
 
 // One warp's share of x's 256-element block blk as digit planes (lane l owns elements
 // 8l .. 8l + 7): the block's scale s (0 for a zero block), the sum of the lane's 4-lane group
@@ -778,14 +798,15 @@ __device__ __forceinline__ XDigits x_block_digits(const float* x, int blk, int l
     return r;
 }
 
-// Planes, scales and sums of x[0, k) into shared memory by the block's first nwarps warps, one
-// warp per 256-element block at a time (HALVES: x_block_digits').
+// Planes, scales and sums of x[0, k) and the zeros after them into shared memory by the block's
+// first nwarps warps, one warp per 256-element block at a time (HALVES: x_block_digits').
 template <bool HALVES = false>
 __device__ void tc_prepare_x(const float* x, int k, u8* sm, int nwarps) {
     int stride = tc_plane_stride(k);
     float* scales = (float*)(sm + 4 * stride);
     float* sums = scales + tc_scales_len(k);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x < 32) ((uint2*)(sm + tc_zeros_at(k)))[threadIdx.x] = make_uint2(0u, 0u);
     for (int blk = warp; blk < k / 256; blk += nwarps) {
         XDigits xd = x_block_digits<HALVES>(x, blk, lane);
         if (lane == 0) scales[blk] = xd.s;
@@ -804,14 +825,32 @@ __device__ __forceinline__ void q4k_packed(u32 w0, u32 w1, u32 w2, u32* sc, u32*
     m[1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
 }
 
+// Lane (g, t)'s B bytes of x's 256-block kb: at + step kb (step 0: the zeros after x's planes).
+struct TcBCol {
+    const u8* at;
+    int step;
+    __device__ __forceinline__ const u8* of(int kb) const { return at + step * kb; }
+};
+// The B of a chunk's two m16n8k32 products (TcKquant, TcIq4xs), the first's columns 0-3 x's
+// planes 0-3 of sub-block 2c and the second's columns 4-7 those of sub-block 2c + 1 (plane
+// g % 4, bytes 8t .. of the first or second 32 of each 64), their other columns zeros. Both
+// products add into one C, whose columns 0-3 (lanes t < 2) then hold the first's sums and 4-7
+// (t >= 2) the second's, each lane's own with no select (forty-fifth look: 16 selects a
+// block fewer, 4 more shared loads).
+struct TcBPair {
+    TcBCol first, second;
+    __device__ static __forceinline__ TcBPair of_lane(const u8* planes, int k, int g, int t) {
+        const TcBCol x = {planes + (g & 3) * tc_plane_stride(k) + 32 * (g >> 2) + 8 * t, 256};
+        const TcBCol z = {planes + tc_zeros_at(k) + 8 * t, 0};
+        return g < 4 ? TcBPair{x, z} : TcBPair{z, x};
+    }
+};
+
 // A lane's registers for one Q4_K block (144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 qs
 // bytes) of its two rows (g and g + 8 of the tile): the 16-byte headers and its 8 qs bytes
 // (8t ..) of each 32-byte chunk. Chunk c holds sub-block 2c in its low nibbles and 2c + 1 in
-// its high ones. Both m16n8k32 products of a chunk take one B: columns 0-3 are x's planes 0-3
-// of sub-block 2c, columns 4-7 of sub-block 2c + 1. The low nibbles' product is right in
-// columns 0-3, the high nibbles' (as bytes & 0xF0: 16 times the nibble, unsigned) in columns
-// 4-7, so C lanes t < 2 take the first and t >= 2 the second, and every lane's columns are
-// useful (two nibble masks a word, no shift; one B load a chunk).
+// its high ones: the low nibbles' product takes TcBPair's first B, the high nibbles' (as bytes
+// & 0xF0: 16 times the nibble, unsigned) its second (two nibble masks a word, no shift).
 //
 // Q5 (TcQ5k, the bulk-copy kernels only): Q5_K's 176-byte block has the same header, then 32
 // qh bytes, then the qs bytes as Q4_K's; bit 2c of qh byte l is the fifth bit of qs byte l's
@@ -823,7 +862,6 @@ struct TcKquant {
     static const int BYTES = Q5 ? 176 : 144;
     static const int ROW = Q5 ? 1424 : 1168;  // a bulk-copy stage's row (matvec_tma_body)
     static const int STAGES = 3;               // bulk-copy stages
-    static const int ZEROS = 0;                // bytes of zeros B reads (TcQ6kTile)
     static const bool ANY_ROW_START = false;   // stage rows start 16-byte aligned
     static const int QS = Q5 ? 48 : 16;        // where the qs bytes start
     static const bool HALVES = false;          // x's planes in x_block_digits' plain order
@@ -856,19 +894,11 @@ struct TcKquant {
         }
     }
 
-    // Where lane (g, t)'s B bytes of x's planes start (+ 256 kb for block kb): plane g % 4, the
-    // first or second 32 bytes of each 64 (sub-block 2c or 2c + 1 of chunk c), bytes 8t ..
-    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride, int g,
-                                                      int t) {
-        return planes + (g & 3) * stride + 32 * (g >> 2) + 8 * t;
+    // Lane (g, t)'s B of x's planes of k elements (tc_prepare_x), as every tile type has it.
+    typedef TcBPair B;
+    __device__ static __forceinline__ B b_cols(const u8* planes, int k, int g, int t) {
+        return TcBPair::of_lane(planes, k, g, t);
     }
-    // The same as the bulk-copy kernels ask every tile type (TcQ6kTile's B needs zeros), and
-    // the step from block to block.
-    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride,
-                                                      const u8* zeros, int g, int t) {
-        return b_col(planes, stride, g, t);
-    }
-    __device__ static __forceinline__ int b_step(int g, int t) { return 256; }
     // The weights of lane t's output columns 2t, 2t + 1: planes 0, 1 (2^21, 2^14) or 2, 3
     // (2^7, 1).
     __device__ static __forceinline__ float2 plane_factors(int t) {
@@ -880,43 +910,44 @@ struct TcKquant {
         return ((qh >> b) & 0x01010101u) << 4;
     }
 
-    // bk: this lane's B bytes of the block (b_col + 256 kb); sums: the block's 8 sub-block
-    // sums of x; s: its scale; pf: plane_factors(t).
-    __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
-                                       float2 pf, float& acc_lo, float& acc_hi) const {
+    // b: the lane's B (b_cols), kb the block; sums: the block's 8 sub-block sums of x; s: its
+    // scale; pf: plane_factors(t).
+    __device__ __forceinline__ void dot(const B& b, int kb, const float* sums, float s, int t,
+                                        float2 pf, float& acc_lo, float& acc_hi) const {
         u32 sc_lo[2], m_lo[2], sc_hi[2], m_hi[2];
         q4k_packed(h_lo.y, h_lo.z, h_lo.w, sc_lo, m_lo);
         q4k_packed(h_hi.y, h_hi.z, h_hi.w, sc_hi, m_hi);
         const int odd = t >> 1;  // this lane's columns: sub-blocks 2c + odd, high nibbles if 1
+        const u8 *b1 = b.first.of(kb), *b2 = b.second.of(kb);
         int ci[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            uint2 bb = *(const uint2*)(bk + 64 * c);
-            int cl[4], ch[4];
+            const uint2 x1 = *(const uint2*)(b1 + 64 * c), x2 = *(const uint2*)(b2 + 64 * c);
+            int cc[4];
             if (Q5) {
                 const u32 m = 0x0F0F0F0Fu;
-                mma_s8_16832(cl, (q_lo[c].x & m) | fifth(qh_lo.x, 2 * c),
+                mma_s8_16832(cc, (q_lo[c].x & m) | fifth(qh_lo.x, 2 * c),
                              (q_hi[c].x & m) | fifth(qh_hi.x, 2 * c),
                              (q_lo[c].y & m) | fifth(qh_lo.y, 2 * c),
-                             (q_hi[c].y & m) | fifth(qh_hi.y, 2 * c), bb.x, bb.y);
-                mma_s8_16832(ch, ((q_lo[c].x >> 4) & m) | fifth(qh_lo.x, 2 * c + 1),
-                             ((q_hi[c].x >> 4) & m) | fifth(qh_hi.x, 2 * c + 1),
-                             ((q_lo[c].y >> 4) & m) | fifth(qh_lo.y, 2 * c + 1),
-                             ((q_hi[c].y >> 4) & m) | fifth(qh_hi.y, 2 * c + 1), bb.x, bb.y);
+                             (q_hi[c].y & m) | fifth(qh_hi.y, 2 * c), x1.x, x1.y);
+                mma_s8_16832_acc(cc, ((q_lo[c].x >> 4) & m) | fifth(qh_lo.x, 2 * c + 1),
+                                 ((q_hi[c].x >> 4) & m) | fifth(qh_hi.x, 2 * c + 1),
+                                 ((q_lo[c].y >> 4) & m) | fifth(qh_lo.y, 2 * c + 1),
+                                 ((q_hi[c].y >> 4) & m) | fifth(qh_hi.y, 2 * c + 1), x2.x, x2.y);
             } else {
-                mma_s8_16832(cl, q_lo[c].x & 0x0F0F0F0Fu, q_hi[c].x & 0x0F0F0F0Fu,
-                             q_lo[c].y & 0x0F0F0F0Fu, q_hi[c].y & 0x0F0F0F0Fu, bb.x, bb.y);
-                mma_u8s8_16832(ch, q_lo[c].x & 0xF0F0F0F0u, q_hi[c].x & 0xF0F0F0F0u,
-                               q_lo[c].y & 0xF0F0F0F0u, q_hi[c].y & 0xF0F0F0F0u, bb.x, bb.y);
+                mma_s8_16832(cc, q_lo[c].x & 0x0F0F0F0Fu, q_hi[c].x & 0x0F0F0F0Fu,
+                             q_lo[c].y & 0x0F0F0F0Fu, q_hi[c].y & 0x0F0F0F0Fu, x1.x, x1.y);
+                mma_u8s8_16832_acc(cc, q_lo[c].x & 0xF0F0F0F0u, q_hi[c].x & 0xF0F0F0F0u,
+                                   q_lo[c].y & 0xF0F0F0F0u, q_hi[c].y & 0xF0F0F0F0u, x2.x, x2.y);
             }
             // Sub-block 2c + odd's scales: byte 2 (c % 2) + odd of word c / 2.
             const u32 sel = 0x4440 + 2 * (c & 1) + odd;
             int sl = (int)__byte_perm(sc_lo[c >> 1], 0u, sel);
             int sh = (int)__byte_perm(sc_hi[c >> 1], 0u, sel);
-            ci[0] += sl * (odd ? ch[0] : cl[0]);
-            ci[1] += sl * (odd ? ch[1] : cl[1]);
-            ci[2] += sh * (odd ? ch[2] : cl[2]);
-            ci[3] += sh * (odd ? ch[3] : cl[3]);
+            ci[0] += sl * cc[0];
+            ci[1] += sl * cc[1];
+            ci[2] += sh * cc[2];
+            ci[3] += sh * cc[3];
         }
         // Q4: the high nibbles' sums are 16 times theirs: exact multiples of 16 (|sum| < 2^28),
         // and after the shift below 2^24, so exact as floats. (Q5's reach 2^26: f32 rounding.)
@@ -946,9 +977,8 @@ typedef TcKquant<true> TcQ5k;
 // 32) IQ4_VALUES[nibble]. Lane t takes qs word t of every sub-block: elements 4t .. 4t + 3 and
 // 16 + 4t .. 16 + 4t + 3, looked up four at a time by byte permutes straight into signed
 // bytes in the nibbles' order (4t, 16 + 4t, 4t + 1, ...). x's planes come in that order
-// (x_block_digits' HALVES), so each sub-block is one m16n8k32 product with the same B
-// columns as TcQ4k's: sub-blocks 2p and 2p + 1 take one B, C lanes t < 2 keep the first's
-// sums and t >= 2 the second's. No minimums; the sums reach 2^26 (f32 rounding).
+// (x_block_digits' HALVES), so each sub-block is one m16n8k32 product, sub-blocks 2p and
+// 2p + 1 on TcBPair's first and second B. No minimums; the sums reach 2^26 (f32 rounding).
 // The code book as signed bytes: the biased one's with each byte's top bit flipped.
 #define IQ4_S0 (IQ4_B0 ^ 0x80808080u)
 #define IQ4_S1 (IQ4_B1 ^ 0x80808080u)
@@ -965,7 +995,6 @@ struct TcIq4xs {
     static const int BYTES = 136;
     static const int ROW = 1104;  // a bulk-copy stage's row (matvec_tma_body)
     static const int STAGES = 3;
-    static const int ZEROS = 0;
     static const bool ANY_ROW_START = false;
     static const bool HALVES = true;
     uint2 h_lo, h_hi;      // d | scales_h << 16, scales_l
@@ -980,11 +1009,10 @@ struct TcIq4xs {
             q_hi[j] = *(const u32*)(bhi + 8 + 16 * j + 4 * t);
         }
     }
-    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride,
-                                                      const u8* zeros, int g, int t) {
-        return TcQ4k::b_col(planes, stride, g, t);
+    typedef TcBPair B;
+    __device__ static __forceinline__ B b_cols(const u8* planes, int k, int g, int t) {
+        return TcBPair::of_lane(planes, k, g, t);
     }
-    __device__ static __forceinline__ int b_step(int g, int t) { return 256; }
     // The signed code book entries of q's eight nibbles, those of bytes 0-1 in .x and of bytes
     // 2-3 in .y, each in the nibbles' order: entries 0-7 and 8-15 by the nibbles' low three
     // bits, then one of the two by the top bit (a byte permute reads its selector's low 16
@@ -1001,25 +1029,26 @@ struct TcIq4xs {
         return (int)(((hy >> (8 * p)) & 15) | (((hx >> (16 + 4 * p)) & 3) << 4)) - 32;
     }
 
-    __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
+    __device__ __forceinline__ void dot(const B& b, int kb, const float* sums, float s, int t,
                                         float2 pf, float& acc_lo, float& acc_hi) const {
         const int odd = t >> 1;  // this lane's columns: sub-blocks 2p + odd
         const u32 lx = h_lo.x >> (2 * odd), ly = h_lo.y >> (4 * odd);
         const u32 hx = h_hi.x >> (2 * odd), hy = h_hi.y >> (4 * odd);
+        const u8 *b1 = b.first.of(kb), *b2 = b.second.of(kb);
         int ci[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int p = 0; p < 4; p++) {
-            uint2 bb = *(const uint2*)(bk + 64 * p);
-            int c0[4], c1[4];
-            uint2 a = lookup(q_lo[2 * p]), b = lookup(q_hi[2 * p]);
-            mma_s8_16832(c0, a.x, b.x, a.y, b.y, bb.x, bb.y);
-            a = lookup(q_lo[2 * p + 1]), b = lookup(q_hi[2 * p + 1]);
-            mma_s8_16832(c1, a.x, b.x, a.y, b.y, bb.x, bb.y);
+            const uint2 x1 = *(const uint2*)(b1 + 64 * p), x2 = *(const uint2*)(b2 + 64 * p);
+            int cc[4];
+            uint2 lo = lookup(q_lo[2 * p]), hi = lookup(q_hi[2 * p]);
+            mma_s8_16832(cc, lo.x, hi.x, lo.y, hi.y, x1.x, x1.y);
+            lo = lookup(q_lo[2 * p + 1]), hi = lookup(q_hi[2 * p + 1]);
+            mma_s8_16832_acc(cc, lo.x, hi.x, lo.y, hi.y, x2.x, x2.y);
             int sl = scale(lx, ly, p), sh = scale(hx, hy, p);
-            ci[0] += sl * (odd ? c1[0] : c0[0]);
-            ci[1] += sl * (odd ? c1[1] : c0[1]);
-            ci[2] += sh * (odd ? c1[2] : c0[2]);
-            ci[3] += sh * (odd ? c1[3] : c0[3]);
+            ci[0] += sl * cc[0];
+            ci[1] += sl * cc[1];
+            ci[2] += sh * cc[2];
+            ci[3] += sh * cc[3];
         }
         float dlo = f16_to_f32((u16)h_lo.x) * s, dhi = f16_to_f32((u16)h_hi.x) * s;
         acc_lo += dlo * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
@@ -1148,7 +1177,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
     load_next(nxt);
     pdl_enter();  // the weight loads above may overlap the previous kernel, x may not
 
-    const u8* bcol = TcQ4k::b_col(tc_sm, stride, g, t);
+    const TcQ4k::B b = TcQ4k::b_cols(tc_sm, k, g, t);
     const float2 pf = TcQ4k::plane_factors(t);
     int prepared = -1;  // the x in shared memory
     for (; grp < g_end; grp = next_group(grp + g_step)) {
@@ -1164,7 +1193,7 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
             load_next(nn);
             int kb = part + s * ks;
             if (tile * 16 < rows)
-                cur.dot(bcol + 256 * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
+                cur.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
             cur = nxt;
             nxt = nn;
         }
@@ -1283,10 +1312,11 @@ struct TcQ6k {
 
     // Lane (g, t)'s B bytes of x's block blk: plane g % 4 from byte 8t where its k values
     // (t < 2: a quarter's first sub-block, t >= 2 its second) are its columns' sub-block (g < 4:
-    // the first), else 256 bytes of zeros.
-    __device__ static __forceinline__ const u8* b_block(const u8* planes, int stride,
-                                                        const u8* zeros, int g, int t, int blk) {
-        return (g >> 2) == (t >> 1) ? planes + (g & 3) * stride + 256 * blk + 8 * t : zeros + 8 * t;
+    // the first), else the zeros after x's planes of k elements.
+    __device__ static __forceinline__ const u8* b_block(const u8* planes, int k, int g, int t,
+                                                        int blk) {
+        return (g >> 2) == (t >> 1) ? planes + (g & 3) * tc_plane_stride(k) + 256 * blk + 8 * t
+                                    : planes + tc_zeros_at(k) + 8 * t;
     }
 
     // Quarter j of half h, word i (values 8t + 4i ..) as 4 signed bytes 4 (q - 32): q's low
@@ -1333,7 +1363,7 @@ __device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u
 
 // Q6_K on the same tiles (TcQ6kTile, the bulk-copy kernels only): TcQ6k for rows g and g + 8
 // and q6_dot (matvec_tma_q6_k's, below), whose B is zeros where a lane's columns are not its k
-// values' sub-block (ZEROS bytes of them after x's planes). A row of 210-byte blocks starts
+// values' sub-block (TcQ6k::b_block). A row of 210-byte blocks starts
 // anywhere (even) modulo 16 (DeepSeek-V3's 7168 values: 5880 bytes, every other row 8 off), so
 // a stage row is copied from the 16-byte boundary below it (ANY_ROW_START, bulk_copy_from_any)
 // and TcQ6k::load reads it 2-byte aligned: its stage row keeps up to 14 bytes before the
@@ -1343,7 +1373,6 @@ struct TcQ6kTile {
     static const int BYTES = 210;
     static const int ROW = 1712;  // 14 + 8 x 210 rounded up, slack; an odd multiple of 16
     static const int STAGES = 2;
-    static const int ZEROS = 256;
     static const bool ANY_ROW_START = true;
     static const bool HALVES = false;
     TcQ6k lo, hi;
@@ -1352,17 +1381,14 @@ struct TcQ6kTile {
         lo.load(blo, t);
         hi.load(bhi, t);
     }
-    // Lane (g, t)'s B bytes of block 0 and the step to block kb: TcQ6k::b_block.
-    __device__ static __forceinline__ const u8* b_col(const u8* planes, int stride,
-                                                      const u8* zeros, int g, int t) {
-        return TcQ6k::b_block(planes, stride, zeros, g, t, 0);
+    // Lane (g, t)'s B: TcQ6k::b_block's.
+    typedef TcBCol B;
+    __device__ static __forceinline__ B b_cols(const u8* planes, int k, int g, int t) {
+        return TcBCol{TcQ6k::b_block(planes, k, g, t, 0), (g >> 2) == (t >> 1) ? 256 : 0};
     }
-    __device__ static __forceinline__ int b_step(int g, int t) {
-        return (g >> 2) == (t >> 1) ? 256 : 0;
-    }
-    __device__ __forceinline__ void dot(const u8* bk, const float* sums, float s, int t,
+    __device__ __forceinline__ void dot(const B& b, int kb, const float* sums, float s, int t,
                                         float2 pf, float& acc_lo, float& acc_hi) const {
-        q6_dot(lo, hi, bk, s, pf, acc_lo, acc_hi);
+        q6_dot(lo, hi, b.of(kb), s, pf, acc_lo, acc_hi);
     }
 };
 
@@ -1397,7 +1423,7 @@ struct TcQ6kTile {
 // (matvec_tma_spread_<type>; ops.rs's spread_part_k may take more, shorter parts: DS3's
 // attn_output in 4). matvec_tma_parts_<type> (below) walks the tiles of two or three
 // matrices of one x instead, a group each. Dynamic shared memory tma_smem_bytes(kpart)
-// (ops.rs): x's planes as tc_smem_bytes(kpart), rounded up to 128 bytes, then the stages.
+// (ops.rs): x's planes as tc_smem_bytes(kpart), then the stages.
 //
 // With ids (a token's MoE choices, written by the router in the launch before) x was written
 // before the router, so it is complete when this kernel starts (the router waited for it
@@ -1413,7 +1439,7 @@ struct TcQ6kTile {
 // Q6_K's). A stage row is a tile type's ROW bytes, 8 blocks padded to an odd multiple of 16
 // (1168 for Q4_K, 1424 for Q5_K, 1104 for IQ4_XS, 1712 for Q6_K), so that the 8 rows of a
 // warp's lanes start on distinct 16-byte bank groups; Tile::STAGES of them (3, Q6_K's 2)
-// follow x's planes and Tile::ZEROS bytes of zeros.
+// follow x's planes (tc_x_bytes).
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The bytes a segment of len bytes from address src (its low 32 bits enough) takes as
@@ -1472,8 +1498,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     extern __shared__ __align__(128) u8 tma_sm[];
     __shared__ u64 full[STAGES], empty[STAGES];
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
-    u8* zeros = tma_sm + tc_x_bytes(kpart);  // Tile::ZEROS bytes, then the stages
-    u8* stages = zeros + Tile::ZEROS;
+    u8* stages = tma_sm + tc_x_bytes(kpart);
     const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16;
     // PARTS: the tiles of w (rows rows), then pt.w1's and pt.w2's, a group each.
     const int part_tiles[3] = {tiles, (pt.rows1 + 15) / 16, (pt.rows2 + 15) / 16};
@@ -1601,9 +1626,8 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
     // segments (Q4_K: 1168 = 16 mod 128 bytes apart) put the 8 rows' headers on distinct banks
     // and their 32-byte qs pieces two to a bank (one and two wavefronts).
-    const int g = lane >> 2, t = lane & 3, c = warp, bstep = Tile::b_step(g, t);
+    const int g = lane >> 2, t = lane & 3, c = warp;
     const float2 pf = TcQ4k::plane_factors(t);
-    if (threadIdx.x < Tile::ZEROS / 4) ((u32*)zeros)[threadIdx.x] = 0u;  // before part 0's sync
     int n = 0, par = 0;
     for (int p = 0; p < parts; p++) {
         if (SPREAD && first_group(p) >= groups) continue;  // no unit of this part
@@ -1611,7 +1635,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
         const int pnb = part_nb(p), steps = part_steps(p), stride = tc_plane_stride(256 * pnb);
         const float* scales = (const float*)(tma_sm + 4 * stride);
         const float* sums = scales + tc_scales_len(256 * pnb);
-        const u8* bcol = Tile::b_col(tma_sm, stride, zeros, g, t);
+        const typename Tile::B b = Tile::b_cols(tma_sm, 256 * pnb, g, t);
         tc_prepare_x<Tile::HALVES>(x + 256 * p * part_blocks, 256 * pnb, tma_sm,
                                    TMA_BLOCKS);  // by consumers
         consumers_sync();
@@ -1642,8 +1666,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
                     if (kb < pnb)
-                        q.dot(bcol + bstep * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo,
-                              acc_hi);
+                        q.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
                 }
                 quad_sums(acc_lo, acc_hi);
                 if (t == 0) {
@@ -1762,8 +1785,7 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
 // run's items' planes alternate between two buffers, prepared by the consumers together at
 // the first tile of each item. Per row the sums are matvec_tc8_q4_k's with a warp per tile
 // (the same 256-blocks in the same order), bit for bit. Dynamic shared memory
-// tmi_smem_bytes(k) (ops.rs): two of x's planes as tc_smem_bytes(k) rounded up to 128 bytes,
-// then TMI_WARPS stages. H200, one decode token (ncu), the downs and v_b: DS3 125.2 -> 111.8
+// tmi_smem_bytes(k) (ops.rs): two of x's planes as tc_smem_bytes(k), then TMI_WARPS stages. H200, one decode token (ncu), the downs and v_b: DS3 125.2 -> 111.8
 // us in 7 launches (+12.6 in 3 moe_combine), GLM-5 123.7 -> 101.2 (+11.6); decode GLM-5
 // 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
@@ -1779,7 +1801,6 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
                                                       i64 x_stride, float* y, i64 y_stride) {
 #if __CUDA_ARCH__ >= 900
     constexpr int ROW = Tile::ROW, STAGE = 16 * ROW, BYTES = Tile::BYTES;
-    static_assert(Tile::ZEROS == 0, "no tile with a zeros B (TcQ6kTile) takes the items form");
     extern __shared__ __align__(128) u8 tmi_sm[];
     __shared__ u64 full[TMI_WARPS], empty[TMI_WARPS];
     const int nb = k / 256, tiles = (rows + 15) / 16, groups = items * tiles;
@@ -1820,7 +1841,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
         return;
     }
     pdl_launch_next();
-    const int g = lane >> 2, t = lane & 3, bstep = Tile::b_step(g, t);
+    const int g = lane >> 2, t = lane & 3;
     const float2 pf = TcQ4k::plane_factors(t);
     int n = 0, seg = 0;
     for (int grp = g0; grp < g1;) {
@@ -1837,7 +1858,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
         consumers_sync<TMI_WARPS>();
         const float* scales = (const float*)(planes + 4 * stride);
         const float* sums = scales + tc_scales_len(k);
-        const u8* bcol = Tile::b_col(planes, stride, nullptr, g, t);
+        const typename Tile::B b = Tile::b_cols(planes, k, g, t);
         for (; grp < end; grp++, n++) {
             if (n % TMI_WARPS != warp) continue;
             mbar_wait(&full[warp], (n / TMI_WARPS) & 1);
@@ -1847,7 +1868,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
             for (int kb = 0; kb < nb; kb++) {
                 Tile q;
                 q.load_stage(blo + BYTES * kb, bhi + BYTES * kb, t);
-                q.dot(bcol + bstep * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
+                q.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[warp]);  // the stage was read into registers
@@ -2111,8 +2132,8 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // y = w x for one Q6_K matrix of `rows` rows of k (a multiple of 256, at least 2048) values,
 // row_bytes apart; w and x 16-byte aligned. Block 288 threads (8 consumer warps, 1 producer),
 // dynamic shared memory tma6_smem_bytes(k) (ops.rs): x's planes, scales and sums as
-// tc_prepare_x writes them (tc_x_bytes, the sums unused), 256 bytes of zeros (q6_dot's B where
-// a lane's columns are not its sub-block's), then the stages. One grid wave of blocks.
+// tc_prepare_x writes them (tc_x_bytes, the sums unused, the zeros q6_dot's B where a lane's
+// columns are not its sub-block's), then the stages. One grid wave of blocks.
 // With `pick` (the lm head), also the index of y's largest value at pick[0], as argmax_row
 // finds it (grid_argmax; pick_work as its work): the greedy pick without a launch of its own.
 extern "C" __global__ void __launch_bounds__(288, 2)
@@ -2124,8 +2145,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     __shared__ float partial[2][TMA_BLOCKS][16];  // [tile parity][warp][row]
     const int stride = tc_plane_stride(k), nb = k / 256;
     const float* scales = (const float*)(tma_sm + 4 * stride);
-    u8* zeros = tma_sm + tc_x_bytes(k);
-    u8* stages = zeros + 256;
+    u8* stages = tma_sm + tc_x_bytes(k);
     const int tiles = (rows + 15) / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // The block's tiles, and the stages of their sequence of blocks.
     const int mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
@@ -2158,7 +2178,6 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     }
     pdl_enter();  // x may come from the previous kernel
     tc_prepare_x(x, k, tma_sm, TMA_BLOCKS);
-    if (threadIdx.x < 64) ((u32*)zeros)[threadIdx.x] = 0u;
     consumers_sync();
     // Consumer warp c takes block c of each stage, rows g and g + 8 of its tile; acc_* sum
     // tile i0's rows, next_* tile i0 + 1's until i0 ends.
@@ -2192,7 +2211,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
         if (i < mine) {
             float d_lo = 0.0f, d_hi = 0.0f;
-            q6_dot(lo, hi, TcQ6k::b_block(tma_sm, stride, zeros, g, t, blk), scales[blk], pf, d_lo,
+            q6_dot(lo, hi, TcQ6k::b_block(tma_sm, k, g, t, blk), scales[blk], pf, d_lo,
                    d_hi);
             if (second) next_lo += d_lo, next_hi += d_hi;
             else acc_lo += d_lo, acc_hi += d_hi;

@@ -1,6 +1,7 @@
 //! Every kernel family compiles with NVRTC for the architectures we promise (Ampere, Ada,
 //! Hopper, Blackwell SM120), and no kernel needs more than SM120's 99 KiB of shared memory
-//! per block: static shared memory is read from each cubin's ELF sections, dynamic shared
+//! per block: static shared memory is read from each cubin's ELF sections as the driver counts
+//! it (`static_shared_bytes`: without sm_90's system reserve), dynamic shared
 //! memory is the largest the launch code ever asks for (kernels.rs).
 //!
 //! Needs libnvrtc only (no GPU). Without it the test prints SKIPPED and passes, unless

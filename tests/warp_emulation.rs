@@ -197,6 +197,7 @@ const PIECES: &[Piece] = &[
         "__device__ __forceinline__ int tc_plane_stride(",
     ),
     Def("matvec.cu", "__device__ __forceinline__ int tc_scales_len("),
+    Def("matvec.cu", "__device__ __forceinline__ int tc_zeros_at("),
     Def("matvec.cu", "__device__ __forceinline__ int tc_x_bytes("),
     Def("matvec.cu", "struct XDigits {"),
     Def(
@@ -208,6 +209,8 @@ const PIECES: &[Piece] = &[
         "template <bool HALVES = false>\n__device__ void tc_prepare_x(",
     ),
     Def("matvec.cu", "__device__ __forceinline__ void q4k_packed("),
+    Def("matvec.cu", "struct TcBCol {"),
+    Def("matvec.cu", "struct TcBPair {"),
     Def("matvec.cu", "template <bool Q5>\nstruct TcKquant {"),
     Line("matvec.cu", "typedef TcKquant<false> TcQ4k;"),
     Line("matvec.cu", "typedef TcKquant<true> TcQ5k;"),

@@ -178,7 +178,8 @@ inline int byte_value(u32 w, int i, bool is_signed) {
     int v = (w >> (8 * i)) & 255;
     return is_signed && v > 127 ? v - 256 : v;
 }
-inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool a_signed) {
+inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool a_signed,
+                      bool add = false) {
     Posted& p = collective();
     u32* a = p.a[LANE];
     a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
@@ -195,7 +196,7 @@ inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bo
     for (int i = 0; i < 4; i++) {
         int row = g + 8 * (i >> 1), col = 2 * t + (i & 1), s = 0;
         for (int k = 0; k < 32; k++) s += A(row, k) * B(k, col);
-        d[i] = s;
+        d[i] = add ? d[i] + s : s;
     }
 }
 inline void mma_s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -203,6 +204,13 @@ inline void mma_s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
 }
 inline void mma_u8s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     mma_16832(d, a0, a1, a2, a3, b0, b1, false);
+}
+// D += A B.
+inline void mma_s8_16832_acc(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    mma_16832(d, a0, a1, a2, a3, b0, b1, true, true);
+}
+inline void mma_u8s8_16832_acc(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    mma_16832(d, a0, a1, a2, a3, b0, b1, false, true);
 }
 
 // ---- the block: barriers, dynamic shared memory ----

@@ -5,17 +5,16 @@
 // bytes more after the last, which TcQ6k::load may read), 256 nb f32 of x (buffers); prints
 // the 16 row sums.
 template <class Tile>
-void tile_dots(const u8* w, int nb, const u8* sm, const u8* zeros, int g, int t,
-               float& acc_lo, float& acc_hi) {
+void tile_dots(const u8* w, int nb, const u8* sm, int g, int t, float& acc_lo, float& acc_hi) {
     const int k = 256 * nb, stride = tc_plane_stride(k);
     const float* scales = (const float*)(sm + 4 * stride);
     const float* sums = scales + tc_scales_len(k);
     const float2 pf = TcQ4k::plane_factors(t);
-    const u8* bcol = Tile::b_col(sm, stride, zeros, g, t);
+    const typename Tile::B b = Tile::b_cols(sm, k, g, t);
     for (int kb = 0; kb < nb; kb++) {
         Tile q;
         q.load_stage(&w[(g * nb + kb) * Tile::BYTES], &w[((g + 8) * nb + kb) * Tile::BYTES], t);
-        q.dot(bcol + Tile::b_step(g, t) * kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
+        q.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
     }
 }
 
@@ -25,8 +24,7 @@ int main(int argc, char** argv) {
     const int nb = in.i32(), k = 256 * nb;
     auto w = in.buffer(), xb = in.buffer();
     const float* x = ptr<float>(xb);
-    const int stride = tc_plane_stride(k);
-    std::vector<u8> sm(4 * stride + 4 * tc_scales_len(k) + 4 * (k / 32)), zeros(256), out(64);
+    std::vector<u8> sm(tc_x_bytes(k), 0xAB), out(64);  // not zeros: tc_prepare_x writes them
     run_warp([&](int lane) {
         if (type == 3)
             tc_prepare_x<true>(x, k, sm.data(), 1);
@@ -39,7 +37,7 @@ int main(int argc, char** argv) {
                     : type == 1 ? tile_dots<TcQ6kTile>
                     : type == 2 ? tile_dots<TcQ5k>
                                 : tile_dots<TcIq4xs>;
-        dots(w.data(), nb, sm.data(), zeros.data(), g, t, acc_lo, acc_hi);
+        dots(w.data(), nb, sm.data(), g, t, acc_lo, acc_hi);
         quad_sums(acc_lo, acc_hi);
         float* o = ptr<float>(out);
         if (t == 0) o[g] = acc_lo, o[g + 8] = acc_hi;

@@ -144,9 +144,19 @@ pub fn cached_cubin(family: &Family, arch: &str) -> Result<Vec<u8>, CudaError> {
     Ok(cubin)
 }
 
-/// Static shared memory per kernel of a cubin, read from its ELF section table: the driver
-/// reserves, for kernel K, the size of the section `.nv.shared.K` (absent when K declares
-/// none). Returns (kernel, bytes) for every kernel (every unmangled `.text.K` section).
+/// The system's shared memory a block of sm_90 and later holds besides its own: NVRTC's cubins
+/// for those architectures (those with a `.nv.shared.reserved.0` section) start every
+/// kernel's `.nv.shared.K` with it, and the driver counts neither it as the kernel's static
+/// shared memory nor it against the per-block limit (an H100, driver 580: a 3200-byte
+/// section, `CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES` 2176, dynamic shared memory accepted up to
+/// the opt-in limit less 2176; docs/performance.md, forty-fifth look).
+const RESERVED_SHARED_BYTES: usize = 1024;
+
+/// Static shared memory per kernel of a cubin as the driver counts it against the per-block
+/// limit, read from its ELF section table: for kernel K the size of the section
+/// `.nv.shared.K` (absent when K declares none), less RESERVED_SHARED_BYTES where the cubin
+/// has the reserve. Returns (kernel, bytes) for every kernel (every unmangled `.text.K`
+/// section).
 pub fn static_shared_bytes(cubin: &[u8]) -> Result<Vec<(String, usize)>, String> {
     let u16_at = |o: usize| {
         cubin
@@ -191,10 +201,13 @@ pub fn static_shared_bytes(cubin: &[u8]) -> Result<Vec<(String, usize)>, String>
     };
     let mut kernels = Vec::new();
     let mut shared = Vec::new();
+    let mut reserve = 0;
     for i in 0..shnum {
         let (name_off, _, size) = section(i)?;
         let name = name_of(name_off)?;
-        if let Some(k) = name.strip_prefix(".text.") {
+        if name == ".nv.shared.reserved.0" {
+            reserve = RESERVED_SHARED_BYTES;
+        } else if let Some(k) = name.strip_prefix(".text.") {
             // Our kernels are extern "C"; mangled names are device functions left uninlined.
             if !k.starts_with("_Z") {
                 kernels.push(k.to_string());
@@ -207,7 +220,7 @@ pub fn static_shared_bytes(cubin: &[u8]) -> Result<Vec<(String, usize)>, String>
         .into_iter()
         .map(|k| {
             let bytes = shared.iter().find(|(s, _)| *s == k).map_or(0, |s| s.1);
-            (k, bytes)
+            (k, bytes.saturating_sub(reserve))
         })
         .collect())
 }

@@ -454,24 +454,24 @@ fn uses_int_q6_k(a: &Matvec) -> bool {
 const TMA6_K_MIN: usize = 2048;
 pub(super) const TMA6_K_MAX: usize = 8192;
 
-/// Dynamic shared memory of matvec_tma_q6_k: x as matvec_tc_q4_k has it, to a 128-byte
-/// boundary, 256 bytes of zeros, then two stages.
+/// Dynamic shared memory of matvec_tma_q6_k: x as matvec_tc_q4_k has it, then two stages.
 pub fn tma6_smem_bytes(k: usize) -> usize {
-    tc_smem_bytes(k).next_multiple_of(128) + 256 + 2 * 16 * 1744
+    tc_smem_bytes(k) + 2 * 16 * 1744
 }
 
-/// Dynamic shared memory of matvec_tc_q4_k: four planes of k + 32 bytes, k / 256 scales
-/// (rounded up to even: the sums after them are read in pairs) and k / 32 sums.
+/// Dynamic shared memory of matvec_tc_q4_k (kernels/matvec.cu, tc_x_bytes): four planes of
+/// k + 32 bytes, k / 256 scales (rounded up to even: the sums after them are read in pairs)
+/// and k / 32 sums, to a 128-byte boundary, then 256 bytes of zeros (the B of lanes whose
+/// columns a product must not add to).
 pub(super) fn tc_smem_bytes(k: usize) -> usize {
-    4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)
+    (4 * (k + 32) + 4 * (k / 256).next_multiple_of(2) + 4 * (k / 32)).next_multiple_of(128) + 256
 }
 
 /// matvec_tma_q4_k (the weights by bulk copies, sm_90 and later) takes the tensor-core
 /// products whose items all read one x (a single matrix, a token's MoE gate and up) from
 /// k = TMA_K_MIN on, from a whole stage of 8 256-blocks a tile (H200: DS3's q_b 24576 x 1536
 /// took 10.0 -> 12.4 us). Its x planes and 3 stages of 16 rows x 1168 bytes fit
-/// SM120's 99 KiB up to TmaTile::k_max (10240 would not, with the 3 KiB of static shared memory
-/// NVRTC gives it); longer rows (attn_output, the dense down; not glu) go in parts of at most
+/// SM120's 99 KiB up to TmaTile::k_max; longer rows (attn_output, the dense down; not glu) go in parts of at most
 /// that many elements (tma_part_k). Measured on an H200 against the matvec_tc kernels, same
 /// call (docs/performance.md): ffn_up 18432 x 7168 38.2 -> 28.2 us, GLM-5's 12288 x 6144 19.7
 /// -> 15.9 us; in a decode token (ncu) the launches it takes (the MoE and dense gate-up pairs,
@@ -503,9 +503,8 @@ pub struct TmaTile {
     pub bytes: usize,
     /// A stage row's bytes (the tile type's ROW: 8 blocks, padded to an odd multiple of 16).
     pub row: usize,
-    /// Stages of kernel's ring (Tile::STAGES), and bytes of zeros before them (Tile::ZEROS).
+    /// Stages of kernel's ring (Tile::STAGES).
     pub stages: usize,
-    pub zeros: usize,
     /// Whether `kernel` takes rows that start anywhere modulo 16 (Tile::ANY_ROW_START: Q6_K's
     /// rows of 210-byte blocks, each copied from the 16-byte boundary below it); the other
     /// types' rows are a multiple of 16 bytes.
@@ -545,7 +544,6 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
             bytes: ty.type_size(),
             row,
             stages,
-            zeros: if ty == GgmlType::Q6_K { 256 } else { 0 },
             any_row_start: ty == GgmlType::Q6_K,
             k_max,
         })
@@ -607,10 +605,9 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
 /// kernels/matvec.cu: a consumer warp each).
 const TMA_BLOCKS: usize = 8;
 
-/// Dynamic shared memory of a tile type's kernel: x as tc_smem_bytes(k) to a 128-byte
-/// boundary, the zeros, then the stages.
+/// Dynamic shared memory of a tile type's kernel: x as tc_smem_bytes(k), then the stages.
 pub fn tma_smem_bytes(tile: TmaTile, k: usize) -> usize {
-    tc_smem_bytes(k).next_multiple_of(128) + tile.zeros + tile.stages * 16 * tile.row
+    tc_smem_bytes(k) + tile.stages * 16 * tile.row
 }
 
 /// A tile type's items kernel (a whole tile a stage, a warp per tile; sm_90 and later) takes
@@ -619,9 +616,9 @@ pub fn tma_smem_bytes(tile: TmaTile, k: usize) -> usize {
 pub(super) const TMI_K_MAX: usize = 2048;
 
 /// Dynamic shared memory of a tile type's items kernel of `warps` consumer warps: two buffers
-/// of x's planes as tc_smem_bytes(k), each to a 128-byte boundary, then a stage per warp.
+/// of x's planes as tc_smem_bytes(k), then a stage per warp.
 pub fn tmi_smem_bytes(tile: TmaTile, warps: usize, k: usize) -> usize {
-    2 * tc_smem_bytes(k).next_multiple_of(128) + warps * 16 * tile.row
+    2 * tc_smem_bytes(k) + warps * 16 * tile.row
 }
 
 /// The elements of each part of x that a tile type's kernel holds as planes at a time: k, or
