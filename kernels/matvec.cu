@@ -1581,10 +1581,8 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     init_stage_barriers(full, empty, STAGES, TMA_BLOCKS);
     if (warp == TMA_BLOCKS) {
         // Producer: stage n of the block's sequence into slot n % STAGES once the consumers
-        // have released what it held before (its (n / STAGES - 1)-th phase). The slot and
-        // the parity of n / STAGES as counters: a division by 3 a stage cost the consumers 2%
-        // of their rate over L2 (H100, forty-fifth look).
-        int n = 0, slot = 0, phase = 0;
+        // have released what it held before (its (n / STAGES - 1)-th phase).
+        int n = 0;
         for (int p = 0; p < parts; p++) {
             const int pnb = part_nb(p), steps = part_steps(p);
             for (int grp = next_group(first_group(p), false); grp < groups;
@@ -1595,8 +1593,8 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     const u8* base = u.mat;
                     const u8* mat = base + (i64)r0 * row_bytes + (i64)p * part_blocks * BYTES;
                     for (int st = 0; st < steps; st++, n++) {
-                        const int cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
-                        if (n >= STAGES) mbar_wait(&empty[slot], phase ^ 1);
+                        int slot = n % STAGES, cnt = min(TMA_BLOCKS, pnb - st * TMA_BLOCKS);
+                        if (n >= STAGES) mbar_wait(&empty[slot], (n / STAGES - 1) & 1);
                         u8* dst = stages + slot * STAGE + lane * ROW;
                         const u8* src =
                             mat + (i64)lane * row_bytes + (i64)st * TMA_BLOCKS * BYTES;
@@ -1609,7 +1607,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                             __syncwarp();
                             if (lane < nr) bulk_copy(dst, src, cnt * BYTES, &full[slot]);
                         }
-                        if (++slot == STAGES) slot = 0, phase ^= 1;
                     }
                 }
             }
@@ -1631,7 +1628,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     // and their 32-byte qs pieces two to a bank (one and two wavefronts).
     const int g = lane >> 2, t = lane & 3, c = warp;
     const float2 pf = TcQ4k::plane_factors(t);
-    int slot = 0, phase = 0, par = 0;  // as the producer's
+    // The producer's n % STAGES and the parity of n / STAGES, as counters: the division by 3
+    // a stage cost the consumers 2% of their rate over L2 (H100, forty-fifth look).
+    int next_slot = 0, phase = 0, par = 0;
     for (int p = 0; p < parts; p++) {
         if (SPREAD && first_group(p) >= groups) continue;  // no unit of this part
         // The last group's dots of part p - 1 are behind its consumers_sync: its planes are free.
@@ -1658,8 +1657,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                 }
                 float acc_lo = 0.0f, acc_hi = 0.0f;
                 for (int st = 0; st < steps; st++) {
-                    const int kb = st * TMA_BLOCKS + c;
+                    const int slot = next_slot, kb = st * TMA_BLOCKS + c;
                     mbar_wait(&full[slot], phase);
+                    if (++next_slot == STAGES) next_slot = 0, phase ^= 1;
                     Tile q;
                     if (kb < pnb) {
                         const u8* blo = stages + slot * STAGE + at_lo;
@@ -1668,7 +1668,6 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                     }
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
-                    if (++slot == STAGES) slot = 0, phase ^= 1;
                     if (kb < pnb)
                         q.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
                 }
