@@ -685,16 +685,7 @@ __device__ __forceinline__ void mma_s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
 }
-// The same with A unsigned (0..255).
-__device__ __forceinline__ void mma_u8s8_16832(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                               u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
-}
-// c += the products (A signed, or unsigned: the _u8s8 form).
+// c += the products (A signed, or unsigned 0..255: the _u8s8 form).
 __device__ __forceinline__ void mma_s8_16832_acc(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                                  u32 b1) {
     asm volatile(
@@ -1363,8 +1354,8 @@ __device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u
 
 // Q6_K on the same tiles (TcQ6kTile, the bulk-copy kernels only): TcQ6k for rows g and g + 8
 // and q6_dot (matvec_tma_q6_k's, below), whose B is zeros where a lane's columns are not its k
-// values' sub-block (TcQ6k::b_block). A row of 210-byte blocks starts
-// anywhere (even) modulo 16 (DeepSeek-V3's 7168 values: 5880 bytes, every other row 8 off), so
+// values' sub-block (TcQ6k::b_block). A row of 210-byte blocks starts anywhere (even) modulo
+// 16 (DeepSeek-V3's 7168 values: 5880 bytes, every other row 8 off), so
 // a stage row is copied from the 16-byte boundary below it (ANY_ROW_START, bulk_copy_from_any)
 // and TcQ6k::load reads it 2-byte aligned: its stage row keeps up to 14 bytes before the
 // segment, 8 blocks rounded up to 16, and the bytes TcQ6k::load reads past the last block.
@@ -1788,8 +1779,9 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
 // run's items' planes alternate between two buffers, prepared by the consumers together at
 // the first tile of each item. Per row the sums are matvec_tc8_q4_k's with a warp per tile
 // (the same 256-blocks in the same order), bit for bit. Dynamic shared memory
-// tmi_smem_bytes(k) (ops.rs): two of x's planes as tc_smem_bytes(k), then TMI_WARPS stages. H200, one decode token (ncu), the downs and v_b: DS3 125.2 -> 111.8
-// us in 7 launches (+12.6 in 3 moe_combine), GLM-5 123.7 -> 101.2 (+11.6); decode GLM-5
+// tmi_smem_bytes(k) (ops.rs): two of x's planes as tc_smem_bytes(k), then TMI_WARPS stages.
+// H200, one decode token (ncu), the downs and v_b: DS3 125.2 -> 111.8 us in 7 launches
+// (+12.6 in 3 moe_combine), GLM-5 123.7 -> 101.2 (+11.6); decode GLM-5
 // 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
 //
@@ -2214,8 +2206,7 @@ extern "C" __global__ void __launch_bounds__(288, 2)
         if (lane == 0) mbar_arrive(&empty[slot]);  // the slot is in registers
         if (i < mine) {
             float d_lo = 0.0f, d_hi = 0.0f;
-            q6_dot(lo, hi, TcQ6k::b_block(tma_sm, k, g, t, blk), scales[blk], pf, d_lo,
-                   d_hi);
+            q6_dot(lo, hi, TcQ6k::b_block(tma_sm, k, g, t, blk), scales[blk], pf, d_lo, d_hi);
             if (second) next_lo += d_lo, next_hi += d_hi;
             else acc_lo += d_lo, acc_hi += d_hi;
         }

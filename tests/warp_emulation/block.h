@@ -202,9 +202,6 @@ inline void mma_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bo
 inline void mma_s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     mma_16832(d, a0, a1, a2, a3, b0, b1, true);
 }
-inline void mma_u8s8_16832(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    mma_16832(d, a0, a1, a2, a3, b0, b1, false);
-}
 // D += A B.
 inline void mma_s8_16832_acc(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     mma_16832(d, a0, a1, a2, a3, b0, b1, true, true);
