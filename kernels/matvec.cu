@@ -1276,13 +1276,13 @@ __device__ __forceinline__ void matvec_tc_q4_k_body(const u8* w, const u8* w2, c
 DEFINE_MATVEC_TC(matvec_tc_q4_k, 4, 4)
 DEFINE_MATVEC_TC(matvec_tc8_q4_k, 8, 2)
 
-// N words from 2-byte aligned shared memory, each shifted right by `extra` more bits (< 8)
-// with the bits of the word above.
+// N words from 2-byte aligned shared memory at p, where p & 3 is mis, each shifted right by
+// `extra` more bits (< 8) with the bits of the word above. The pieces of a Q6_K block lie a
+// multiple of 4 bytes apart: given the block's mis, ptxas finds one base for them all.
 template <int N>
-__device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) {
+__device__ __forceinline__ void lds_words_mis(const u8* p, u32 mis, u32* out, u32 extra = 0) {
     // By pointer arithmetic on p, not an integer mask: the compiler then still knows the
     // address is shared memory (LDS; a cast from an integer made generic loads).
-    const u32 mis = (u32)((unsigned long long)p & 3);
     const u32* base = (const u32*)(p - mis);
     u32 sh = 8 * mis + extra;
     u32 a[N + 1];
@@ -1290,6 +1290,10 @@ __device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) 
     for (int i = 0; i <= N; i++) a[i] = base[i];
 #pragma unroll
     for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
+}
+template <int N>
+__device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) {
+    lds_words_mis<N>(p, (u32)((unsigned long long)p & 3), out, extra);
 }
 
 // A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
@@ -1300,11 +1304,12 @@ struct TcQ6k {
     u32 sc[4], d;
 
     __device__ __forceinline__ void load(const u8* b, int t) {
+        const u32 mis = (u32)((unsigned long long)b & 3);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            lds_words<2>(b + 64 * h + 8 * t, ql[h][0]);
-            lds_words<2>(b + 64 * h + 32 + 8 * t, ql[h][1]);
-            lds_words<2>(b + 128 + 32 * h + 8 * t, qh[h]);
+            lds_words_mis<2>(b + 64 * h + 8 * t, mis, ql[h][0]);
+            lds_words_mis<2>(b + 64 * h + 32 + 8 * t, mis, ql[h][1]);
+            lds_words_mis<2>(b + 128 + 32 * h + 8 * t, mis, qh[h]);
             qh[h][0] ^= 0xAAAAAAAAu;
             qh[h][1] ^= 0xAAAAAAAAu;
         }
@@ -2060,11 +2065,12 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
             int skew = (int)((unsigned long long)(row[r] + (i64)s * INT_Q6_STRETCH) & 15);
             const u8* b = sm + r * INT_Q6_CHUNKS * 16 + skew + 210 * (blk & 3);
             u32 ql[4], qh[4];
-            lds_words<4>(b + 64 * h + 32 * j + l0, ql);
+            const u32 mis = (u32)((unsigned long long)b & 3);
+            lds_words_mis<4>(b + 64 * h + 32 * j + l0, mis, ql);
             // qh shifted down by 2j in its funnel shift: quarter j's high bits at bits 0-1 of
             // each byte, quarter j + 2's at 4-5, where qb wants them (SASS per ql word and row,
             // beside the two funnel shifts and 8 dp4a: 6 shift and logic instructions, not 9).
-            lds_words<4>(b + 128 + 32 * h + l0, qh, 2 * j);
+            lds_words_mis<4>(b + 128 + 32 * h + l0, mis, qh, 2 * j);
             int ia[4] = {da.x, da.y, da.z, da.w}, ib[4] = {db.x, db.y, db.z, db.w};
 #pragma unroll
             for (int i = 0; i < 4; i++) {

@@ -224,6 +224,10 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
     Def(
         "matvec.cu",
+        "template <int N>\n__device__ __forceinline__ void lds_words_mis(",
+    ),
+    Def(
+        "matvec.cu",
         "template <int N>\n__device__ __forceinline__ void lds_words(",
     ),
     Def("matvec.cu", "struct TcQ6k {"),
