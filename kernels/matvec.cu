@@ -1012,8 +1012,8 @@ struct TcIq4xs {
     // products are linear in A): a nibble n < 8 is entry n in low (the permute's selector n)
     // and 0 in high; n >= 8 is -1 in low (selector n: the sign of entry n - 8, negative) and
     // entry n plus one in high (selector n ^ 8). Seven instructions a word for one more mma,
-    // where picking by the top bit took eleven (H100: IQ4_XS's rows 8-19% faster, forty-sixth
-    // look).
+    // where picking by the top bit took eleven (H100: IQ4_XS's rows up to 19% faster,
+    // forty-sixth look).
     struct Entries {
         uint2 low, high;
     };
