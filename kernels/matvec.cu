@@ -985,6 +985,20 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
+// PTX lop3 with the function fixed: (a & mask) | (b & ~mask), and (a & mask) ^ flip, one
+// instruction each. (Written in C, ptxas re-derives masks it can fold into the shifts around
+// them and spends an instruction more on each: matvec_tma_groups_q6_k's stage loop 351 -> 397
+// instructions.)
+__device__ __forceinline__ u32 bit_select(u32 a, u32 b, u32 mask) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
+    return r;
+}
+__device__ __forceinline__ u32 and_xor(u32 a, u32 mask, u32 flip) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(mask), "r"(flip));
+    return r;
+}
 struct TcIq4xs {
     static const int BYTES = 136;
     static const int ROW = 1104;  // a bulk-copy stage's row (matvec_tma_body)
@@ -1297,10 +1311,12 @@ __device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) 
 }
 
 // A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
-// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half (qh[h], the top bit of each 2-bit field
-// flipped), and from the scales at s = t >> 1 on (sc: byte 2i is sub-block 2i + s's), d.
+// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half with the top
+// bit of each 2-bit field flipped, split into its even fields (qe[h]: quarters 0 and 2) and
+// odd ones (qo[h]: 1 and 3), and from the scales at s = t >> 1 on (sc: byte 2i is sub-block
+// 2i + s's), d.
 struct TcQ6k {
-    u32 ql[2][2][2], qh[2][2];
+    u32 ql[2][2][2], qe[2][2], qo[2][2];
     u32 sc[4], d;
 
     __device__ __forceinline__ void load(const u8* b, int t) {
@@ -1309,9 +1325,13 @@ struct TcQ6k {
         for (int h = 0; h < 2; h++) {
             lds_words_mis<2>(b + 64 * h + 8 * t, mis, ql[h][0]);
             lds_words_mis<2>(b + 64 * h + 32 + 8 * t, mis, ql[h][1]);
-            lds_words_mis<2>(b + 128 + 32 * h + 8 * t, mis, qh[h]);
-            qh[h][0] ^= 0xAAAAAAAAu;
-            qh[h][1] ^= 0xAAAAAAAAu;
+            u32 q[2];
+            lds_words_mis<2>(b + 128 + 32 * h + 8 * t, mis, q);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                qe[h][i] = and_xor(q[i], 0x33333333u, 0x22222222u);
+                qo[h][i] = and_xor(q[i], 0xCCCCCCCCu, 0x88888888u);
+            }
         }
         lds_words<4>(b + 192 + (t >> 1), sc);  // reads up to 2 bytes past the block (in the stage)
         d = *(const u16*)(b + 208);
@@ -1328,11 +1348,14 @@ struct TcQ6k {
 
     // Quarter j of half h, word i (values 8t + 4i ..) as 4 signed bytes 4 (q - 32): q's low
     // 4 bits at bits 2-5, its high 2 bits at bits 6-7 with the top one flipped (q - 32 in
-    // 6-bit two's complement, times 4 as a byte).
+    // 6-bit two's complement, times 4 as a byte). One select a word: the nibble shifted to
+    // bits 2-5 gives those, the field shifted to bits 6-7 the rest, whose bits 0-1 are zero
+    // since the split cleared the field that would land there.
     __device__ __forceinline__ u32 quarter(int h, int j, int i) const {
-        u32 l = ql[h][j & 1][i], q = qh[h][i];
-        u32 lo = j < 2 ? l << 2 : l >> 2;
-        return (lo & 0x3C3C3C3Cu) | ((q << (6 - 2 * j)) & 0xC0C0C0C0u);
+        u32 l = ql[h][j & 1][i];
+        u32 e = qe[h][i], o = qo[h][i];
+        u32 hi = j == 0 ? e << 6 : j == 1 ? o << 4 : j == 2 ? e << 2 : o;
+        return bit_select(j < 2 ? l << 2 : l >> 2, hi, 0x3C3C3C3Cu);
     }
     // The scale of the lane's sub-block in quarter j of half h.
     __device__ __forceinline__ int scale(int h, int j) const {

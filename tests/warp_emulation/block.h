@@ -103,6 +103,10 @@ inline u32 prmt(u32 a, u32 b, u32 s) {
     return r;
 }
 
+// kernels/matvec.cu's lop3 helpers.
+inline u32 bit_select(u32 a, u32 b, u32 mask) { return (a & mask) | (b & ~mask); }
+inline u32 and_xor(u32 a, u32 mask, u32 flip) { return (a & mask) ^ flip; }
+
 inline float f16_to_f32(u16 h) {  // finite values
     int e = (h >> 10) & 31, m = h & 1023;
     float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
