@@ -1465,11 +1465,11 @@ struct TcQ6kTile {
 //
 // Q5_K, IQ4_XS (rows of an even number of blocks) and Q6_K (any rows: TcQ6kTile's
 // ANY_ROW_START) take the same kernels with their tiles (TcQ5k, TcIq4xs, TcQ6kTile):
-// matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, and the items forms below (not
-// Q6_K's). A stage row is a tile type's ROW bytes, 8 blocks padded to an odd multiple of 16
-// (1168 for Q4_K, 1424 for Q5_K, 1104 for IQ4_XS, 1712 for Q6_K), so that the 8 rows of a
-// warp's lanes start on distinct 16-byte bank groups; Tile::STAGES of them (3, Q6_K's 2)
-// follow x's planes (tc_x_bytes).
+// matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, and the items forms below
+// (Q6_K's for rows of a multiple of 16 bytes). A stage row is a tile type's ROW bytes, 8
+// blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1104 for IQ4_XS,
+// 1712 for Q6_K), so that the 8 rows of a warp's lanes start on distinct 16-byte bank
+// groups; Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The bytes a segment of len bytes from address src (its low 32 bits enough) takes as
@@ -1824,10 +1824,13 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
 // 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
 //
-// matvec_tma_items_q5_k and matvec_tma_items_iq4_xs take the same form with their tiles;
-// Q5_K's with 3 consumer warps, whose stages of 16 x 1424 bytes and x's two buffers fit
-// SM120's 99 KiB where 4 would not (ops.rs, TmaTile). (Q6_K's, 3 warps of TcQ6kTile, lost to
-// the CUDA cores on the MoE downs: H200, DS3's MoE row 136.3 -> 145.9 us.)
+// matvec_tma_items_q5_k, matvec_tma_items_iq4_xs and matvec_tma_items_q6_k take the same form
+// with their tiles; Q5_K's and Q6_K's with 3 consumer warps, whose stages of 16 x 1424 or
+// 1712 bytes and x's two buffers fit SM120's 99 KiB where 4 would not (ops.rs, TmaTile).
+// Q6_K's rows are copied whole, so they must be a multiple of 16 bytes (k = 2048, the MoE
+// downs of DeepSeek-V3 and GLM-5; ops.rs); a block in a row lies 2-byte aligned as in the
+// stages of matvec_tma_groups_q6_k. (At 023255f this form lost to the CUDA cores, H200, DS3's
+// MoE row 136.3 -> 145.9 us; its stage loop has since gone from 407 to 321 instructions.)
 template <class Tile, int TMI_WARPS>
 __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw, i64 mat_stride,
                                                       const int* ids, int items, int rows,
@@ -1928,6 +1931,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k, TcQ4k, 4)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k, TcQ5k, 3)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs, TcIq4xs, 4)
+DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q6_k, TcQ6kTile, 3)
 
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //

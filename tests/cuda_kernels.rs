@@ -937,9 +937,10 @@ fn matvec_glu_pair_folds_the_silu() {
 /// Items that each read their own x, with rows of up to 2048 values: the MoE downs (the shared
 /// expert as a choice, a choice held elsewhere left alone, a tail tile), MLA's per-head v_b (no
 /// ids). Equal to the f64 products of the dequantized matrices, and for Q4_K bit for bit the
-/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K and IQ4_XS
-/// on theirs and on the CUDA cores (which take no shared matrix); Q6_K, which has no items form,
-/// on the CUDA cores.
+/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K, IQ4_XS
+/// and Q6_K on theirs and on the CUDA cores (which take no shared matrix); Q6_K's items
+/// kernel takes rows of a multiple of 16 bytes only (k = 2048 here), the rest stay on the CUDA
+/// cores.
 #[test]
 fn matvec_items_of_their_own_input() {
     let Some(mut g) = gpu() else { return };
@@ -2520,9 +2521,9 @@ fn dsa_scores_and_topk_match() {
 /// the tensor-core kernels: router rows of k + 1, the gate-up pair, the down product and the
 /// combine) equals the CPU's routed experts plus its shared expert, on GLM-5-like experts of
 /// Q4_K, Q5_K, IQ4_XS and Q6_K (16 of them, 8 chosen, sigmoid with a selection bias; hidden 2048, so
-/// that the gate-up pair takes matvec_tma_<type> where the GPU has bulk copies). Q6_K's downs
-/// have no items form, so there the shared expert stays apart and the routed experts alone
-/// are compared.
+/// that the gate-up pair takes matvec_tma_<type> and the downs matvec_tma_items_<type> where
+/// the GPU has bulk copies; without them, the shared expert stays apart for all but Q4_K and
+/// the routed experts alone are compared).
 #[test]
 fn moe_decode_with_the_shared_expert_matches_the_cpu() {
     let Some(g) = gpu() else { return };
@@ -2603,8 +2604,8 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
                 Some(&shared),
             )
             .unwrap();
-        // Q5_K and IQ4_XS on their bulk-copy kernels only; Q6_K's downs have no items form.
-        let as_choice = t == GgmlType::Q4_K || g.bulk_copies && t != GgmlType::Q6_K;
+        // Q5_K, IQ4_XS and Q6_K on their bulk-copy kernels only.
+        let as_choice = t == GgmlType::Q4_K || g.bulk_copies;
         assert_eq!(
             with_shared, as_choice,
             "whether the shared expert runs as a choice at these shapes ({t})"

@@ -20,7 +20,7 @@
 //!   `attention_mma_<DQK>_<DV>`, every form, causal and DSA-masked) against the f64 attention
 //!   of the f32 inputs (the bf16 products' bound).
 //! - The bulk-copy kernels whole (`matvec_tma_<type>` and `matvec_tma_items_<type>` for Q4_K,
-//!   Q5_K and IQ4_XS, `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their
+//!   Q5_K, IQ4_XS and Q6_K, `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their
 //!   producer and consumer warps, stage barriers, parts of k, shared expert first, items
 //!   another rank holds, partial tiles and stages across tiles. A stage read before its copy landed or refilled
 //!   while read gives wrong sums; a wait that never ends fails the run instead of hanging it;
@@ -266,6 +266,7 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q6_k,"),
     Line("matvec.cu", "#define TMA6_STAGES "),
     Line("matvec.cu", "#define TMA6_ROW "),
     Line("matvec.cu", "#define TMA6_STAGE "),
@@ -1083,9 +1084,15 @@ fn bulk_copy_items_kernels_match_f64() {
         (GgmlType::Q4_K, 20),
         (GgmlType::Q5_K, 50),
         (GgmlType::IQ4_XS, 60),
+        (GgmlType::Q6_K, 70),
     ] {
+        // Q6_K's items kernel takes rows of a multiple of 16 bytes: 8 256-blocks.
+        let short = match ty {
+            GgmlType::Q6_K => 8,
+            _ => aligned_blocks(ty, 6),
+        };
         check_tma_items(&h, ty, 40, 8, &ids, 4, seed);
-        check_tma_items(&h, ty, 40, aligned_blocks(ty, 6), &ids, 1, seed + 1);
+        check_tma_items(&h, ty, 40, short, &ids, 1, seed + 1);
         check_tma_items(&h, ty, 24, 8, &ids[..3], 6, seed + 2);
     }
 }

@@ -496,8 +496,8 @@ pub struct TmaTile {
     /// Its form for q-LoRA's q_b after the parts launch (`Gpu::query_projections`).
     pub query: &'static str,
     /// The kernel of items with their own x, and its consumer warps (a stage each; fewer
-    /// where 4 stages would not fit). None for Q6_K: its items form lost to the CUDA cores
-    /// (H200, the DS3 MoE row's downs: 136.3 -> 145.9 us; docs/performance.md).
+    /// where 4 stages would not fit). It copies rows whole: Q6_K's only where they are a
+    /// multiple of 16 bytes (`uses_item_copies`).
     pub items: Option<(&'static str, usize)>,
     /// A quant block's bytes.
     pub bytes: usize,
@@ -592,7 +592,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_parts_q6_k",
                 "matvec_tma_query_q6_k",
             ),
-            None,
+            Some(("matvec_tma_items_q6_k", 3)),
             1712,
             2,
             10240,
@@ -752,9 +752,11 @@ impl Gpu {
 
     /// Whether the tensor-core product `a` goes to matvec_tma_items_<type>.
     fn uses_item_copies(&self, a: &Matvec) -> bool {
+        let whole_rows = |rb: usize| (a.mat_stride | rb).is_multiple_of(16);
         self.bulk_copies
             && self.item_copies
             && tma_tile(a.ty).is_some_and(|t| t.items.is_some())
+            && a.ty.row_bytes(a.k).is_some_and(whole_rows)
             && a.k <= TMI_K_MAX
             && a.batch > 1
             && a.x_group == 1
