@@ -837,6 +837,20 @@ struct TcBPair {
     }
 };
 
+// PTX lop3 with the function fixed: (a & mask) | (b & ~mask), and (a & mask) ^ flip, one
+// instruction each. (Written in C, ptxas re-derives masks it can fold into the shifts around
+// them and spends an instruction more on each: matvec_tma_groups_q6_k's stage loop 351 -> 397
+// instructions.) TcQ5k and TcQ6k build their A words with them.
+__device__ __forceinline__ u32 bit_select(u32 a, u32 b, u32 mask) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
+    return r;
+}
+__device__ __forceinline__ u32 and_xor(u32 a, u32 mask, u32 flip) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(mask), "r"(flip));
+    return r;
+}
 // A lane's registers for one Q4_K block (144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 qs
 // bytes) of its two rows (g and g + 8 of the tile): the 16-byte headers and its 8 qs bytes
 // (8t ..) of each 32-byte chunk. Chunk c holds sub-block 2c in its low nibbles and 2c + 1 in
@@ -858,7 +872,7 @@ struct TcKquant {
     static const bool HALVES = false;          // x's planes in x_block_digits' plain order
     uint4 h_lo, h_hi;
     uint2 q_lo[4], q_hi[4];
-    uint2 qh_lo, qh_hi;  // Q5: the fifth bits of the lane's 8 elements of each sub-block
+    uint2 f_lo[4], f_hi[4];  // Q5: qh's bits m and m + 4 of each byte (f[m])
 
     __device__ __forceinline__ void load(const u8* blo, const u8* bhi, int t) {
         static_assert(!Q5, "the matvec_tc kernels take Q4_K only");
@@ -875,8 +889,16 @@ struct TcKquant {
         h_lo = *(const uint4*)blo;
         h_hi = *(const uint4*)bhi;
         if (Q5) {
-            qh_lo = *(const uint2*)(blo + 16 + 8 * t);
-            qh_hi = *(const uint2*)(bhi + 16 + 8 * t);
+            // Split once a block (by lop3: with a plain & ptxas masks again after each shift,
+            // matvec_tma_items_q5_k's stage loop 209 -> 226 instructions).
+            const uint2 l = *(const uint2*)(blo + 16 + 8 * t);
+            const uint2 h = *(const uint2*)(bhi + 16 + 8 * t);
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const u32 bits = 0x11111111u << m;
+                f_lo[m] = make_uint2(and_xor(l.x, bits, 0u), and_xor(l.y, bits, 0u));
+                f_hi[m] = make_uint2(and_xor(h.x, bits, 0u), and_xor(h.y, bits, 0u));
+            }
         }
 #pragma unroll
         for (int c = 0; c < 4; c++) {
@@ -896,9 +918,11 @@ struct TcKquant {
         return t & 1 ? make_float2(128.0f, 1.0f) : make_float2(2097152.0f, 16384.0f);
     }
 
-    // Q5: the fifth bits (bit b of each byte of qh) at bit 4.
-    __device__ static __forceinline__ u32 fifth(u32 qh, int b) {
-        return ((qh >> b) & 0x01010101u) << 4;
+    // Q5: the low nibbles of q with bit b of each byte of qh as their fifth bit, given f, qh's
+    // bits b % 4 and b % 4 + 4 (f_lo, f_hi): shifted, f has that bit at bit 4 and zeros at
+    // bits 5-7, so one select makes the byte.
+    __device__ static __forceinline__ u32 five(u32 q, u32 f, int b) {
+        return bit_select(q, b < 4 ? f << (4 - b) : f >> (b - 4), 0x0F0F0F0Fu);
     }
 
     // b: the lane's B (b_cols), kb the block; sums: the block's 8 sub-block sums of x; s: its
@@ -916,15 +940,14 @@ struct TcKquant {
             const uint2 x1 = *(const uint2*)(b1 + 64 * c), x2 = *(const uint2*)(b2 + 64 * c);
             int cc[4];
             if (Q5) {
-                const u32 m = 0x0F0F0F0Fu;
-                mma_s8_16832(cc, (q_lo[c].x & m) | fifth(qh_lo.x, 2 * c),
-                             (q_hi[c].x & m) | fifth(qh_hi.x, 2 * c),
-                             (q_lo[c].y & m) | fifth(qh_lo.y, 2 * c),
-                             (q_hi[c].y & m) | fifth(qh_hi.y, 2 * c), x1.x, x1.y);
-                mma_s8_16832_acc(cc, ((q_lo[c].x >> 4) & m) | fifth(qh_lo.x, 2 * c + 1),
-                                 ((q_hi[c].x >> 4) & m) | fifth(qh_hi.x, 2 * c + 1),
-                                 ((q_lo[c].y >> 4) & m) | fifth(qh_lo.y, 2 * c + 1),
-                                 ((q_hi[c].y >> 4) & m) | fifth(qh_hi.y, 2 * c + 1), x2.x, x2.y);
+                const int b = 2 * c, e = (2 * c) & 3, o = (2 * c + 1) & 3;
+                mma_s8_16832(cc, five(q_lo[c].x, f_lo[e].x, b), five(q_hi[c].x, f_hi[e].x, b),
+                             five(q_lo[c].y, f_lo[e].y, b), five(q_hi[c].y, f_hi[e].y, b), x1.x,
+                             x1.y);
+                mma_s8_16832_acc(cc, five(q_lo[c].x >> 4, f_lo[o].x, b + 1),
+                                 five(q_hi[c].x >> 4, f_hi[o].x, b + 1),
+                                 five(q_lo[c].y >> 4, f_lo[o].y, b + 1),
+                                 five(q_hi[c].y >> 4, f_hi[o].y, b + 1), x2.x, x2.y);
             } else {
                 mma_s8_16832(cc, q_lo[c].x & 0x0F0F0F0Fu, q_hi[c].x & 0x0F0F0F0Fu,
                              q_lo[c].y & 0x0F0F0F0Fu, q_hi[c].y & 0x0F0F0F0Fu, x1.x, x1.y);
@@ -983,20 +1006,6 @@ typedef TcKquant<true> TcQ5k;
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-// PTX lop3 with the function fixed: (a & mask) | (b & ~mask), and (a & mask) ^ flip, one
-// instruction each. (Written in C, ptxas re-derives masks it can fold into the shifts around
-// them and spends an instruction more on each: matvec_tma_groups_q6_k's stage loop 351 -> 397
-// instructions.)
-__device__ __forceinline__ u32 bit_select(u32 a, u32 b, u32 mask) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
-    return r;
-}
-__device__ __forceinline__ u32 and_xor(u32 a, u32 mask, u32 flip) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(mask), "r"(flip));
     return r;
 }
 struct TcIq4xs {
