@@ -940,7 +940,7 @@ struct TcKquant {
             const uint2 x1 = *(const uint2*)(b1 + 64 * c), x2 = *(const uint2*)(b2 + 64 * c);
             int cc[4];
             if (Q5) {
-                const int b = 2 * c, e = (2 * c) & 3, o = (2 * c + 1) & 3;
+                const int b = 2 * c, e = b & 3, o = (b + 1) & 3;
                 mma_s8_16832(cc, five(q_lo[c].x, f_lo[e].x, b), five(q_hi[c].x, f_hi[e].x, b),
                              five(q_lo[c].y, f_lo[e].y, b), five(q_hi[c].y, f_hi[e].y, b), x1.x,
                              x1.y);
@@ -1320,10 +1320,9 @@ __device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) 
 }
 
 // A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
-// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half with the top
-// bit of each 2-bit field flipped, split into its even fields (qe[h]: quarters 0 and 2) and
-// odd ones (qo[h]: 1 and 3), and from the scales at s = t >> 1 on (sc: byte 2i is sub-block
-// 2i + s's), d.
+// each 32 (ql[h][j & 1]), qh bytes 8t .. of each half with the top bit of each 2-bit field
+// flipped, split into its even fields (qe[h]: quarters 0 and 2) and odd ones (qo[h]: 1 and
+// 3), and from the scales at s = t >> 1 on (sc: byte 2i is sub-block 2i + s's), d.
 struct TcQ6k {
     u32 ql[2][2][2], qe[2][2], qo[2][2];
     u32 sc[4], d;

@@ -1,8 +1,8 @@
 // kernels/matvec.cu's matvec_tma_items_<type>, whole, on emulated blocks (block.h). Input
-// (Input, in order): the type (i32: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS) and the block's threads (i32),
-// w, sw (buffers), mat_stride (i64), ids (buffer of i32), items, rows, k (i32), row_bytes
-// (i64), x (buffer), x_stride (i64), y (buffer), y_stride (i64), grid and dynamic shared bytes
-// (i32); prints y.
+// (Input, in order): the type (i32: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS) and the block's threads
+// (i32), w, sw (buffers), mat_stride (i64), ids (buffer of i32), items, rows, k (i32),
+// row_bytes (i64), x (buffer), x_stride (i64), y (buffer), y_stride (i64), grid and dynamic
+// shared bytes (i32); prints y.
 int main(int argc, char** argv) {
     Input in(argv[1]);
     const int type = in.i32(), threads = in.i32();
