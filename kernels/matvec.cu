@@ -964,11 +964,9 @@ struct TcKquant {
             ci[3] += sh * cc[3];
         }
         // Q4: the high nibbles' sums are 16 times theirs: exact multiples of 16 (|sum| < 2^28),
-        // and after the shift below 2^24, so exact as floats. (Q5's reach 2^26: f32 rounding.)
-        if (!Q5) {
-#pragma unroll
-            for (int r = 0; r < 4; r++) ci[r] >>= 4 * odd;
-        }
+        // so exact as floats, and a sixteenth of s takes them back. (Q5's reach 2^26: f32
+        // rounding.)
+        if (!Q5 && odd) s *= 0.0625f;
         float dlo = f16_to_f32((u16)h_lo.x) * s, dhi = f16_to_f32((u16)h_hi.x) * s;
         acc_lo += dlo * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
         acc_hi += dhi * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
