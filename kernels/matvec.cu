@@ -991,7 +991,7 @@ typedef TcKquant<true> TcQ5k;
 // the nibbles' order (4t, 16 + 4t, 4t + 1, ...), each entry as the sum of two (TcIq4xs::
 // lookup). x's planes come in that order (x_block_digits' HALVES), so each sub-block is two
 // m16n8k32 products into one C, sub-blocks 2p and 2p + 1 on TcBPair's first and second B.
-// No minimums; the sums reach 2^26 (f32 rounding).
+// No minimums; the sums, four times theirs (TcIq4xs::scales), reach 2^28 (f32 rounding).
 // The code book as signed bytes: entries 0-7 (the biased one's with each byte's top bit
 // flipped: all negative), and entries 8-15 plus one (1 .. 114: all positive).
 #define IQ4_S0 (IQ4_B0 ^ 0x80808080u)
@@ -1044,17 +1044,27 @@ struct TcIq4xs {
                 make_uint2(prmt(IQ4_S2_PLUS1, IQ4_S3_PLUS1, f),
                            prmt(IQ4_S2_PLUS1, IQ4_S3_PLUS1, f >> 16))};
     }
-    // Sub-block j's 6-bit scale minus 32, where hx and hy are the header words shifted by 2
-    // odd and 4 odd bits (sub-block 2p + odd at p's place).
-    __device__ static __forceinline__ int scale(u32 hx, u32 hy, int p) {
-        return (int)(((hy >> (8 * p)) & 15) | (((hx >> (16 + 4 * p)) & 3) << 4)) - 32;
+    // A row's scales of the lane's sub-blocks 2p + odd (p = 0-3) from its header h, four times
+    // scale - 32 as signed byte p, all four at once: shifted by 2 odd, scales_h has field p at
+    // bit 4p, so its bytes [2, 2, 3, 3] hold field p at bits 0-1 (p even) or 4-5 (p odd) of
+    // byte p; the even ones shifted by 4 join them at bits 4-5, under scales_l's nibbles;
+    // scale - 32 is the 6-bit field with its top bit flipped, moved to the byte's top (its
+    // bits 0-1 zeros). Eight instructions a row, and one `prmt` a scale (scale_of), where
+    // each scale on its own took about six.
+    __device__ static __forceinline__ u32 scales(uint2 h, int odd) {
+        const u32 f = prmt(h.x >> (2 * odd), 0u, 0x3322u);
+        const u32 s = bit_select(h.y >> (4 * odd), bit_select(f << 4, f, 0x00FF00FFu), 0x0F0F0F0Fu);
+        return and_xor(s, 0x3F3F3F3Fu, 0x20202020u) << 2;
+    }
+    // Byte p of w as a signed int: the byte, then its sign in the three above.
+    __device__ static __forceinline__ int scale_of(u32 w, int p) {
+        return (int)prmt(w, 0u, 0x8880u + 0x1111u * p);
     }
 
     __device__ __forceinline__ void dot(const B& b, int kb, const float* sums, float s, int t,
                                         float2 pf, float& acc_lo, float& acc_hi) const {
         const int odd = t >> 1;  // this lane's columns: sub-blocks 2p + odd
-        const u32 lx = h_lo.x >> (2 * odd), ly = h_lo.y >> (4 * odd);
-        const u32 hx = h_hi.x >> (2 * odd), hy = h_hi.y >> (4 * odd);
+        const u32 sc_lo = scales(h_lo, odd), sc_hi = scales(h_hi, odd);
         const u8 *b1 = b.first.of(kb), *b2 = b.second.of(kb);
         int ci[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -1067,12 +1077,13 @@ struct TcIq4xs {
             lo = lookup(q_lo[2 * p + 1]), hi = lookup(q_hi[2 * p + 1]);
             mma_s8_16832_acc(cc, lo.low.x, hi.low.x, lo.low.y, hi.low.y, x2.x, x2.y);
             mma_s8_16832_acc(cc, lo.high.x, hi.high.x, lo.high.y, hi.high.y, x2.x, x2.y);
-            int sl = scale(lx, ly, p), sh = scale(hx, hy, p);
+            int sl = scale_of(sc_lo, p), sh = scale_of(sc_hi, p);
             ci[0] += sl * cc[0];
             ci[1] += sl * cc[1];
             ci[2] += sh * cc[2];
             ci[3] += sh * cc[3];
         }
+        s *= 0.25f;  // the scales were four times theirs
         float dlo = f16_to_f32((u16)h_lo.x) * s, dhi = f16_to_f32((u16)h_hi.x) * s;
         acc_lo += dlo * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
         acc_hi += dhi * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
