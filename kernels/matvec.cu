@@ -1401,9 +1401,8 @@ __device__ __forceinline__ void q6_dot(const TcQ6k& lo, const TcQ6k& hi, const u
             ci[3] += sh * cc[3];
         }
     }
-    // Four times the sums of q - 32 (multiples of 4, |.| < 2^29): the sums.
-#pragma unroll
-    for (int r = 0; r < 4; r++) ci[r] >>= 2;
+    // Four times the sums of q - 32 (|.| < 2^29): a quarter of s takes them back.
+    s *= 0.25f;
     acc_lo += f16_to_f32((u16)lo.d) * s * (pf.x * (float)ci[0] + pf.y * (float)ci[1]);
     acc_hi += f16_to_f32((u16)hi.d) * s * (pf.x * (float)ci[2] + pf.y * (float)ci[3]);
 }
