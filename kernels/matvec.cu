@@ -840,7 +840,7 @@ struct TcBPair {
 // PTX lop3 with the function fixed: (a & mask) | (b & ~mask), and (a & mask) ^ flip, one
 // instruction each. (Written in C, ptxas re-derives masks it can fold into the shifts around
 // them and spends an instruction more on each: matvec_tma_groups_q6_k's stage loop 351 -> 397
-// instructions.) TcQ5k and TcQ6k build their A words with them.
+// instructions.) TcQ5k and TcQ6k build their A words with them, TcIq4xs its scales.
 __device__ __forceinline__ u32 bit_select(u32 a, u32 b, u32 mask) {
     u32 r;
     asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
