@@ -16,6 +16,9 @@
 //! come from one large arena of random bytes on the device, and consecutive launches read
 //! different copies of a matrix so that no launch finds its weights in the 50 MB L2. Every byte
 //! of the arena has bit 6 clear, so every f16 scale and every f32 read from it is finite.
+//! `--l2` does the opposite for the matrix-vector and MoE rows: every launch reads the same
+//! weights, which then come from L2, so a row shows the kernel's own rate (its consumers' work
+//! a stage) without DRAM: the cap that binds on a GPU whose DRAM is faster than that rate.
 //!
 //! On the GPU host (no Rust there) the `xtask` binary of the bundle runs this; see
 //! `bench.sh`, which `cargo xtask gpu-bundle` writes next to it.
@@ -51,6 +54,12 @@ pub struct Args {
     /// One sample of two launches per row and no ceilings: for runs under a profiler.
     #[arg(long)]
     quick: bool,
+    /// The matrix-vector and MoE rows with weights that stay in L2 (each launch reads the same
+    /// copy; matrices over L2_ROW_BYTES skipped; every MoE choice the same expert): a kernel's
+    /// own rate, which caps it where DRAM outruns it (the H200), measured on any GPU. Only
+    /// those rows, named "... over L2".
+    #[arg(long)]
+    l2: bool,
     /// Only the ceilings and the models (each model in its own process keeps a crash in one
     /// from losing the others' numbers).
     #[arg(long)]
@@ -138,11 +147,15 @@ const MMA_FLOPS: f64 = 2.0 * 16.0 * 8.0 * 16.0;
 const ARENA_BYTES: usize = 6 << 30;
 /// Consecutive launches rotate over copies spanning at least this many bytes (L2 is 50 MB).
 const ROTATE_BYTES: usize = 1 << 30;
+/// With --l2, the most bytes a row's weights may take (of the 50 MB L2 of an H100 or H200).
+const L2_ROW_BYTES: usize = 40 << 20;
 
 struct Bench {
     gpu: Arc<Gpu>,
     module: Arc<CudaModule>,
     quick: bool,
+    /// --l2: every launch reads the same weights.
+    l2: bool,
     filter: Vec<String>,
     rows: Vec<Value>,
     /// Ceilings, once measured: bytes/s and FLOP/s.
@@ -247,15 +260,8 @@ fn align(n: usize) -> usize {
     n.div_ceil(256) * 256
 }
 
-/// How many copies of `bytes` to rotate over, and the distance between them.
-fn rotation(bytes: usize, room: usize) -> (usize, usize) {
-    let step = align(bytes);
-    let copies = ROTATE_BYTES.div_ceil(step).clamp(1, (room / step).max(1));
-    (copies, step)
-}
-
 impl Bench {
-    fn new(quick: bool, filter: Vec<String>) -> Result<Bench> {
+    fn new(quick: bool, l2: bool, filter: Vec<String>) -> Result<Bench> {
         let gpu = Arc::new(Gpu::new(0)?);
         let opts = cudarc::nvrtc::CompileOptions {
             options: vec![format!("--gpu-architecture=compute_{}", &gpu.arch[3..])],
@@ -268,11 +274,31 @@ impl Bench {
             gpu,
             module,
             quick,
+            l2,
             filter,
             rows: Vec::new(),
             copy_bw: f64::NAN,
             mma_rate: f64::NAN,
         })
+    }
+
+    /// How many copies of `bytes` to rotate over (one with --l2), and the distance between them.
+    fn rotation(&self, bytes: usize, room: usize) -> (usize, usize) {
+        let step = align(bytes);
+        if self.l2 {
+            return (1, step);
+        }
+        let copies = ROTATE_BYTES.div_ceil(step).clamp(1, (room / step).max(1));
+        (copies, step)
+    }
+
+    /// A kernel row's name, marked when its weights come from L2.
+    fn row_name(&self, name: String) -> String {
+        if self.l2 {
+            name + " over L2"
+        } else {
+            name
+        }
     }
 
     fn wanted(&self, name: &str) -> bool {
@@ -498,13 +524,17 @@ impl Bench {
         for fam in families() {
             for &(mat, rows, k) in &fam.mats {
                 for &ty in DECODE_TYPES {
-                    let name = format!("matvec {} {}.{mat} {rows}x{k}", tname(ty), fam.name);
-                    if !self.wanted(&name) {
-                        continue;
-                    }
+                    let name = self.row_name(format!(
+                        "matvec {} {}.{mat} {rows}x{k}",
+                        tname(ty),
+                        fam.name
+                    ));
                     let row_bytes = ty.row_bytes(k).context("whole blocks")?;
                     let bytes = rows * row_bytes;
-                    let (copies, step) = rotation(bytes, ARENA_BYTES);
+                    if !self.wanted(&name) || self.l2 && bytes > L2_ROW_BYTES {
+                        continue;
+                    }
+                    let (copies, step) = self.rotation(bytes, ARENA_BYTES);
                     let gpu = self.gpu.clone();
                     // As the engine's decode runs it: k's parts spread where that pays, their
                     // partials then summed by the next add_rmsnorm (not timed here).
@@ -553,16 +583,16 @@ impl Bench {
         ];
         for (fam, what, heads, rows, k, types) in shapes {
             for ty in types {
-                let name = format!(
+                let name = self.row_name(format!(
                     "matvec_heads {} {fam}.{what} {heads} x {rows}x{k}",
                     tname(ty)
-                );
+                ));
                 if !self.wanted(&name) {
                     continue;
                 }
                 let row_bytes = ty.row_bytes(k).context("whole blocks")?;
                 let bytes = heads * rows * row_bytes;
-                let (copies, step) = rotation(bytes, ARENA_BYTES);
+                let (copies, step) = self.rotation(bytes, ARENA_BYTES);
                 let gpu = self.gpu.clone();
                 let timed = self.time(|i| {
                     let w = base + ((i % copies) * step) as u64;
@@ -595,23 +625,25 @@ impl Bench {
     /// first three in one launch where the kernel takes the pair (`Matvec::glu`).
     fn moe(&mut self, arena: &CudaSlice<u8>, scratch: u64) -> Result<()> {
         let base = self.gpu.ptr(arena, 0);
-        // 64 sets of 8 distinct experts, so consecutive tokens read different experts.
+        // 64 sets of 8 distinct experts, so consecutive tokens read different experts (--l2:
+        // every choice expert 0, whose three matrices then stay in L2).
         let sets: Vec<i32> = expert_sets(0x2545F4914F6CDD1D, 64)
             .into_iter()
             .flatten()
-            .map(|e| e as i32)
+            .map(|e| if self.l2 { 0 } else { e as i32 })
             .collect();
         let ids = self.gpu.upload(&sets)?;
         let ids_ptr = self.gpu.ptr(&ids, 0);
         for fam in families() {
             for &ty in DECODE_TYPES {
-                let name = format!("moe {} {} 8 of 256 experts", tname(ty), fam.name);
-                if !self.wanted(&name) {
-                    continue;
-                }
+                let name =
+                    self.row_name(format!("moe {} {} 8 of 256 experts", tname(ty), fam.name));
                 let (e, f) = (fam.hidden, fam.ff_expert);
                 let gate_bytes = f * ty.row_bytes(e).context("whole blocks")?;
                 let down_bytes = e * ty.row_bytes(f).context("whole blocks")?;
+                if !self.wanted(&name) || self.l2 && 2 * gate_bytes + down_bytes > L2_ROW_BYTES {
+                    continue;
+                }
                 let tensor = MOE_EXPERTS * gate_bytes.max(down_bytes);
                 if tensor > ARENA_BYTES {
                     bail!("{name}: the expert tensor does not fit the arena");
@@ -706,7 +738,7 @@ impl Bench {
                 }
                 let cache_bytes = 4 * s * (dl + dr);
                 let q_bytes = 4 * h * (dl + dr);
-                let (copies, step) = rotation(cache_bytes + q_bytes, ARENA_BYTES);
+                let (copies, step) = self.rotation(cache_bytes + q_bytes, ARENA_BYTES);
                 let gpu = self.gpu.clone();
                 let timed = self.time(|i| {
                     let at = base + ((i % copies) * step) as u64;
@@ -763,7 +795,7 @@ impl Bench {
             }
             let key_bytes = 4 * s * dim;
             let q_bytes = 4 * heads * (dim + 1); // the query and the head weights
-            let (copies, step) = rotation(key_bytes + q_bytes, ARENA_BYTES);
+            let (copies, step) = self.rotation(key_bytes + q_bytes, ARENA_BYTES);
             let (scores, ids) = (scratch, scratch + 4 * s as u64);
             let gpu = self.gpu.clone();
             let timed = self.time(|i| {
@@ -807,7 +839,7 @@ impl Bench {
                             continue;
                         }
                         let bytes = n * ty.row_bytes(k).context("whole blocks")?;
-                        let (copies, step) = rotation(bytes, ARENA_BYTES);
+                        let (copies, step) = self.rotation(bytes, ARENA_BYTES);
                         let gpu = self.gpu.clone();
                         let timed = self.time(|i| {
                             let w = base + ((i % copies) * step) as u64;
@@ -935,6 +967,9 @@ impl Bench {
         self.matvec(&arena, x, y)?;
         self.heads(&arena, x, y)?;
         self.moe(&arena, x)?;
+        if self.l2 {
+            return Ok(());
+        }
         self.mla(&arena, y)?;
         self.dsa(&arena, y)?;
         self.prefill(&arena, x, y)?;
@@ -1309,7 +1344,10 @@ pub fn run(args: Args) -> Result<()> {
         let path = args.model.first().context("profiling needs --model")?;
         return profile_one_step(path, args.profile_prefill, args.profile_context);
     }
-    let mut bench = Bench::new(args.quick, args.filter.clone())?;
+    if args.l2 && (args.skip_kernels || !args.model.is_empty()) {
+        bail!("--l2 times the matrix-vector and MoE rows only: no --model, no --skip-kernels");
+    }
+    let mut bench = Bench::new(args.quick, args.l2, args.filter.clone())?;
     println!(
         "{} ({}, {} SMs)",
         bench.gpu.name, bench.gpu.arch, bench.gpu.multiprocessors
@@ -1330,6 +1368,7 @@ pub fn run(args: Args) -> Result<()> {
             "gpu": bench.gpu.name, "arch": bench.gpu.arch,
             "multiprocessors": bench.gpu.multiprocessors,
             "copy_gb_s": bench.copy_bw / 1e9, "mma_tflop_s": bench.mma_rate / 1e12,
+            "l2": args.l2,
             "rows": bench.rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)
