@@ -1126,6 +1126,20 @@ __device__ __forceinline__ TcItem tc_item(int b, int items, const u8* w, const u
     return it;
 }
 
+// n / d and n % d for a divisor the kernel fixes (a matrix's tiles) by one wide multiply, where
+// the compiler's signed division takes ~35 instructions (twice a group in matvec_tma_body's
+// consumers and again in its producer, once a tile in the items kernel's). m = ceil(2^32 / d):
+// the high word of n m is n / d while n d < 2^32 (its excess n (m - 2^32 / d) / 2^32 then
+// stays below 1 / d); ops.rs keeps groups x tiles under 2^32 (tma_div_fits).
+struct DivBy {
+    u32 d;
+    u64 m;
+    __device__ explicit DivBy(int divisor)
+        : d((u32)divisor), m(((1ull << 32) + (u32)divisor - 1) / (u32)divisor) {}
+    __device__ __forceinline__ int quot(int n) const { return (int)(((u64)(u32)n * m) >> 32); }
+    __device__ __forceinline__ int rem(int n) const { return n - quot(n) * (int)d; }
+};
+
 // The MoE combine in the down product's launch: out [T, rows] row t = sum over the choices j
 // of token t of weights[t, j] * (item t * choices + j's output), in choice order and skipping
 // zero weights, as moe_combine sums them. The block that finishes the last of a token's items
@@ -1546,6 +1560,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     __shared__ float partial[2][2][TMA_BLOCKS][16];  // [group parity][gate, up][warp][row]
     u8* stages = tma_sm + tc_x_bytes(kpart);
     const int mats = glu ? 2 : 1, tiles = (rows + 15) / 16;
+    const DivBy by_tiles(tiles);
     // PARTS: the tiles of w (rows rows), then pt.w1's and pt.w2's, a group each.
     const int part_tiles[3] = {tiles, (pt.rows1 + 15) / 16, (pt.rows2 + 15) / 16};
     const int groups = PARTS ? tiles + part_tiles[1] + part_tiles[2] : items / mats * tiles;
@@ -1557,7 +1572,7 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     const int choices = items / mats;
     const int rot = ids && sw && (glu || !w2) ? choices - 1 : 0;
     auto choice_of = [&](int grp) {
-        int c = grp / tiles + rot;
+        int c = by_tiles.quot(grp) + rot;
         return c >= choices ? c - choices : c;
     };
     auto is_shared = [&](int grp) { return rot && grp < tiles; };
@@ -1596,7 +1611,8 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
     };
     auto group_tile = [&](int grp, int m) {
         if (!PARTS)
-            return GroupTile{item_of(grp, m).mat, rows, grp % tiles, y + choice_of(grp) * y_stride};
+            return GroupTile{item_of(grp, m).mat, rows, by_tiles.rem(grp),
+                             y + choice_of(grp) * y_stride};
         if (grp < tiles) return GroupTile{w, rows, grp, y};
         grp -= tiles;
         if (grp < part_tiles[1]) return GroupTile{pt.w1, pt.rows1, grp, pt.y1};
@@ -1858,6 +1874,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
     extern __shared__ __align__(128) u8 tmi_sm[];
     __shared__ u64 full[TMI_WARPS], empty[TMI_WARPS];
     const int nb = k / 256, tiles = (rows + 15) / 16, groups = items * tiles;
+    const DivBy by_tiles(tiles);
     const int stride = tc_plane_stride(k);
     const int plane_bytes = tc_x_bytes(k);
     u8* stages = tmi_sm + 2 * plane_bytes;
@@ -1881,9 +1898,9 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
         // warp has released the tile before.
         int n = 0;
         for (int grp = g0; grp < g1; grp++) {
-            const TcItem it = item(grp / tiles);
+            const TcItem it = item(by_tiles.quot(grp));
             if (!it.held) continue;
-            const int slot = n % TMI_WARPS, r0 = (grp % tiles) * 16, nr = min(16, rows - r0);
+            const int slot = n % TMI_WARPS, r0 = by_tiles.rem(grp) * 16, nr = min(16, rows - r0);
             if (n >= TMI_WARPS) mbar_wait(&empty[slot], (n / TMI_WARPS - 1) & 1);
             if (lane == 0) mbar_expect_bytes(&full[slot], (u32)(nr * nb * BYTES));
             __syncwarp();
@@ -1902,7 +1919,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
         // The run's tiles of item i: its planes into buffer seg % 2, which no warp reads any
         // more (every warp passed the barrier of the item before, so it is done with the one
         // before that).
-        const int i = grp / tiles, end = min(g1, (i + 1) * tiles);
+        const int i = by_tiles.quot(grp), end = min(g1, (i + 1) * tiles);
         if (!item(i).held) {
             grp = end;
             continue;
@@ -1927,7 +1944,7 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[warp]);  // the stage was read into registers
             quad_sums(acc_lo, acc_hi);
-            const int r = (grp % tiles) * 16 + g;
+            const int r = by_tiles.rem(grp) * 16 + g;
             float* yi = y + (i64)i * y_stride;
             if (t == 0 && r < rows) yi[r] = acc_lo;
             if (t == 0 && r + 8 < rows) yi[r + 8] = acc_hi;

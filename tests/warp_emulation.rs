@@ -222,6 +222,7 @@ const PIECES: &[Piece] = &[
     Def("matvec.cu", "__device__ __forceinline__ void quad_sums("),
     Def("matvec.cu", "struct TcItem {"),
     Def("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
+    Def("matvec.cu", "struct DivBy {"),
     Def(
         "matvec.cu",
         "template <int N>\n__device__ __forceinline__ void lds_words_mis(",

@@ -699,6 +699,13 @@ fn one_x_of(a: &Matvec) -> bool {
     a.x_group >= if a.pair != 0 { a.batch / 2 } else { a.batch }
 }
 
+/// Whether the bulk-copy kernels' DivBy (kernels/matvec.cu) is exact for `a`: its groups (at
+/// most batch x tiles) times its tiles below 2^32.
+fn tma_div_fits(a: &Matvec) -> bool {
+    let tiles = a.rows.div_ceil(16) as u64;
+    (a.batch as u64) * tiles * tiles < 1 << 32
+}
+
 impl Gpu {
     /// Whether `matvec` takes `a` on a tensor-core kernel: Q4_K's (the bulk-copy forms where
     /// they take it, else matvec_tc_q4_k / matvec_tc8_q4_k), Q5_K's, IQ4_XS's and Q6_K's
@@ -723,6 +730,7 @@ impl Gpu {
             && tma_tile(a.ty).is_some_and(|t| a.k <= t.k_max || !a.glu)
             && one_x_of(a)
             && a.combine.is_none()
+            && tma_div_fits(a)
     }
 
     /// How many partial outputs `matvec` writes for `a` with a `y_part`: more than 1 where
@@ -761,6 +769,7 @@ impl Gpu {
             && a.batch > 1
             && a.x_group == 1
             && a.pair == 0
+            && tma_div_fits(a)
     }
 
     /// Whether `matvec` takes `a` with a `combine` (the tensor-core kernels, with ids, no pair).
