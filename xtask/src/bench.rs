@@ -55,9 +55,9 @@ pub struct Args {
     #[arg(long)]
     quick: bool,
     /// The matrix-vector and MoE rows with weights that stay in L2 (each launch reads the same
-    /// copy; matrices over L2_ROW_BYTES skipped; every MoE choice the same expert): a kernel's
-    /// own rate, which caps it where DRAM outruns it (the H200), measured on any GPU. Only
-    /// those rows, named "... over L2".
+    /// copy; weights over 40 MB skipped; every MoE choice the same expert): a kernel's own
+    /// rate, which caps it where DRAM outruns it (the H200), measured on any GPU. Only those
+    /// rows, named "... over L2".
     #[arg(long)]
     l2: bool,
     /// Only the ceilings and the models (each model in its own process keeps a crash in one
