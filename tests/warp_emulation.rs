@@ -25,7 +25,8 @@
 //!   another rank holds, partial tiles and stages across tiles. A stage read before its copy landed or refilled
 //!   while read gives wrong sums; a wait that never ends fails the run instead of hanging it;
 //!   a shared-memory copy out of bounds or misaligned is refused, and the harness runs under
-//!   AddressSanitizer where the compiler has it (reads past a buffer).
+//!   AddressSanitizer and the alignment sanitizer where the compiler has them (reads past a
+//!   buffer; a load of a word from an address the GPU would fault on, which x86 reads).
 //!
 //! - The parts launches of MLA's q_a, kv_a and indexer key with the latent's norms in their
 //!   last blocks (`matvec_latent_<type>`: matvec_body, then parts_tail; and
@@ -465,13 +466,17 @@ fn build(name: &str, dir: &Path) -> Option<PathBuf> {
         let mut c = Command::new(&cxx);
         c.args(["-std=c++20", "-O1", "-pthread", "-I"]).arg(&here);
         if sanitize {
-            c.args(["-fsanitize=address", "-fno-omit-frame-pointer"]);
+            c.args([
+                "-fsanitize=address,alignment",
+                "-fno-sanitize-recover=alignment",
+            ]);
+            c.arg("-fno-omit-frame-pointer");
         }
         c.arg(&cpp).arg("-o").arg(&bin).output().unwrap()
     };
     let mut out = compile(true);
     if !out.status.success() {
-        println!("{name}: no AddressSanitizer with {cxx}; built without it");
+        println!("{name}: no sanitizers (address, alignment) with {cxx}; built without them");
         out = compile(false);
     }
     assert!(
