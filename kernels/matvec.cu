@@ -1337,10 +1337,6 @@ __device__ __forceinline__ void lds_words_mis(const u8* p, u32 mis, u32* out, u3
 #pragma unroll
     for (int i = 0; i < N; i++) out[i] = __funnelshift_r(a[i], a[i + 1], sh);
 }
-template <int N>
-__device__ __forceinline__ void lds_words(const u8* p, u32* out, u32 extra = 0) {
-    lds_words_mis<N>(p, (u32)((unsigned long long)p & 3), out, extra);
-}
 
 // A lane's bytes of one Q6_K block of one row (lane t of its 4): ql bytes 8t .. 8t + 7 of
 // each 32 (ql[h][j & 1]), qh bytes 8t .. of each half with the top bit of each 2-bit field
@@ -2194,7 +2190,7 @@ extern "C" __global__ void __launch_bounds__(32 * MATVEC_WARPS)
 // Rows are 210 bytes a 256-block, so a segment starts anywhere modulo 16 (even): each is copied
 // from the 16-byte boundary below it (up to 14 bytes of the row before), the second after the
 // first's bytes rounded up to 16, and consumers read 2-byte aligned words through funnel
-// shifts (lds_words). The matrix may end 2-byte aligned: its last bytes past a 16-byte
+// shifts (TcQ6k::load). The matrix may end 2-byte aligned: its last bytes past a 16-byte
 // boundary are stored by the producer's lanes (bulk_copy_from_any), so that no copy reads past
 // it.
 //

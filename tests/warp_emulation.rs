@@ -228,10 +228,6 @@ const PIECES: &[Piece] = &[
         "matvec.cu",
         "template <int N>\n__device__ __forceinline__ void lds_words_mis(",
     ),
-    Def(
-        "matvec.cu",
-        "template <int N>\n__device__ __forceinline__ void lds_words(",
-    ),
     Def("matvec.cu", "struct TcQ6k {"),
     Def("matvec.cu", "__device__ __forceinline__ void q6_dot("),
     Def("matvec.cu", "struct TcQ6kTile {"),
@@ -469,8 +465,8 @@ fn build(name: &str, dir: &Path) -> Option<PathBuf> {
             c.args([
                 "-fsanitize=address,alignment",
                 "-fno-sanitize-recover=alignment",
+                "-fno-omit-frame-pointer",
             ]);
-            c.arg("-fno-omit-frame-pointer");
         }
         c.arg(&cpp).arg("-o").arg(&bin).output().unwrap()
     };
