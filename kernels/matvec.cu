@@ -1346,10 +1346,11 @@ struct TcQ6k {
     u32 ql[2][2][2], qe[2][2], qo[2][2];
     u32 sc[4], d;
 
-    // b is 2-byte aligned; ALIGNED: 4-byte aligned, so that the words need no funnel shifts.
-    template <bool ALIGNED = false>
+    // b is 2-byte aligned; MIS: b & 3 where known when compiled (0 or 2), else -1. Known, the
+    // shifts are constants, and none where b is 4-byte aligned.
+    template <int MIS = -1>
     __device__ __forceinline__ void load(const u8* b, int t) {
-        const u32 mis = ALIGNED ? 0u : (u32)((unsigned long long)b & 3);
+        const u32 mis = MIS >= 0 ? (u32)MIS : (u32)((unsigned long long)b & 3);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             lds_words_mis<2>(b + 64 * h + 8 * t, mis, ql[h][0]);
@@ -1440,13 +1441,16 @@ struct TcQ6kTile {
     // and there a lane's loads take 40% fewer instructions (sm_90: matvec_tma_groups_q6_k's two
     // rows 131 -> 81, the test included), so such blocks take a code path of their own.
     __device__ __forceinline__ void load_stage(const u8* blo, const u8* bhi, int t) {
-        if ((((unsigned long long)blo | (unsigned long long)bhi) & 3) == 0) {
-            lo.load<true>(blo, t);
-            hi.load<true>(bhi, t);
-        } else {
-            lo.load(blo, t);
-            hi.load(bhi, t);
-        }
+        if ((((unsigned long long)blo | (unsigned long long)bhi) & 3) == 0)
+            load_stage_at<0>(blo, bhi, t);
+        else
+            load_stage_at<-1>(blo, bhi, t);
+    }
+    // Both rows' blocks MIS bytes past a 4-byte boundary (TcQ6k::load).
+    template <int MIS>
+    __device__ __forceinline__ void load_stage_at(const u8* blo, const u8* bhi, int t) {
+        lo.load<MIS>(blo, t);
+        hi.load<MIS>(bhi, t);
     }
     // Lane (g, t)'s B: TcQ6k::b_block's.
     typedef TcBCol B;
@@ -1943,10 +1947,22 @@ __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw,
             const u8* blo = stages + warp * STAGE + g * ROW;
             const u8* bhi = blo + 8 * ROW;
             float acc_lo = 0.0f, acc_hi = 0.0f;
-            for (int kb = 0; kb < nb; kb++) {
-                Tile q;
-                q.load_stage(blo + BYTES * kb, bhi + BYTES * kb, t);
-                q.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
+            if constexpr (BYTES % 4 != 0) {
+                // Q6_K: the rows start 16-byte aligned and are a multiple of 8 blocks (ops.rs),
+                // so block kb lies 4-byte aligned where kb is even and 2 off where it is odd.
+                for (int kb = 0; kb < nb; kb += 2) {
+                    Tile q;
+                    q.template load_stage_at<0>(blo + BYTES * kb, bhi + BYTES * kb, t);
+                    q.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
+                    q.template load_stage_at<2>(blo + BYTES * (kb + 1), bhi + BYTES * (kb + 1), t);
+                    q.dot(b, kb + 1, sums + 8 * (kb + 1), scales[kb + 1], t, pf, acc_lo, acc_hi);
+                }
+            } else {
+                for (int kb = 0; kb < nb; kb++) {
+                    Tile q;
+                    q.load_stage(blo + BYTES * kb, bhi + BYTES * kb, t);
+                    q.dot(b, kb, sums + 8 * kb, scales[kb], t, pf, acc_lo, acc_hi);
+                }
             }
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[warp]);  // the stage was read into registers
