@@ -822,7 +822,7 @@ struct TcBCol {
     int step;
     __device__ __forceinline__ const u8* of(int kb) const { return at + step * kb; }
 };
-// The B of a chunk's two m16n8k32 products (TcKquant, TcIq4xs), the first's columns 0-3 x's
+// The B of a chunk's two m16n8k32 products (TcKquant), the first's columns 0-3 x's
 // planes 0-3 of sub-block 2c and the second's columns 4-7 those of sub-block 2c + 1 (plane
 // g % 4, bytes 8t .. of the first or second 32 of each 64), their other columns zeros. Both
 // products add into one C, whose columns 0-3 (lanes t < 2) then hold the first's sums and 4-7
@@ -986,11 +986,14 @@ typedef TcKquant<true> TcQ5k;
 // IQ4_XS on the same tiles (TcIq4xs, the bulk-copy kernels only). A 136-byte block: f16 d,
 // 16 bits of the scales' high parts, 4 bytes of their low nibbles, then 16 qs bytes a
 // sub-block, byte i holding element i (low nibble) and 16 + i (high nibble); value = d (ls -
-// 32) IQ4_VALUES[nibble]. Lane t takes qs word t of every sub-block: elements 4t .. 4t + 3 and
-// 16 + 4t .. 16 + 4t + 3, looked up four at a time by byte permutes into signed bytes in
-// the nibbles' order (4t, 16 + 4t, 4t + 1, ...), each entry as the sum of two (TcIq4xs::
-// lookup). x's planes come in that order (x_block_digits' HALVES), so each sub-block is two
-// m16n8k32 products into one C, sub-blocks 2p and 2p + 1 on TcBPair's first and second B.
+// 32) IQ4_VALUES[nibble]. Qs word w of a sub-block holds elements 4w .. 4w + 3 and 16 + 4w ..
+// 16 + 4w + 3, looked up four at a time by byte permutes into signed bytes in the nibbles'
+// order (4w, 16 + 4w, 4w + 1, ...), each entry as the sum of two (TcIq4xs::lookup); x's
+// planes come in that order (x_block_digits' HALVES). Lane t loads qs bytes 8t .. 8t + 7 of
+// each pair p of sub-blocks, words 2 (t & 1) and 2 (t & 1) + 1 of sub-block 2p + (t >> 1), in
+// one load where a word of each sub-block took two: the first word's entries go into two
+// m16n8k32 products, the second's into two more, all into one C, whose columns 0-3 (lanes
+// t < 2) then hold sub-block 2p's sums and 4-7 sub-block 2p + 1's, as TcBPair's do (b_cols).
 // No minimums; the sums, four times theirs (TcIq4xs::scales), reach 2^28 (f32 rounding).
 // The code book as signed bytes: entries 0-7 (the biased one's with each byte's top bit
 // flipped: all negative), and entries 8-15 plus one (1 .. 114: all positive).
@@ -1012,21 +1015,27 @@ struct TcIq4xs {
     static const int STAGES = 3;
     static const bool ANY_ROW_START = false;
     static const bool HALVES = true;
-    uint2 h_lo, h_hi;      // d | scales_h << 16, scales_l
-    u32 q_lo[8], q_hi[8];  // qs word t of sub-block j
+    uint2 h_lo, h_hi;        // d | scales_h << 16, scales_l
+    uint2 q_lo[4], q_hi[4];  // qs bytes 8t .. 8t + 7 of sub-blocks 2p and 2p + 1
 
     __device__ __forceinline__ void load_stage(const u8* blo, const u8* bhi, int t) {
         h_lo = *(const uint2*)blo;
         h_hi = *(const uint2*)bhi;
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            q_lo[j] = *(const u32*)(blo + 8 + 16 * j + 4 * t);
-            q_hi[j] = *(const u32*)(bhi + 8 + 16 * j + 4 * t);
+        for (int p = 0; p < 4; p++) {
+            q_lo[p] = *(const uint2*)(blo + 8 + 32 * p + 8 * t);
+            q_hi[p] = *(const uint2*)(bhi + 8 + 32 * p + 8 * t);
         }
     }
-    typedef TcBPair B;
+    // Lane (g, t)'s B of pair 0 (64 bytes a pair on): the x bytes of the lane's two words of
+    // sub-block t >> 1 (plane g % 4) where its columns are that sub-block's (g >> 2 == t >> 1),
+    // else zeros. In a shared load's half-warp the 8 lanes on x and the 8 on the zeros take
+    // alternate pairs of banks (the zeros from 8 bytes in): no conflicts.
+    typedef TcBCol B;
     __device__ static __forceinline__ B b_cols(const u8* planes, int k, int g, int t) {
-        return TcBPair::of_lane(planes, k, g, t);
+        return (g >> 2) == (t >> 1)
+                   ? TcBCol{planes + (g & 3) * tc_plane_stride(k) + 32 * (t >> 1) + 16 * (t & 1), 256}
+                   : TcBCol{planes + tc_zeros_at(k) + 8 + 16 * (t & 1), 0};
     }
     // The code book entries of q's eight nibbles, those of bytes 0-1 in .x and of bytes 2-3 in
     // .y, each in the nibbles' order, as the sum low + high of two words of signed bytes (the
@@ -1065,16 +1074,16 @@ struct TcIq4xs {
                                         float2 pf, float& acc_lo, float& acc_hi) const {
         const int odd = t >> 1;  // this lane's columns: sub-blocks 2p + odd
         const u32 sc_lo = scales(h_lo, odd), sc_hi = scales(h_hi, odd);
-        const u8 *b1 = b.first.of(kb), *b2 = b.second.of(kb);
+        const u8* bk = b.of(kb);
         int ci[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int p = 0; p < 4; p++) {
-            const uint2 x1 = *(const uint2*)(b1 + 64 * p), x2 = *(const uint2*)(b2 + 64 * p);
+            const uint2 x1 = *(const uint2*)(bk + 64 * p), x2 = *(const uint2*)(bk + 64 * p + 8);
             int cc[4];
-            Entries lo = lookup(q_lo[2 * p]), hi = lookup(q_hi[2 * p]);
+            Entries lo = lookup(q_lo[p].x), hi = lookup(q_hi[p].x);
             mma_s8_16832(cc, lo.low.x, hi.low.x, lo.low.y, hi.low.y, x1.x, x1.y);
             mma_s8_16832_acc(cc, lo.high.x, hi.high.x, lo.high.y, hi.high.y, x1.x, x1.y);
-            lo = lookup(q_lo[2 * p + 1]), hi = lookup(q_hi[2 * p + 1]);
+            lo = lookup(q_lo[p].y), hi = lookup(q_hi[p].y);
             mma_s8_16832_acc(cc, lo.low.x, hi.low.x, lo.low.y, hi.low.y, x2.x, x2.y);
             mma_s8_16832_acc(cc, lo.high.x, hi.high.x, lo.high.y, hi.high.y, x2.x, x2.y);
             int sl = scale_of(sc_lo, p), sh = scale_of(sc_hi, p);
