@@ -1880,8 +1880,9 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
 // with their tiles; Q5_K's and Q6_K's with 3 consumer warps, whose stages of 16 x 1424 or
 // 1712 bytes and x's two buffers fit SM120's 99 KiB where 4 would not (ops.rs, TmaTile).
 // Q6_K's rows are copied whole, so they must be a multiple of 16 bytes (k = 2048, the MoE
-// downs of DeepSeek-V3 and GLM-5; ops.rs); a block in a row lies 2-byte aligned as in the
-// stages of matvec_tma_groups_q6_k. (At 023255f this form lost to the CUDA cores, H200, DS3's
+// downs of DeepSeek-V3 and GLM-5; ops.rs), and its blocks go in pairs: the even one 4-byte
+// aligned, the odd one 2 bytes off, each with the loads of its case and no test (sm_90: 268
+// instructions a block where a test and both paths took 286 on average). (At 023255f this form lost to the CUDA cores, H200, DS3's
 // MoE row 136.3 -> 145.9 us; with its stage loop since cut from 407 to 321 instructions it
 // wins, H100: DS3's MoE row 123.9 -> 112.2 us, GLM-5's 106.5 -> 95.7, 77% -> 86% of copy.)
 template <class Tile, int TMI_WARPS>
