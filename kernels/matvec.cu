@@ -1011,7 +1011,7 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 struct TcIq4xs {
     static const int BYTES = 136;
-    static const int ROW = 1104;  // a bulk-copy stage's row (matvec_tma_body)
+    static const int ROW = 1120;  // a bulk-copy stage's row (matvec_tma_body): 32 x an odd number
     static const int STAGES = 3;
     static const bool ANY_ROW_START = false;
     static const bool HALVES = true;
@@ -1517,9 +1517,10 @@ struct TcQ6kTile {
 // ANY_ROW_START) take the same kernels with their tiles (TcQ5k, TcIq4xs, TcQ6kTile):
 // matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, and the items forms below
 // (Q6_K's for rows of a multiple of 16 bytes). A stage row is a tile type's ROW bytes, 8
-// blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1104 for IQ4_XS,
-// 1712 for Q6_K), so that the 8 rows of a warp's lanes start on distinct 16-byte bank
-// groups; Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
+// blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1712 for Q6_K), so
+// that the 8 rows of a warp's lanes start on distinct 16-byte bank groups, or of 32 where a
+// lane loads 8 bytes of a row (1120 for IQ4_XS: the 4 rows of a half-warp on distinct 32-byte
+// ones); Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The bytes a segment of len bytes from address src (its low 32 bits enough) takes as

@@ -581,7 +581,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_query_iq4_xs",
             ),
             Some(("matvec_tma_items_iq4_xs", 4)),
-            1104,
+            1120,
             3,
             10240,
         ),
