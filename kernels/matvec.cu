@@ -865,7 +865,7 @@ __device__ __forceinline__ u32 and_xor(u32 a, u32 mask, u32 flip) {
 template <bool Q5>
 struct TcKquant {
     static const int BYTES = Q5 ? 176 : 144;
-    static const int ROW = Q5 ? 1424 : 1168;  // a bulk-copy stage's row (matvec_tma_body)
+    static const int ROW = Q5 ? 1424 : 1184;  // a bulk-copy stage's row (matvec_tma_body)
     static const int STAGES = 3;               // bulk-copy stages
     static const bool ANY_ROW_START = false;   // stage rows start 16-byte aligned
     static const int QS = Q5 ? 48 : 16;        // where the qs bytes start
@@ -1517,10 +1517,10 @@ struct TcQ6kTile {
 // ANY_ROW_START) take the same kernels with their tiles (TcQ5k, TcIq4xs, TcQ6kTile):
 // matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, and the items forms below
 // (Q6_K's for rows of a multiple of 16 bytes). A stage row is a tile type's ROW bytes, 8
-// blocks padded to an odd multiple of 16 (1168 for Q4_K, 1424 for Q5_K, 1712 for Q6_K), so
-// that the 8 rows of a warp's lanes start on distinct 16-byte bank groups, or of 32 where a
-// lane loads 8 bytes of a row (1120 for IQ4_XS: the 4 rows of a half-warp on distinct 32-byte
-// ones); Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
+// blocks padded to an odd multiple of 16 (1424 for Q5_K, 1712 for Q6_K), so that the 8 rows
+// of a warp's lanes start on distinct 16-byte bank groups, or of 32 where a lane loads 8 bytes
+// of a row (1184 for Q4_K, 1120 for IQ4_XS: the 4 rows of a half-warp on distinct 32-byte
+// ones; Q5_K's 1440 would not fit SM120's 99 KiB at its k_max); Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The bytes a segment of len bytes from address src (its low 32 bits enough) takes as
@@ -1707,8 +1707,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             a.qy[i] = __ldcg(a.qx + i) * inv;
     }
     // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
-    // segments (Q4_K: 1168 = 16 mod 128 bytes apart) put the 8 rows' headers on distinct banks
-    // and their 32-byte qs pieces two to a bank (one and two wavefronts).
+    // segments (Q4_K: 1184 = 32 mod 128 bytes apart) put the 4 rows of a half-warp's 8-byte
+    // loads (the qs pieces) on distinct banks, and the 2 of a quarter-warp's 16-byte ones (the
+    // headers).
     const int g = lane >> 2, t = lane & 3, c = warp;
     const float2 pf = TcQ4k::plane_factors(t);
     // The producer's n % STAGES and the parity of n / STAGES, as counters: the division by 3

@@ -470,7 +470,7 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 /// matvec_tma_q4_k (the weights by bulk copies, sm_90 and later) takes the tensor-core
 /// products whose items all read one x (a single matrix, a token's MoE gate and up) from
 /// k = TMA_K_MIN on, from a whole stage of 8 256-blocks a tile (H200: DS3's q_b 24576 x 1536
-/// took 10.0 -> 12.4 us). Its x planes and 3 stages of 16 rows x 1168 bytes fit SM120's 99
+/// took 10.0 -> 12.4 us). Its x planes and 3 stages of 16 rows x 1184 bytes fit SM120's 99
 /// KiB up to TmaTile::k_max; longer rows (attn_output, the dense down; not glu) go in parts of
 /// at most that many elements (tma_part_k). Measured on an H200 against the matvec_tc kernels, same
 /// call (docs/performance.md): ffn_up 18432 x 7168 38.2 -> 28.2 us, GLM-5's 12288 x 6144 19.7
@@ -557,7 +557,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_query_q4_k",
             ),
             Some(("matvec_tma_items_q4_k", 4)),
-            1168,
+            1184,
             3,
             9216,
         ),
