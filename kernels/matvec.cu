@@ -865,7 +865,7 @@ __device__ __forceinline__ u32 and_xor(u32 a, u32 mask, u32 flip) {
 template <bool Q5>
 struct TcKquant {
     static const int BYTES = Q5 ? 176 : 144;
-    static const int ROW = Q5 ? 1424 : 1184;  // a bulk-copy stage's row (matvec_tma_body)
+    static const int ROW = Q5 ? 1440 : 1184;  // a bulk-copy stage's row (matvec_tma_body)
     static const int STAGES = 3;               // bulk-copy stages
     static const bool ANY_ROW_START = false;   // stage rows start 16-byte aligned
     static const int QS = Q5 ? 48 : 16;        // where the qs bytes start
@@ -1517,10 +1517,10 @@ struct TcQ6kTile {
 // ANY_ROW_START) take the same kernels with their tiles (TcQ5k, TcIq4xs, TcQ6kTile):
 // matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, and the items forms below
 // (Q6_K's for rows of a multiple of 16 bytes). A stage row is a tile type's ROW bytes, 8
-// blocks padded to an odd multiple of 16 (1424 for Q5_K, 1712 for Q6_K), so that the 8 rows
-// of a warp's lanes start on distinct 16-byte bank groups, or of 32 where a lane loads 8 bytes
-// of a row (1184 for Q4_K, 1120 for IQ4_XS: the 4 rows of a half-warp on distinct 32-byte
-// ones; Q5_K's 1440 would not fit SM120's 99 KiB at its k_max); Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
+// blocks padded to an odd multiple of 16 (1712 for Q6_K), so that the 8 rows of a warp's
+// lanes start on distinct 16-byte bank groups, or of 32 where a lane loads 8 bytes of a row
+// (1184 for Q4_K, 1440 for Q5_K, 1120 for IQ4_XS: the 4 rows of a half-warp on distinct
+// 32-byte ones; Q5_K's kernels then take all of SM120's 99 KiB at its k_max); Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The bytes a segment of len bytes from address src (its low 32 bits enough) takes as
@@ -1879,7 +1879,7 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
 //
 // matvec_tma_items_q5_k, matvec_tma_items_iq4_xs and matvec_tma_items_q6_k take the same form
-// with their tiles; Q5_K's and Q6_K's with 3 consumer warps, whose stages of 16 x 1424 or
+// with their tiles; Q5_K's and Q6_K's with 3 consumer warps, whose stages of 16 x 1440 or
 // 1712 bytes and x's two buffers fit SM120's 99 KiB where 4 would not (ops.rs, TmaTile).
 // Q6_K's rows are copied whole, so they must be a multiple of 16 bytes (k = 2048, the MoE
 // downs of DeepSeek-V3 and GLM-5; ops.rs), and its blocks go in pairs: the even one 4-byte

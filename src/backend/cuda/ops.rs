@@ -569,7 +569,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
                 "matvec_tma_query_q5_k",
             ),
             Some(("matvec_tma_items_q5_k", 3)),
-            1424,
+            1440,
             3,
             7168,
         ),
