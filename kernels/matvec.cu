@@ -1033,9 +1033,10 @@ struct TcIq4xs {
     // alternate pairs of banks (the zeros from 8 bytes in): no conflicts.
     typedef TcBCol B;
     __device__ static __forceinline__ B b_cols(const u8* planes, int k, int g, int t) {
+        const int half = 16 * (t & 1);
         return (g >> 2) == (t >> 1)
-                   ? TcBCol{planes + (g & 3) * tc_plane_stride(k) + 32 * (t >> 1) + 16 * (t & 1), 256}
-                   : TcBCol{planes + tc_zeros_at(k) + 8 + 16 * (t & 1), 0};
+                   ? TcBCol{planes + (g & 3) * tc_plane_stride(k) + 32 * (t >> 1) + half, 256}
+                   : TcBCol{planes + tc_zeros_at(k) + 8 + half, 0};
     }
     // The code book entries of q's eight nibbles, those of bytes 0-1 in .x and of bytes 2-3 in
     // .y, each in the nibbles' order, as the sum low + high of two words of signed bytes (the
@@ -1520,7 +1521,8 @@ struct TcQ6kTile {
 // blocks padded to an odd multiple of 16 (1712 for Q6_K), so that the 8 rows of a warp's
 // lanes start on distinct 16-byte bank groups, or of 32 where a lane loads 8 bytes of a row
 // (1184 for Q4_K, 1440 for Q5_K, 1120 for IQ4_XS: the 4 rows of a half-warp on distinct
-// 32-byte ones; Q5_K's kernels then take all of SM120's 99 KiB at its k_max); Tile::STAGES of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
+// 32-byte ones; Q5_K's kernels then take all of SM120's 99 KiB at its k_max); Tile::STAGES
+// of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The bytes a segment of len bytes from address src (its low 32 bits enough) takes as
@@ -1884,9 +1886,10 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
 // Q6_K's rows are copied whole, so they must be a multiple of 16 bytes (k = 2048, the MoE
 // downs of DeepSeek-V3 and GLM-5; ops.rs), and its blocks go in pairs: the even one 4-byte
 // aligned, the odd one 2 bytes off, each with the loads of its case and no test (sm_90: 268
-// instructions a block where a test and both paths took 286 on average). (At 023255f this form lost to the CUDA cores, H200, DS3's
-// MoE row 136.3 -> 145.9 us; with its stage loop since cut from 407 to 321 instructions it
-// wins, H100: DS3's MoE row 123.9 -> 112.2 us, GLM-5's 106.5 -> 95.7, 77% -> 86% of copy.)
+// instructions a block where a test and both paths took 286 on average). (At 023255f this
+// form lost to the CUDA cores, H200, DS3's MoE row 136.3 -> 145.9 us; with its stage loop
+// since cut from 407 to 321 instructions it wins, H100: DS3's MoE row 123.9 -> 112.2 us,
+// GLM-5's 106.5 -> 95.7, 77% -> 86% of copy.)
 template <class Tile, int TMI_WARPS>
 __device__ __forceinline__ void matvec_tma_items_body(const u8* w, const u8* sw, i64 mat_stride,
                                                       const int* ids, int items, int rows,
