@@ -1708,10 +1708,10 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
              i += 32 * TMA_BLOCKS * gridDim.x)
             a.qy[i] = __ldcg(a.qx + i) * inv;
     }
-    // Consumer warp c takes 256-block c of each stage (Q6_K: turned, below): rows g and g + 8
-    // of the tile, whose segments (Q4_K: 1184 = 32 mod 128 bytes apart) put the 4 rows of a
-    // half-warp's 8-byte loads (the qs pieces) on distinct banks, and the 2 of a quarter-warp's
-    // 16-byte ones (the headers).
+    // Consumer warp c takes 256-block c of each stage: rows g and g + 8 of the tile, whose
+    // segments (Q4_K: 1184 = 32 mod 128 bytes apart) put the 4 rows of a half-warp's 8-byte
+    // loads (the qs pieces) on distinct banks, and the 2 of a quarter-warp's 16-byte ones (the
+    // headers).
     const int g = lane >> 2, t = lane & 3, c = warp;
     const float2 pf = TcQ4k::plane_factors(t);
     // The producer's n % STAGES and the parity of n / STAGES, as counters: the division by 3
@@ -1732,9 +1732,9 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
             const GroupTile u = group_tile(grp, 0);
             const int tile = u.tile;
             for (int m = 0; m < mats; m++) {
-                // Where rows g and g + 8's segments lie in a stage; ANY_ROW_START: after the
+                // Where rows g and g + 8's block c lies in a stage; ANY_ROW_START: after the
                 // row's bytes before its 16-byte boundary (the same in every stage).
-                int at_lo = g * ROW, at_hi = at_lo + 8 * ROW;
+                int at_lo = g * ROW + BYTES * c, at_hi = at_lo + 8 * ROW;
                 if (Tile::ANY_ROW_START) {
                     const u8* r = group_tile(grp, m).mat + (i64)(tile * 16 + g) * row_bytes +
                                   (i64)p * part_blocks * BYTES;
@@ -1743,19 +1743,12 @@ __device__ __forceinline__ void matvec_tma_body(const u8* w, const u8* w2, const
                 }
                 float acc_lo = 0.0f, acc_hi = 0.0f;
                 for (int st = 0; st < steps; st++) {
-                    // The warp's block of the stage: c, or for Q6_K, whose odd blocks lie 2
-                    // bytes off where the even ones are 4-byte aligned (the slower loads),
-                    // c turned by one more each stage (a group each where a tile is one
-                    // stage), so that no warp takes the odd ones only. The turn follows
-                    // the tile's own stages, so both walks of a matrix sum alike.
-                    const int turn = steps > 1 ? st + steps * m : par + m;
-                    const int cw = BYTES % 4 ? (c + turn) & (TMA_BLOCKS - 1) : c;
-                    const int slot = next_slot, kb = st * TMA_BLOCKS + cw;
+                    const int slot = next_slot, kb = st * TMA_BLOCKS + c;
                     mbar_wait(&full[slot], phase);
                     if (++next_slot == STAGES) next_slot = 0, phase ^= 1;
                     Tile q;
                     if (kb < pnb) {
-                        const u8* blo = stages + slot * STAGE + at_lo + BYTES * cw;
+                        const u8* blo = stages + slot * STAGE + at_lo;
                         q.load_stage(blo, Tile::ANY_ROW_START ? blo + (at_hi - at_lo) : blo + 8 * ROW,
                                      t);
                     }
@@ -2297,11 +2290,9 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     pdl_enter();  // x may come from the previous kernel
     tc_prepare_x(x, k, tma_sm, TMA_BLOCKS);
     consumers_sync();
-    // Consumer warp c takes block (c + n) % 8 of stage n, rows g and g + 8 of its tile (the
-    // blocks 2 bytes off 4-byte alignment, the slower loads, are every other one: so each
-    // warp takes as many of them as the others); acc_* sum tile i0's rows, next_* tile
-    // i0 + 1's until i0 ends.
-    const int g = lane >> 2, t = lane & 3;
+    // Consumer warp c takes block c of each stage, rows g and g + 8 of its tile; acc_* sum
+    // tile i0's rows, next_* tile i0 + 1's until i0 ends.
+    const int g = lane >> 2, t = lane & 3, c = warp;
     const float2 pf = TcQ4k::plane_factors(t);
     // Where rows g and g + 8 lie modulo 16 (32-bit addresses suffice), from tile i0's row g
     // on: the stage rows' offsets follow from it as the producer's copies did.
@@ -2312,7 +2303,6 @@ extern "C" __global__ void __launch_bounds__(288, 2)
     int arg = 1 << 30;
     for (int n = 0, i0 = 0, a = 0; n < nst; n++) {
         const int slot = n % TMA6_STAGES, cnt0 = min(TMA_BLOCKS, nb - a);
-        const int c = (warp + n) & (TMA_BLOCKS - 1);
         const bool second = c >= cnt0;  // the block is tile i0 + 1's
         const int i = i0 + second, blk = second ? c - cnt0 : a + c;
         mbar_wait(&full[slot], (n / TMA6_STAGES) & 1);
