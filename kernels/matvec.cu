@@ -1100,6 +1100,86 @@ struct TcIq4xs {
     }
 };
 
+// Q8_0 on the same tiles (TcQ80, the bulk-copy kernels only). A 256-block here is 8 Q8_0
+// blocks of 34 bytes (f16 d, then 32 signed qs bytes), 272 bytes, so rows of whole 256-blocks
+// are a multiple of 16 bytes. Block j's qs bytes are already the mma's signed bytes: block j
+// takes sub-block j's place in TcBPair's products (blocks 2p and 2p + 1 into one C), and each
+// lane's two columns of C are its block's (2p + (t >> 1)), whose d of each row weighs them as
+// floats. Lane t loads qs bytes 8t .. 8t + 7 of each block (34 j + 2 + 8t from the 16-byte
+// aligned 256-block): their place modulo 8 is known when compiled (lds8_at), so an 8-byte
+// piece takes one shared load where it is 8-byte aligned, two where it is 4-byte aligned, and
+// two and two shifts where it is 2 bytes off.
+template <int MIS8>
+__device__ __forceinline__ uint2 lds8_at(const u8* p) {
+    static_assert(MIS8 % 2 == 0, "qs pieces start 2-byte aligned");
+    if constexpr (MIS8 == 0) {
+        return *(const uint2*)p;
+    } else if constexpr (MIS8 == 4) {
+        return make_uint2(*(const u32*)p, *(const u32*)(p + 4));
+    } else if constexpr (MIS8 == 2) {
+        const uint2 a = *(const uint2*)(p - 2);
+        const u32 c = *(const u32*)(p + 6);
+        return make_uint2(__funnelshift_r(a.x, a.y, 16), __funnelshift_r(a.y, c, 16));
+    } else {
+        const u32 a = *(const u32*)(p - 2);
+        const uint2 c = *(const uint2*)(p + 2);
+        return make_uint2(__funnelshift_r(a, c.x, 16), __funnelshift_r(c.x, c.y, 16));
+    }
+}
+struct TcQ80 {
+    static const int BYTES = 272;
+    static const int ROW = 2208;  // a bulk-copy stage's row: 8 x 272 + 32, 32 x an odd number
+    static const int STAGES = 2;  // 3 would leave x no room in SM120's 99 KiB
+    static const bool ANY_ROW_START = false;
+    static const bool HALVES = false;
+    uint2 q_lo[8], q_hi[8];  // qs bytes 8t .. 8t + 7 of blocks 0-7
+    float d_lo[4], d_hi[4];  // d of blocks 2p + (t >> 1)
+
+    template <int J>
+    __device__ __forceinline__ void load_block(const u8* blo, const u8* bhi, int t) {
+        q_lo[J] = lds8_at<(34 * J + 2) % 8>(blo + 34 * J + 2 + 8 * t);
+        q_hi[J] = lds8_at<(34 * J + 2) % 8>(bhi + 34 * J + 2 + 8 * t);
+        if constexpr (J < 4) {
+            const int at = 68 * J + 34 * (t >> 1);
+            d_lo[J] = f16_to_f32(*(const u16*)(blo + at));
+            d_hi[J] = f16_to_f32(*(const u16*)(bhi + at));
+        }
+    }
+    __device__ __forceinline__ void load_stage(const u8* blo, const u8* bhi, int t) {
+        load_block<0>(blo, bhi, t);
+        load_block<1>(blo, bhi, t);
+        load_block<2>(blo, bhi, t);
+        load_block<3>(blo, bhi, t);
+        load_block<4>(blo, bhi, t);
+        load_block<5>(blo, bhi, t);
+        load_block<6>(blo, bhi, t);
+        load_block<7>(blo, bhi, t);
+    }
+    typedef TcBPair B;
+    __device__ static __forceinline__ B b_cols(const u8* planes, int k, int g, int t) {
+        return TcBPair::of_lane(planes, k, g, t);
+    }
+    __device__ __forceinline__ void dot(const B& b, int kb, const float* sums, float s, int t,
+                                        float2 pf, float& acc_lo, float& acc_hi) const {
+        const u8 *b1 = b.first.of(kb), *b2 = b.second.of(kb);
+        float f_lo = 0.0f, f_hi = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const uint2 x1 = *(const uint2*)(b1 + 64 * p), x2 = *(const uint2*)(b2 + 64 * p);
+            const uint2 e_lo = q_lo[2 * p], e_hi = q_hi[2 * p];
+            const uint2 o_lo = q_lo[2 * p + 1], o_hi = q_hi[2 * p + 1];
+            int cc[4];
+            mma_s8_16832(cc, e_lo.x, e_hi.x, e_lo.y, e_hi.y, x1.x, x1.y);
+            mma_s8_16832_acc(cc, o_lo.x, o_hi.x, o_lo.y, o_hi.y, x2.x, x2.y);
+            // |sums| <= 32 x 128 x 127 < 2^24: exact as floats.
+            f_lo += d_lo[p] * (pf.x * (float)cc[0] + pf.y * (float)cc[1]);
+            f_hi += d_hi[p] * (pf.x * (float)cc[2] + pf.y * (float)cc[3]);
+        }
+        acc_lo += s * f_lo;
+        acc_hi += s * f_hi;
+    }
+};
+
 // Rows g and g + 8 of a tile: the sums spread over the lanes of a quad (the plane columns and
 // the minimums' shares of matvec_tc_q4_k's layout), summed on every lane of it.
 __device__ __forceinline__ void quad_sums(float& lo, float& hi) {
@@ -1821,6 +1901,7 @@ DEFINE_MATVEC_TMA(matvec_tma_q4_k, matvec_tma_spread_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA(matvec_tma_q5_k, matvec_tma_spread_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA(matvec_tma_iq4_xs, matvec_tma_spread_iq4_xs, TcIq4xs)
 DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k, matvec_tma_spread_q6_k, TcQ6kTile)
+DEFINE_MATVEC_TMA(matvec_tma_q8_0, matvec_tma_spread_q8_0, TcQ80)
 
 // The projections of one x by two or three matrices of one type (MLA's q_a, kv_a and the
 // DSA indexer's key: Gpu::matvec_parts) in one launch, k in one part: the tiles of w, then of
@@ -1840,6 +1921,7 @@ DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs, TcIq4xs)
 DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k, TcQ6kTile)
+DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q8_0, TcQ80)
 
 // q-LoRA's q_b for one token after a parts launch in its qsq mode (QueryRows): the plain walk
 // over x = qr.latent.qx, k in one part, its rows times the query norm's factor, the last
@@ -1856,6 +1938,7 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q4_k, TcQ4k)
 DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q5_k, TcQ5k)
 DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_iq4_xs, TcIq4xs)
 DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k, TcQ6kTile)
+DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q8_0, TcQ80)
 
 // ---- Q4_K items of an input each, rows of up to 2048 values, by bulk copies (sm_90+) ----
 //
@@ -2004,6 +2087,7 @@ DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q4_k, TcQ4k, 4)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k, TcQ5k, 3)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs, TcIq4xs, 4)
 DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q6_k, TcQ6kTile, 3)
+DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q8_0, TcQ80, 2)
 
 // ---- Q6_K on integer dot products (matvec_x_digits + matvec_int_q6_k) ----
 //

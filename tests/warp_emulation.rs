@@ -6,7 +6,7 @@
 //! them, the copies landing some random time after they are issued), against the engine's
 //! dequantization (bit for bit gguf-py's, tests/quant.rs) and an f64 dot product.
 //!
-//! - The fragment math (`TcQ4k`, `TcQ5k`, `TcIq4xs`, and `TcQ6k` with `q6_dot`) on one warp
+//! - The fragment math (`TcQ4k`, `TcQ5k`, `TcIq4xs`, `TcQ80`, and `TcQ6k` with `q6_dot`) on one warp
 //!   over random 16-row tiles: a wrong lane, column, offset or scale gives an nmse near 1, the
 //!   kernels' exact integer sums ~1e-14.
 //! - The prefill products (kernels/matmul.cu's `matmul_cp_<type>` and `matmul_cp_spans_<type>`
@@ -20,7 +20,8 @@
 //!   `attention_mma_<DQK>_<DV>`, every form, causal and DSA-masked) against the f64 attention
 //!   of the f32 inputs (the bf16 products' bound).
 //! - The bulk-copy kernels whole (`matvec_tma_<type>` and `matvec_tma_items_<type>` for Q4_K,
-//!   Q5_K, IQ4_XS and Q6_K, `matvec_tma_q6_k`), with the launch's shared memory from ops.rs: their
+//!   Q5_K, IQ4_XS, Q6_K and Q8_0, `matvec_tma_q6_k`), with the launch's shared memory from
+//!   ops.rs: their
 //!   producer and consumer warps, stage barriers, parts of k, shared expert first, items
 //!   another rank holds, partial tiles and stages across tiles. A stage read before its copy landed or refilled
 //!   while read gives wrong sums; a wait that never ends fails the run instead of hanging it;
@@ -220,6 +221,11 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "#define IQ4_S2_PLUS1 "),
     Line("matvec.cu", "#define IQ4_S3_PLUS1 "),
     Def("matvec.cu", "struct TcIq4xs {"),
+    Def(
+        "matvec.cu",
+        "template <int MIS8>\n__device__ __forceinline__ uint2 lds8_at(",
+    ),
+    Def("matvec.cu", "struct TcQ80 {"),
     Def("matvec.cu", "__device__ __forceinline__ void quad_sums("),
     Def("matvec.cu", "struct TcItem {"),
     Def("matvec.cu", "__device__ __forceinline__ TcItem tc_item("),
@@ -246,16 +252,19 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_iq4_xs,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_groups_q6_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA(matvec_tma_q8_0,"),
     Line("matvec.cu", "#define DEFINE_MATVEC_TMA_PARTS("),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q4_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_iq4_xs,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q6_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_PARTS(matvec_tma_parts_q8_0,"),
     Line("matvec.cu", "#define DEFINE_MATVEC_TMA_QUERY("),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q4_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_iq4_xs,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q6_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q8_0,"),
     Def(
         "matvec.cu",
         "template <class Tile, int TMI_WARPS>\n__device__ __forceinline__ void matvec_tma_items_body(",
@@ -265,6 +274,7 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q5_k,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_iq4_xs,"),
     Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q6_k,"),
+    Line("matvec.cu", "DEFINE_MATVEC_TMA_ITEMS(matvec_tma_items_q8_0,"),
     Line("matvec.cu", "#define TMA6_STAGES "),
     Line("matvec.cu", "#define TMA6_ROW "),
     Line("matvec.cu", "#define TMA6_STAGE "),
@@ -602,6 +612,11 @@ fn signed(rng: &mut Rng) -> f32 {
     (2.0 * rng.next_f64() - 1.0) as f32
 }
 
+/// The blocks of type ty in nb 256-blocks (the tiles' unit: Q8_0's 8 blocks).
+fn blocks_of(ty: GgmlType, nb: usize) -> usize {
+    nb * 256 / ty.block_size()
+}
+
 /// `rows` rows of nb random blocks (finite scales of mixed sizes).
 fn random_rows(ty: GgmlType, rows: usize, nb: usize, rng: &mut Rng) -> Vec<u8> {
     let mut w: Vec<u8> = (0..rows * nb * ty.type_size())
@@ -627,13 +642,16 @@ fn random_x(nb: usize, rng: &mut Rng) -> Vec<f32> {
     x
 }
 
-/// Every code at its largest (all bits set; Q6_K's scales -128): with x at one value, the
-/// largest sums the integer path holds (each plane 0 digit 127).
+/// Every code at its largest (all bits set; Q6_K's scales and Q8_0's values -128): with x at
+/// one value, the largest sums the integer path holds (each plane 0 digit 127).
 fn largest_rows(ty: GgmlType, rows: usize, nb: usize) -> Vec<u8> {
     let mut w = vec![0xFFu8; rows * nb * ty.type_size()];
     for block in w.chunks_exact_mut(ty.type_size()) {
         if ty == GgmlType::Q6_K {
             block[192..208].fill(0x80);
+        }
+        if ty == GgmlType::Q8_0 {
+            block[2..].fill(0x80);
         }
         for &at in f16_fields(ty) {
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(0.002).to_le_bytes());
@@ -706,6 +724,7 @@ fn type_code(ty: GgmlType) -> i32 {
         GgmlType::Q6_K => 1,
         GgmlType::Q5_K => 2,
         GgmlType::IQ4_XS => 3,
+        GgmlType::Q8_0 => 4,
         _ => unreachable!(),
     }
 }
@@ -729,13 +748,14 @@ fn check_tile(h: &Emulation, ty: GgmlType, what: &str, nb: usize, w: &[u8], x: &
 fn check_tiles(h: &Emulation, ty: GgmlType) {
     for (nb, seed) in [(1, 1), (8, 2), (8, 3), (28, 4)] {
         let mut rng = Rng::new(seed);
-        let w = random_rows(ty, 16, nb, &mut rng);
+        let w = random_rows(ty, 16, blocks_of(ty, nb), &mut rng);
         let x = random_x(nb, &mut rng);
         let what = format!("{ty:?} tile, random k = {}", 256 * nb);
         check_tile(h, ty, &what, nb, &w, &x);
     }
     let what = format!("{ty:?} tile, largest sums, k = 2048");
-    check_tile(h, ty, &what, 8, &largest_rows(ty, 16, 8), &[3.0; 2048]);
+    let w = largest_rows(ty, 16, blocks_of(ty, 8));
+    check_tile(h, ty, &what, 8, &w, &[3.0; 2048]);
 }
 
 #[test]
@@ -748,6 +768,7 @@ fn tensor_core_tiles_match_f64() {
         GgmlType::Q5_K,
         GgmlType::IQ4_XS,
         GgmlType::Q6_K,
+        GgmlType::Q8_0,
     ] {
         check_tiles(&h, ty);
     }
@@ -777,10 +798,11 @@ struct TmaCase {
 
 fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
     let tile = tma_tile(ty).unwrap();
-    let (k, row_bytes) = (256 * c.nb, ty.type_size() * c.nb);
+    let k = 256 * c.nb;
+    let row_bytes = ty.row_bytes(k).unwrap();
     let mat_bytes = c.rows * row_bytes;
     let mut rng = Rng::new(seed);
-    let mut mats = |n: usize| random_rows(ty, n * c.rows, c.nb, &mut rng);
+    let mut mats = |n: usize| random_rows(ty, n * c.rows, blocks_of(ty, c.nb), &mut rng);
     let w = mats(c.experts);
     let w2 = if c.pair { mats(c.experts) } else { vec![] };
     let (sw, sw2) = match (c.shared, c.pair) {
@@ -816,7 +838,7 @@ fn check_tma(h: &Emulation, ty: GgmlType, c: &TmaCase, seed: u64) {
     let parts = (256 * c.nb).div_ceil(kpart);
     if c.spread {
         // Partial p: the rows' products over part p's 256-blocks alone, y_stride apart.
-        let (pb, bytes) = (kpart / 256, ty.type_size());
+        let (pb, bytes) = (kpart / 256, ty.row_bytes(256).unwrap());
         want = vec![None; parts * y_stride];
         for p in 0..parts {
             let blocks = p * pb..(c.nb).min((p + 1) * pb);
@@ -911,9 +933,9 @@ fn moe_pair(
     }
 }
 
-/// Q4_K's, Q5_K's, IQ4_XS's and Q6_K's kernels over the same launches, but where IQ4_XS's rows
-/// and parts must be a multiple of 2 blocks (136 bytes each) for the bulk copies' 16 bytes:
-/// there a block more. Q6_K's rows of 210-byte blocks start anywhere (even) modulo 16, and
+/// Q4_K's, Q5_K's, IQ4_XS's, Q6_K's and Q8_0's kernels over the same launches, but where
+/// IQ4_XS's rows and parts must be a multiple of 2 blocks (136 bytes each) for the bulk copies'
+/// 16 bytes: there a block more. Q6_K's rows of 210-byte blocks start anywhere (even) modulo 16, and
 /// some of its matrices end off 16 (the copies must not read past them: the sanitizer).
 #[test]
 fn bulk_copy_kernels_match_f64() {
@@ -922,6 +944,8 @@ fn bulk_copy_kernels_match_f64() {
     };
     for ty in TMA_TILE_TYPES {
         let even = |nb: usize| aligned_blocks(ty, nb);
+        // glu takes k in one part: DeepSeek-V3's 7168, or the tile type's k_max below it.
+        let glu_nb = (tma_tile(ty).unwrap().k_max / 256).min(28);
         let cases = [
             one_matrix("40 x 2048, 2 blocks", 40, 8, None, 2),
             one_matrix(
@@ -940,9 +964,9 @@ fn bulk_copy_kernels_match_f64() {
                 2,
             ),
             moe_pair(
-                "MoE gate-up glu of 3 choices of 7168 values, 2 blocks",
+                "MoE gate-up glu of 3 choices of 7168 values (Q8_0: 6144, its k_max), 2 blocks",
                 21,
-                28,
+                glu_nb,
                 vec![1, 3, MOE_SHARED],
                 true,
                 2,
@@ -1030,11 +1054,12 @@ fn check_tma_items(
 ) {
     let tile = tma_tile(ty).unwrap();
     let (kernel, warps) = tile.items.unwrap();
-    let (k, row_bytes) = (256 * nb, ty.type_size() * nb);
+    let k = 256 * nb;
+    let row_bytes = ty.row_bytes(k).unwrap();
     let mat_bytes = rows * row_bytes;
     let mut rng = Rng::new(seed);
-    let w = random_rows(ty, 3 * rows, nb, &mut rng);
-    let sw = random_rows(ty, rows, nb, &mut rng);
+    let w = random_rows(ty, 3 * rows, blocks_of(ty, nb), &mut rng);
+    let sw = random_rows(ty, rows, blocks_of(ty, nb), &mut rng);
     let x_stride = k + 4;
     let mut x = vec![0f32; ids.len() * x_stride];
     for xi in x.chunks_exact_mut(x_stride) {
@@ -1087,6 +1112,7 @@ fn bulk_copy_items_kernels_match_f64() {
         (GgmlType::Q5_K, 50),
         (GgmlType::IQ4_XS, 60),
         (GgmlType::Q6_K, 70),
+        (GgmlType::Q8_0, 80),
     ] {
         // Q6_K's items kernel takes rows of a multiple of 16 bytes: 8 256-blocks.
         let short = match ty {
@@ -1218,7 +1244,7 @@ impl LatentCase {
         let rows = [dq, Self::DL + Self::DR, dk];
         let w = rows
             .iter()
-            .map(|&r| random_rows(ty, r, nb, &mut rng))
+            .map(|&r| random_rows(ty, r, blocks_of(ty, nb), &mut rng))
             .collect();
         let x = random_x(nb, &mut rng);
         let (qw, kvw) = (normals(&mut rng, dq), normals(&mut rng, Self::DL));
@@ -1251,7 +1277,7 @@ impl LatentCase {
             .i32(dkv as i32)
             .i32(dk as i32)
             .i32(256 * self.nb as i32)
-            .i64((self.ty.type_size() * self.nb) as i64)
+            .i64(self.ty.row_bytes(256 * self.nb).unwrap() as i64)
             .bytes(&self.w[0])
             .bytes(&self.w[1])
             .bytes(&self.w[2])
@@ -1381,7 +1407,12 @@ fn query_projections_fold_the_norm_as_f64() {
         let nb = aligned_blocks(ty, 9);
         let c = LatentCase::new(ty, nb, (dq, dk), 110 + i as u64);
         let (rows_b, grid_b) = (200, 5);
-        let wb = random_rows(ty, rows_b, dq / 256, &mut Rng::new(120 + i as u64));
+        let wb = random_rows(
+            ty,
+            rows_b,
+            blocks_of(ty, dq / 256),
+            &mut Rng::new(120 + i as u64),
+        );
         let tile = tma_tile(ty).unwrap();
         let args = c
             .args(type_code(ty))
@@ -1389,7 +1420,7 @@ fn query_projections_fold_the_norm_as_f64() {
             .i32(tma_smem_bytes(tile, 256 * nb) as i32)
             .bytes(&wb)
             .i32(rows_b as i32)
-            .i64((ty.type_size() * dq / 256) as i64)
+            .i64(ty.row_bytes(dq).unwrap() as i64)
             .i32(grid_b)
             .i32(tma_smem_bytes(tile, dq) as i32);
         let got = h.run(args);

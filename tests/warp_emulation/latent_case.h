@@ -1,8 +1,8 @@
 // What the parts harnesses (matvec_tail.cpp, tma_query.cpp) share, after the kernels' pieces:
 // a token's q_a, kv_a and index key with the latent's norms as warp_emulation.rs's LatentCase
 // writes them (Input, in order: the type (i32: -1 the CUDA-core kernel on Q2_K rows, else 0
-// Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS), the rows of the query, kv and key parts (i32; no key part:
-// 0), k (i32), row_bytes (i64), the three matrices, x, the query's norm, kv's norm, the key's
+// Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS, 4 Q8_0), the rows of the query, kv and key parts (i32; no
+// key part: 0), k (i32), row_bytes (i64), the three matrices, x, the query's norm, kv's norm, the key's
 // norm weight and bias, inv_freq (buffers), dl, dr, pos (i32), mscale, eps, k_eps (f32)), and
 // what they print of the cache rows.
 struct LatentCase {
@@ -41,7 +41,8 @@ struct LatentCase {
         return type == 0   ? matvec_tma_parts_q4_k
                : type == 1 ? matvec_tma_parts_q6_k
                : type == 2 ? matvec_tma_parts_q5_k
-                           : matvec_tma_parts_iq4_xs;
+               : type == 3 ? matvec_tma_parts_iq4_xs
+                           : matvec_tma_parts_q8_0;
     }
     // Appends at p what out holds of the token's cache rows (laid out as parts() says): the
     // latent as x_hi + x_lo (dims 0 .. dl, then the rope's), the key's row, then 1 where the

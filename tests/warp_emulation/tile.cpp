@@ -1,7 +1,7 @@
 // One 16-row tile times x as one consumer warp of the tensor-core kernels computes it: x into
 // planes (tc_prepare_x), each 256-block's dot through the type's tile (TcQ4k, TcQ5k, TcIq4xs,
-// TcQ6kTile, as the bulk-copy kernels call it), the quad sums. Input (block.h's Input): the
-// type (i32: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS), nb (i32), 16 rows of nb blocks (Q6_K: 16
+// TcQ6kTile, TcQ80, as the bulk-copy kernels call it), the quad sums. Input (block.h's Input):
+// the type (i32: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS, 4 Q8_0), nb (i32), 16 rows of nb blocks (Q6_K: 16
 // bytes more after the last, which TcQ6k::load may read), 256 nb f32 of x (buffers); prints
 // the 16 row sums.
 template <class Tile>
@@ -36,7 +36,8 @@ int main(int argc, char** argv) {
         auto dots = type == 0   ? tile_dots<TcQ4k>
                     : type == 1 ? tile_dots<TcQ6kTile>
                     : type == 2 ? tile_dots<TcQ5k>
-                                : tile_dots<TcIq4xs>;
+                    : type == 3 ? tile_dots<TcIq4xs>
+                                : tile_dots<TcQ80>;
         dots(w.data(), nb, sm.data(), g, t, acc_lo, acc_hi);
         quad_sums(acc_lo, acc_hi);
         float* o = ptr<float>(out);

@@ -1,5 +1,5 @@
 // kernels/matvec.cu's matvec_tma_<type>, whole, on emulated blocks (block.h). Input (Input, in
-// order): the type (i32: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS), w, w2, sw, sw2 (buffers), mat_stride
+// order): the type (i32: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS, 4 Q8_0), w, w2, sw, sw2 (buffers), mat_stride
 // (i64), ids (buffer of i32), items, rows, k, kpart (i32), row_bytes (i64), x, y (buffers),
 // y_stride (i64), glu (i32), y_part (i64: partials of spread parts by matvec_tma_spread_<type>,
 // or 0), grid and dynamic shared bytes (i32); prints y.
@@ -19,11 +19,13 @@ int main(int argc, char** argv) {
     auto kernel = type == 0   ? matvec_tma_q4_k
                   : type == 1 ? matvec_tma_groups_q6_k
                   : type == 2 ? matvec_tma_q5_k
-                              : matvec_tma_iq4_xs;
+                  : type == 3 ? matvec_tma_iq4_xs
+                              : matvec_tma_q8_0;
     auto spread = type == 0   ? matvec_tma_spread_q4_k
                   : type == 1 ? matvec_tma_spread_q6_k
                   : type == 2 ? matvec_tma_spread_q5_k
-                              : matvec_tma_spread_iq4_xs;
+                  : type == 3 ? matvec_tma_spread_iq4_xs
+                              : matvec_tma_spread_q8_0;
     launch(grid, 288, shared, y, [&] {
         if (y_part)
             spread(ptr(w), rows, k, kpart, row_bytes, ptr<float>(x), ptr<float>(y), y_part);

@@ -32,7 +32,8 @@ int main(int argc, char** argv) {
     auto query_kernel = c.type == 0   ? matvec_tma_query_q4_k
                         : c.type == 1 ? matvec_tma_query_q6_k
                         : c.type == 2 ? matvec_tma_query_q5_k
-                                      : matvec_tma_query_iq4_xs;
+                        : c.type == 3 ? matvec_tma_query_iq4_xs
+                                      : matvec_tma_query_q8_0;
     launch((unsigned)grid, 288, shared, out, [&] {
         parts_kernel(ptr(c.w0), c.dq, c.k, c.row_bytes, ptr<float>(c.x), f, parts);
     });

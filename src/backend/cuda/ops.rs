@@ -482,9 +482,10 @@ pub(super) fn tc_smem_bytes(k: usize) -> usize {
 const TMA_K_MIN: usize = 2048;
 
 /// A quant type of the bulk-copy tensor-core kernels (kernels/matvec.cu: matvec_tma_body and
-/// matvec_tma_items_body with its tile type TcQ4k, TcQ5k, TcIq4xs or TcQ6kTile). Q5_K, IQ4_XS
-/// and Q6_K have no other tensor-core kernel for these products: without bulk copies (before
-/// sm_90) they stay on the CUDA cores (Q6_K's lm head: matvec_tma_q6_k / matvec_int_q6_k).
+/// matvec_tma_items_body with its tile type TcQ4k, TcQ5k, TcIq4xs, TcQ6kTile or TcQ80). Q5_K,
+/// IQ4_XS, Q6_K and Q8_0 have no other tensor-core kernel for these products: without bulk
+/// copies (before sm_90), or where these do not take them (Q8_0's glu beyond 6144 values),
+/// they stay on the CUDA cores (Q6_K's lm head: matvec_tma_q6_k / matvec_int_q6_k).
 #[derive(Clone, Copy, Debug)]
 pub struct TmaTile {
     /// The kernel of products whose items all read one x.
@@ -499,7 +500,7 @@ pub struct TmaTile {
     /// where 4 stages would not fit). It copies rows whole: Q6_K's only where they are a
     /// multiple of 16 bytes (`uses_item_copies`).
     pub items: Option<(&'static str, usize)>,
-    /// A quant block's bytes.
+    /// The bytes of 256 values (a 256-block: Q8_0's 8 blocks).
     pub bytes: usize,
     /// A stage row's bytes (the tile type's ROW: 8 blocks, padded to an odd multiple of 16).
     pub row: usize,
@@ -526,11 +527,12 @@ impl TmaTile {
     }
 }
 
-pub const TMA_TILE_TYPES: [GgmlType; 4] = [
+pub const TMA_TILE_TYPES: [GgmlType; 5] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::IQ4_XS,
     GgmlType::Q6_K,
+    GgmlType::Q8_0,
 ];
 
 pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
@@ -541,7 +543,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
             parts,
             query,
             items,
-            bytes: ty.type_size(),
+            bytes: ty.type_size() * 256 / ty.block_size(),
             row,
             stages,
             any_row_start: ty == GgmlType::Q6_K,
@@ -596,6 +598,20 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
             1712,
             2,
             10240,
+        ),
+        // A 256-block of Q8_0 is 8 blocks, 272 bytes (TcQ80): two stages of 16 x 2208 bytes
+        // leave x room for 6144 values in SM120's 99 KiB, an items block room for two warps.
+        GgmlType::Q8_0 => tile(
+            (
+                "matvec_tma_q8_0",
+                "matvec_tma_spread_q8_0",
+                "matvec_tma_parts_q8_0",
+                "matvec_tma_query_q8_0",
+            ),
+            Some(("matvec_tma_items_q8_0", 2)),
+            2208,
+            2,
+            6144,
         ),
         _ => None,
     }
@@ -708,7 +724,7 @@ fn tma_div_fits(a: &Matvec) -> bool {
 
 impl Gpu {
     /// Whether `matvec` takes `a` on a tensor-core kernel: Q4_K's (the bulk-copy forms where
-    /// they take it, else matvec_tc_q4_k / matvec_tc8_q4_k), Q5_K's, IQ4_XS's and Q6_K's
+    /// they take it, else matvec_tc_q4_k / matvec_tc8_q4_k), Q5_K's, IQ4_XS's, Q6_K's and Q8_0's
     /// bulk-copy forms only (Q6_K's lm head keeps its own kernels, uses_int_q6_k).
     fn on_tensor_cores(&self, a: &Matvec) -> bool {
         let shape = |rb| tma_tile(a.ty).is_some() && tensor_core_shape(a, rb);
