@@ -447,7 +447,8 @@ fn matvec_tensor_core_types_match_dequantized_dot() {
 /// 16384, spread in those 2 parts where a wave is 264 blocks), DeepSeek-V3's (7168 x 16384, in
 /// 4 parts there) and a matrix of m + 1/2 waves of tiles (2m + 2 rounds whole, 2m + 1 spread
 /// in two parts: spread on any GPU with bulk copies; m makes it rows enough for the tensor
-/// cores).
+/// cores); and DeepSeek-V3's ffn_up (18432 x 7168: Q8_0 walks it in 2 parts of 3584 and may
+/// spread it in longer ones, whose x planes its launch must make room for).
 #[test]
 fn matvec_spread_parts_add_up_to_the_rows() {
     let Some(g) = gpu() else { return };
@@ -456,15 +457,21 @@ fn matvec_spread_parts_add_up_to_the_rows() {
         return;
     }
     let mut rng = Rng::new("matvec_spread");
-    let k = 16384;
-    for t in TMA_TILE_TYPES {
+    for (k, t) in [16384, 7168]
+        .into_iter()
+        .flat_map(|k| TMA_TILE_TYPES.map(|t| (k, t)))
+    {
         let tile = tma_tile(t).unwrap();
         let smem = tma_smem_bytes(tile, tma_part_k(tile, k));
         let slots = g.wave_blocks(tile.spread, 288, smem).unwrap();
         let m = (1..).find(|m| 8 * slots * (2 * m + 1) >= 6144).unwrap();
         let half_wave = 8 * slots * (2 * m + 1);
         let walked_parts = k.div_ceil(tma_part_k(tile, k));
-        for rows in [6144, 7168, half_wave] {
+        let shapes = match k {
+            16384 => vec![6144, 7168, half_wave],
+            _ => vec![18432],
+        };
+        for rows in shapes {
             let w = random_rows(&mut rng, t, rows, k);
             let wf = dequant_rows(t, &w, rows, k);
             let x = hard_x(&mut rng, k);

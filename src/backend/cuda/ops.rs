@@ -765,12 +765,9 @@ impl Gpu {
             return Ok(None);
         }
         let tile = tma_tile(a.ty).expect("a tensor-core type");
-        // A wave of the spread kernel with the walk's (largest) parts: every kpart fits it.
-        let slots = self.wave_blocks(
-            tile.spread,
-            288,
-            tma_smem_bytes(tile, tma_part_k(tile, a.k)),
-        )?;
+        // A wave of the spread kernel with parts of k_max, the longest it may choose (longer
+        // than the walk's where those are short: DeepSeek-V3's 7168 in two parts of Q8_0's).
+        let slots = self.wave_blocks(tile.spread, 288, tma_smem_bytes(tile, tile.k_max))?;
         Ok(spread_part_k(tile, a.k, a.rows.div_ceil(16), slots))
     }
 
@@ -862,17 +859,18 @@ impl Gpu {
             if self.uses_bulk_copies(a) {
                 // A group per tile of an item (glu: of both matrices), one wave of blocks;
                 // with y_part, a unit per part of each group.
-                let kpart = tma_part_k(tile, a.k);
-                let smem = tma_smem_bytes(tile, kpart);
                 if let Some(kpart) = spread_kpart {
                     // A unit per part of each tile (spread_parts checked a single matrix).
                     let units = tiles * a.k.div_ceil(kpart);
+                    let smem = tma_smem_bytes(tile, kpart);
                     let slots = self.wave_blocks(tile.spread, 288, smem)?;
                     launch!(self, tile.spread, (units.min(slots) as u32, 1, 1), 288, smem as u32;
                         a.w, a.rows as i32, a.k as i32, kpart as i32, row_bytes as i64, a.x, a.y,
                         a.y_part as i64);
                     return Ok(());
                 }
+                let kpart = tma_part_k(tile, a.k);
+                let smem = tma_smem_bytes(tile, kpart);
                 let kernel = tile.kernel;
                 let groups = tiles * if a.glu { a.batch / 2 } else { a.batch };
                 let slots = self.wave_blocks(kernel, 288, smem)?;
