@@ -466,7 +466,7 @@ fn matvec_spread_parts_add_up_to_the_rows() {
         let slots = g.wave_blocks(tile.spread, 288, smem).unwrap();
         let m = (1..).find(|m| 8 * slots * (2 * m + 1) >= 6144).unwrap();
         let half_wave = 8 * slots * (2 * m + 1);
-        let walked_parts = k.div_ceil(tma_part_k(tile, k));
+        let walked_kpart = tma_part_k(tile, k);
         let shapes = match k {
             16384 => vec![6144, 7168, half_wave],
             _ => vec![18432],
@@ -483,8 +483,12 @@ fn matvec_spread_parts_add_up_to_the_rows() {
             let whole_at = (g.ptr(&dx, 0), g.ptr(&whole, 0));
             let mut a = Matvec::single(t, g.ptr(&dw, 0), whole_at, (rows, k));
             g.matvec(&a).unwrap();
-            let parts = g.spread_parts(&a).unwrap();
-            println!("{t} {rows}x{k}: {parts} spread parts, a wave of {slots} blocks");
+            let kpart = g.spread_kpart(&a).unwrap();
+            let parts = kpart.map_or(1, |kp| k.div_ceil(kp));
+            assert_eq!(parts, g.spread_parts(&a).unwrap());
+            println!(
+                "{t} {rows}x{k}: {parts} spread parts ({kpart:?} long), a wave of {slots} blocks"
+            );
             if rows == half_wave {
                 assert!(
                     parts > 1,
@@ -505,7 +509,7 @@ fn matvec_spread_parts_add_up_to_the_rows() {
             let whole = g.download(&whole).unwrap();
             for (r, (s, w)) in sum.iter().zip(&whole).enumerate() {
                 assert!(
-                    parts != walked_parts || s.to_bits() == w.to_bits(),
+                    kpart != Some(walked_kpart) || s.to_bits() == w.to_bits(),
                     "{t} {rows}x{k} row {r}: {s} against {w}"
                 );
             }

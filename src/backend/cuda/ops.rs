@@ -758,8 +758,9 @@ impl Gpu {
         Ok(self.spread_kpart(a)?.map_or(1, |kpart| a.k.div_ceil(kpart)))
     }
 
-    /// spread_part_k for `a`: None where `a` is not one matrix on the bulk-copy kernel.
-    fn spread_kpart(&self, a: &Matvec) -> Result<Option<usize>, CudaError> {
+    /// The length of `a`'s spread parts (spread_part_k): None where `a` is not one matrix on
+    /// the bulk-copy kernel or is walked whole.
+    pub fn spread_kpart(&self, a: &Matvec) -> Result<Option<usize>, CudaError> {
         let single = a.batch == 1 && a.ids == 0 && a.pair == 0 && !a.transposed;
         if !(single && self.on_tensor_cores(a) && self.uses_bulk_copies(a)) {
             return Ok(None);
