@@ -1594,15 +1594,15 @@ struct TcQ6kTile {
 // routed group. (H200, one call: decode DS3 1,143-1,144 -> 1,163-1,167 tokens/s, GLM-5
 // 1,228-1,230 -> 1,251; docs/performance.md, twenty-second look.)
 //
-// Q5_K, IQ4_XS (rows of an even number of blocks) and Q6_K (any rows: TcQ6kTile's
-// ANY_ROW_START) take the same kernels with their tiles (TcQ5k, TcIq4xs, TcQ6kTile):
-// matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, and the items forms below
-// (Q6_K's for rows of a multiple of 16 bytes). A stage row is a tile type's ROW bytes, 8
-// blocks padded to an odd multiple of 16 (1712 for Q6_K), so that the 8 rows of a warp's
-// lanes start on distinct 16-byte bank groups, or of 32 where a lane loads 8 bytes of a row
-// (1184 for Q4_K, 1440 for Q5_K, 1120 for IQ4_XS: the 4 rows of a half-warp on distinct
-// 32-byte ones; Q5_K's kernels then take all of SM120's 99 KiB at its k_max); Tile::STAGES
-// of them (3, Q6_K's 2) follow x's planes (tc_x_bytes).
+// Q5_K, IQ4_XS (rows of an even number of blocks), Q6_K (any rows: TcQ6kTile's
+// ANY_ROW_START) and Q8_0 take the same kernels with their tiles (TcQ5k, TcIq4xs, TcQ6kTile,
+// TcQ80): matvec_tma_q5_k, matvec_tma_iq4_xs, matvec_tma_groups_q6_k, matvec_tma_q8_0, and the
+// items forms below (Q6_K's for rows of a multiple of 16 bytes). A stage row is a tile type's
+// ROW bytes, 8 blocks padded to an odd multiple of 16 (1712 for Q6_K), so that the 8 rows of a
+// warp's lanes start on distinct 16-byte bank groups, or of 32 where a lane loads 8 bytes of a
+// row (1184 for Q4_K, 1440 for Q5_K, 1120 for IQ4_XS, 2208 for Q8_0: the 4 rows of a half-warp
+// on distinct 32-byte ones; Q5_K's kernels then take all of SM120's 99 KiB at its k_max);
+// Tile::STAGES of them (3, Q6_K's and Q8_0's 2) follow x's planes (tc_x_bytes).
 #define TMA_BLOCKS 8     // 256-blocks per stage, one per consumer warp
 
 // The bytes a segment of len bytes from address src (its low 32 bits enough) takes as
@@ -1963,9 +1963,11 @@ DEFINE_MATVEC_TMA_QUERY(matvec_tma_query_q8_0, TcQ80)
 // 797 -> 789 us a token, DS3 within noise. The combine in this launch, a fence and an atomic
 // per tile and warp, was slower (DS3 850 -> 857 us; docs/performance.md, twenty-third look).
 //
-// matvec_tma_items_q5_k, matvec_tma_items_iq4_xs and matvec_tma_items_q6_k take the same form
-// with their tiles; Q5_K's and Q6_K's with 3 consumer warps, whose stages of 16 x 1440 or
-// 1712 bytes and x's two buffers fit SM120's 99 KiB where 4 would not (ops.rs, TmaTile).
+// matvec_tma_items_q5_k, matvec_tma_items_iq4_xs, matvec_tma_items_q6_k and
+// matvec_tma_items_q8_0 take the same form with their tiles; Q5_K's and Q6_K's with 3 consumer
+// warps, Q8_0's with 2, whose stages of 16 x 1440, 1712 or 2208 bytes and x's two buffers fit
+// SM120's 99 KiB where 4 would not (ops.rs, TmaTile; H100, Q8_0's MoE row over L2 with its
+// downs here 59.6 us, on the CUDA cores 70.0).
 // Q6_K's rows are copied whole, so they must be a multiple of 16 bytes (k = 2048, the MoE
 // downs of DeepSeek-V3 and GLM-5; ops.rs), and its blocks go in pairs: the even one 4-byte
 // aligned, the odd one 2 bytes off, each with the loads of its case and no test (sm_90: 268

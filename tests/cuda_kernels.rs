@@ -349,8 +349,8 @@ fn for_each_q4k_tensor_core_kernel(g: &mut Gpu, check: impl FnMut(&Gpu)) {
     );
 }
 
-/// Runs `check` for type `t` (Q4_K, Q5_K, IQ4_XS, Q6_K) on its bulk-copy kernels where the GPU
-/// has them, then without: Q4_K on the matvec_tc kernels, the others on the CUDA cores.
+/// Runs `check` for type `t` (Q4_K, Q5_K, IQ4_XS, Q6_K, Q8_0) on its bulk-copy kernels where the
+/// GPU has them, then without: Q4_K on the matvec_tc kernels, the others on the CUDA cores.
 fn for_each_tile_type_kernel(g: &mut Gpu, t: GgmlType, check: impl FnMut(&Gpu)) {
     if t == GgmlType::Q4_K {
         return for_each_q4k_tensor_core_kernel(g, check);
@@ -401,8 +401,9 @@ fn for_each_bulk_copy_form(
 /// 8 warps with 2 tiles (k beyond 8192, x planes in more than 48 KiB of shared memory), and
 /// from TC_LONG_MIN_ROWS rows on with a tail tile (GLM-5's dense ffn_down, 12288 long); the
 /// bulk-copy kernel's rows in parts beyond 9216 (12288: two of 24 256-blocks; 9472: of 19 and
-/// 18, each ending in a partial stage). Q5_K, IQ4_XS and Q6_K the same on their bulk-copy
-/// kernels (their parts: Q5_K's beyond 7168, IQ4_XS's and Q6_K's beyond 10240); IQ4_XS's rows
+/// 18, each ending in a partial stage). Q5_K, IQ4_XS, Q6_K and Q8_0 the same on their bulk-copy
+/// kernels (their parts: Q8_0's beyond 6144, Q5_K's beyond 7168, IQ4_XS's and Q6_K's beyond
+/// 10240); IQ4_XS's rows
 /// of an odd number of 256-blocks (no multiple of 16 bytes) stay on the CUDA cores, Q6_K's rows
 /// start anywhere modulo 16 (DeepSeek-V3's k = 7168: 8 bytes off every other row, and 8201 of
 /// them end the matrix off 16).
@@ -859,7 +860,8 @@ fn matvec_q4_k_pair_matches_two_products() {
 /// dequantized matrices and bit for bit to the pair without glu followed by silu_mul. The
 /// dense form (no ids, a token per x), its long-row form (k past TC_K_MAX: groups of one row
 /// tile in each matrix) and the MoE form (one x, a choice held elsewhere left alone, a tail
-/// tile; GLM-5's k = 6144 too, 16-byte rows of every type); Q4_K, Q5_K, IQ4_XS and Q6_K.
+/// tile; GLM-5's k = 6144 too, 16-byte rows of every type); Q4_K, Q5_K, IQ4_XS, Q6_K and Q8_0
+/// (whose glu takes k up to 6144 only).
 #[test]
 fn matvec_glu_pair_folds_the_silu() {
     let Some(mut g) = gpu() else { return };
@@ -906,7 +908,8 @@ fn matvec_glu_pair_folds_the_silu() {
                         (rows, k),
                     )
                 };
-                // Q5_K, IQ4_XS and Q6_K pairs only on their bulk-copy kernel, glu within one part of k.
+                // Q5_K, IQ4_XS, Q6_K and Q8_0 pairs only on their bulk-copy kernel, glu within one
+                // part of k.
                 if t != GgmlType::Q4_K && !g.takes_pair(&a) {
                     println!("{t} {rows}x{k}: no kernel takes this pair here");
                     continue;
@@ -948,8 +951,8 @@ fn matvec_glu_pair_folds_the_silu() {
 /// Items that each read their own x, with rows of up to 2048 values: the MoE downs (the shared
 /// expert as a choice, a choice held elsewhere left alone, a tail tile), MLA's per-head v_b (no
 /// ids). Equal to the f64 products of the dequantized matrices, and for Q4_K bit for bit the
-/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K, IQ4_XS
-/// and Q6_K on theirs and on the CUDA cores (which take no shared matrix); Q6_K's items
+/// same on the bulk-copy kernel (matvec_tma_items_q4_k) as on matvec_tc8_q4_k; Q5_K, IQ4_XS,
+/// Q6_K and Q8_0 on theirs and on the CUDA cores (which take no shared matrix); Q6_K's items
 /// kernel takes rows of a multiple of 16 bytes only (k = 2048 here), the rest stay on the CUDA
 /// cores.
 #[test]
@@ -2531,10 +2534,10 @@ fn dsa_scores_and_topk_match() {
 /// MoE decode with the shared expert as one more choice of the token (`Backend::moe_routed` on
 /// the tensor-core kernels: router rows of k + 1, the gate-up pair, the down product and the
 /// combine) equals the CPU's routed experts plus its shared expert, on GLM-5-like experts of
-/// Q4_K, Q5_K, IQ4_XS and Q6_K (16 of them, 8 chosen, sigmoid with a selection bias; hidden 2048, so
-/// that the gate-up pair takes matvec_tma_<type> and the downs matvec_tma_items_<type> where
-/// the GPU has bulk copies; without them, the shared expert stays apart for all but Q4_K and
-/// the routed experts alone are compared).
+/// Q4_K, Q5_K, IQ4_XS, Q6_K and Q8_0 (16 of them, 8 chosen, sigmoid with a selection bias;
+/// hidden 2048, so that the gate-up pair takes matvec_tma_<type> and the downs
+/// matvec_tma_items_<type> where the GPU has bulk copies; without them, the shared expert stays
+/// apart for all but Q4_K and the routed experts alone are compared).
 #[test]
 fn moe_decode_with_the_shared_expert_matches_the_cpu() {
     let Some(g) = gpu() else { return };
@@ -2615,7 +2618,7 @@ fn moe_decode_with_the_shared_expert_matches_the_cpu() {
                 Some(&shared),
             )
             .unwrap();
-        // Q5_K, IQ4_XS and Q6_K on their bulk-copy kernels only.
+        // Q5_K, IQ4_XS, Q6_K and Q8_0 on their bulk-copy kernels only.
         let as_choice = t == GgmlType::Q4_K || g.bulk_copies;
         assert_eq!(
             with_shared, as_choice,
