@@ -403,10 +403,9 @@ fn for_each_bulk_copy_form(
 /// bulk-copy kernel's rows in parts beyond 9216 (12288: two of 24 256-blocks; 9472: of 19 and
 /// 18, each ending in a partial stage). Q5_K, IQ4_XS, Q6_K and Q8_0 the same on their bulk-copy
 /// kernels (their parts: Q8_0's beyond 6144, Q5_K's beyond 7168, IQ4_XS's and Q6_K's beyond
-/// 10240); IQ4_XS's rows
-/// of an odd number of 256-blocks (no multiple of 16 bytes) stay on the CUDA cores, Q6_K's rows
-/// start anywhere modulo 16 (DeepSeek-V3's k = 7168: 8 bytes off every other row, and 8201 of
-/// them end the matrix off 16).
+/// 10240); IQ4_XS's rows of an odd number of 256-blocks (no multiple of 16 bytes) stay on the
+/// CUDA cores, Q6_K's rows start anywhere modulo 16 (DeepSeek-V3's k = 7168: 8 bytes off every
+/// other row, and 8201 of them end the matrix off 16).
 #[test]
 fn matvec_tensor_core_types_match_dequantized_dot() {
     let Some(mut g) = gpu() else { return };

@@ -6,8 +6,8 @@
 //! them, the copies landing some random time after they are issued), against the engine's
 //! dequantization (bit for bit gguf-py's, tests/quant.rs) and an f64 dot product.
 //!
-//! - The fragment math (`TcQ4k`, `TcQ5k`, `TcIq4xs`, `TcQ80`, and `TcQ6k` with `q6_dot`) on one warp
-//!   over random 16-row tiles: a wrong lane, column, offset or scale gives an nmse near 1, the
+//! - The fragment math (`TcQ4k`, `TcQ5k`, `TcIq4xs`, `TcQ80`, and `TcQ6k` with `q6_dot`) on one
+//!   warp over random 16-row tiles: a wrong lane, column, offset or scale gives an nmse near 1, the
 //!   kernels' exact integer sums ~1e-14.
 //! - The prefill products (kernels/matmul.cu's `matmul_cp_<type>` and `matmul_cp_spans_<type>`
 //!   for Q4_K and Q8_0, after `matmul_xprep`, with `matmul_splitk_sum`) as ops.rs launches
@@ -21,8 +21,7 @@
 //!   of the f32 inputs (the bf16 products' bound).
 //! - The bulk-copy kernels whole (`matvec_tma_<type>` and `matvec_tma_items_<type>` for Q4_K,
 //!   Q5_K, IQ4_XS, Q6_K and Q8_0, `matvec_tma_q6_k`), with the launch's shared memory from
-//!   ops.rs: their
-//!   producer and consumer warps, stage barriers, parts of k, shared expert first, items
+//!   ops.rs: their producer and consumer warps, stage barriers, parts of k, shared expert first, items
 //!   another rank holds, partial tiles and stages across tiles. A stage read before its copy landed or refilled
 //!   while read gives wrong sums; a wait that never ends fails the run instead of hanging it;
 //!   a shared-memory copy out of bounds or misaligned is refused, and the harness runs under
@@ -763,13 +762,7 @@ fn tensor_core_tiles_match_f64() {
     let Some(h) = Emulation::build("tile") else {
         return;
     };
-    for ty in [
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::IQ4_XS,
-        GgmlType::Q6_K,
-        GgmlType::Q8_0,
-    ] {
+    for ty in TMA_TILE_TYPES {
         check_tiles(&h, ty);
     }
 }
@@ -935,8 +928,8 @@ fn moe_pair(
 
 /// Q4_K's, Q5_K's, IQ4_XS's, Q6_K's and Q8_0's kernels over the same launches, but where
 /// IQ4_XS's rows and parts must be a multiple of 2 blocks (136 bytes each) for the bulk copies'
-/// 16 bytes: there a block more. Q6_K's rows of 210-byte blocks start anywhere (even) modulo 16, and
-/// some of its matrices end off 16 (the copies must not read past them: the sanitizer).
+/// 16 bytes: there a block more. Q6_K's rows of 210-byte blocks start anywhere (even) modulo
+/// 16, and some of its matrices end off 16 (the copies must not read past them: the sanitizer).
 #[test]
 fn bulk_copy_kernels_match_f64() {
     let Some(h) = Emulation::build("tma") else {

@@ -543,7 +543,7 @@ pub fn tma_tile(ty: GgmlType) -> Option<TmaTile> {
             parts,
             query,
             items,
-            bytes: ty.type_size() * 256 / ty.block_size(),
+            bytes: ty.row_bytes(256).expect("a type of whole 256-blocks"),
             row,
             stages,
             any_row_start: ty == GgmlType::Q6_K,
