@@ -3,13 +3,13 @@
 // dsa_scores: scores[t, s] = sum_h w[t, h] * relu(scale * q[t, h, :] . k[s, :]) for s <= pos0 + t,
 //   -inf for later keys. q: [T, heads, dim], k: [S, dim] (the indexer key cache, one head),
 //   w: [T, heads] (the head weights), scores: [T, s_stride].
-//   grid (ceil(S / 32 / tiles), T), block 128: a block scores `tiles` tiles of 32 keys, each
-//   copied into shared memory (cp.async) while the one before is scored, its query loaded
-//   once; lane l of every warp takes key l of the tile, warp w heads 8w .. 8w + 7, then 8w +
-//   32 .., and the 4 warps' sums are added at the end. Dynamic shared memory
-//   dsa_scores_smem_bytes(): the token's query [heads][dim] and two key tiles [32][dim + 4]
-//   (row padding: conflict-free float4 reads).
-//   heads <= 64, heads * dim <= 8192, dim % 4 == 0, dim <= 256; k 16-byte aligned.
+//   grid (ceil(S / TK / tiles), T), block 128: a block scores `tiles` tiles of TK = 32 KPL
+//   keys, each copied into shared memory (cp.async) while the one before is scored, its query
+//   loaded once; lane l of every warp takes keys l, l + 32, .. (KPL: 1 in dsa_scores, 2 in
+//   dsa_scores2) of the tile, warp w heads 8w .. 8w + 7, then 8w + 32 .., and the 4 warps'
+//   sums are added at the end. Dynamic shared memory dsa_scores_smem_bytes(): the token's
+//   query [heads][dim] and two key tiles [TK][dim + 4] (row padding: conflict-free float4
+//   reads). heads <= 64, heads * dim <= 8192, dim % 4 == 0, dim <= 256; k 16-byte aligned.
 //
 // topk_rows: for each row t, the positions of the k largest of scores[t, 0 .. n_valid(t)),
 //   n_valid(t) = pos0 + t + 1, ascending, -1 padded (all valid positions when there are at most
@@ -21,30 +21,43 @@
 //   `cache_keys` positions in dynamic shared memory (4 bytes each) for the others. At decode
 //   (T = 1) this block is alone on the GPU, so the kernel is its latency: loads are issued in
 //   batches, and warps walk the row in coalesced steps.
+//
+// topk_rows_cluster: the same selection, bit for bit, by a cluster of TOPK_CLUSTER blocks a row
+//   (sm_90+; grid (TOPK_CLUSTER, T)): block r takes the r-th stretch of the row, keeps its keys
+//   (up to `cache_keys`) in shared memory, and counts them into its own histogram; after a
+//   cluster barrier every block adds the cluster's histograms (distributed shared memory) and
+//   finds the same digit, so the passes need no other exchange. The placement adds the counts
+//   of the blocks before it. For decode, where one block per row leaves the GPU idle and each
+//   pass's shared atomics are one SM's work.
 
-#define DSA_KEYS 32
+#define DSA_KEYS 32  // keys of a tile a lane's turn: a tile is DSA_KEYS * KPL keys
 #define DSA_HC 8  // heads per warp pass
 #define DSA_BATCH 8  // float4 loads a thread has in flight while filling shared memory
 
-extern "C" __global__ void __launch_bounds__(128) dsa_scores(
-    const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,
-    float scale, float* scores, i64 s_stride, int tiles) {
+// Each broadcast query float4 serves a lane's KPL keys, so a warp's shared loads per 4 FMA
+// fall from 9 / 8 (KPL 1) to 10 / 16 (KPL 2); dsa_scores2 where its tiles fit
+// (DSA_SCORES2_SMEM, kernels.rs: GLM-5's indexer), dsa_scores for the larger queries.
+template <int KPL>
+__device__ __forceinline__ void dsa_scores_body(const float* q, const float* k, const float* w,
+                                                int heads, int dim, int S, int pos0, float scale,
+                                                float* scores, i64 s_stride, int tiles) {
+    constexpr int TK = DSA_KEYS * KPL;  // keys a tile
     pdl_enter();
     extern __shared__ __align__(16) float dsmem[];
     __shared__ float ws[64];
-    __shared__ float part[4][DSA_KEYS];
+    __shared__ float part[4][TK];
     const int dim4 = dim / 4, kstride = dim + 4;
     float* qs = dsmem;                 // [heads][dim]
-    float* kbuf = dsmem + heads * dim; // [2][DSA_KEYS][dim + 4]: this tile and the next
+    float* kbuf = dsmem + heads * dim; // [2][TK][dim + 4]: this tile and the next
     const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tile0 = blockIdx.x * tiles;
-    const int tile1 = min(tile0 + tiles, (S + DSA_KEYS - 1) / DSA_KEYS);
+    const int tile1 = min(tile0 + tiles, (S + TK - 1) / TK);
 
     // Key tile `tile` into buffer b by cp.async (rows past S zero-filled), one commit group.
     auto copy_tile = [&](int tile, int b) {
-        const u32 base = (u32)__cvta_generic_to_shared(kbuf + b * DSA_KEYS * kstride);
-        const int s0 = tile * DSA_KEYS;
-        for (int i = tid; i < DSA_KEYS * dim4; i += 128) {
+        const u32 base = (u32)__cvta_generic_to_shared(kbuf + b * TK * kstride);
+        const int s0 = tile * TK;
+        for (int i = tid; i < TK * dim4; i += 128) {
             int r = i / dim4, c = i - r * dim4;
             bool ok = s0 + r < S;
             cp16(base + 4 * (r * kstride + 4 * c), k + (i64)(ok ? s0 + r : 0) * dim + 4 * c, ok);
@@ -72,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(128) dsa_scores(
     for (int i = tid; i < heads; i += blockDim.x) ws[i] = w[(i64)t * heads + i];
 
     for (int tile = tile0; tile < tile1; tile++) {
-        const int b = (tile - tile0) & 1, s0 = tile * DSA_KEYS;
+        const int b = (tile - tile0) & 1, s0 = tile * TK;
         // The previous tile's readers are past the barrier at its end, so its buffer is free.
         if (tile + 1 < tile1) {
             copy_tile(tile + 1, b ^ 1);
@@ -81,39 +94,63 @@ extern "C" __global__ void __launch_bounds__(128) dsa_scores(
             cp_wait<0>();
         }
         __syncthreads();
-        const float* ks = kbuf + b * DSA_KEYS * kstride;
-        const float4* kr = (const float4*)(ks + lane * kstride);
-        float total = 0.0f;
+        const float* ks = kbuf + b * TK * kstride;
+        const float4* kr[KPL];
+#pragma unroll
+        for (int j = 0; j < KPL; j++) kr[j] = (const float4*)(ks + (lane + DSA_KEYS * j) * kstride);
+        float total[KPL];
+#pragma unroll
+        for (int j = 0; j < KPL; j++) total[j] = 0.0f;
         for (int hc = warp * DSA_HC; hc < heads; hc += 4 * DSA_HC) {
-            float dot[DSA_HC];
+            float dot[DSA_HC][KPL];
             int qrow[DSA_HC];  // float4 offset of each head's query row (past heads: unused)
 #pragma unroll
             for (int e = 0; e < DSA_HC; e++) {
-                dot[e] = 0.0f;
+#pragma unroll
+                for (int j = 0; j < KPL; j++) dot[e][j] = 0.0f;
                 qrow[e] = min(hc + e, heads - 1) * dim4;
             }
             const float4* q4s = (const float4*)qs;
             for (int d4 = 0; d4 < dim4; d4++) {
-                float4 kv = kr[d4];
+                float4 kv[KPL];
+#pragma unroll
+                for (int j = 0; j < KPL; j++) kv[j] = kr[j][d4];
 #pragma unroll
                 for (int e = 0; e < DSA_HC; e++) {
                     float4 qv = q4s[qrow[e] + d4];  // one address in every lane: a broadcast
-                    dot[e] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+#pragma unroll
+                    for (int j = 0; j < KPL; j++)
+                        dot[e][j] += qv.x * kv[j].x + qv.y * kv[j].y + qv.z * kv[j].z + qv.w * kv[j].w;
                 }
             }
 #pragma unroll
             for (int e = 0; e < DSA_HC; e++)
-                if (hc + e < heads) total += ws[hc + e] * fmaxf(scale * dot[e], 0.0f);
+#pragma unroll
+                for (int j = 0; j < KPL; j++)
+                    if (hc + e < heads) total[j] += ws[hc + e] * fmaxf(scale * dot[e][j], 0.0f);
         }
-        part[warp][lane] = total;
+#pragma unroll
+        for (int j = 0; j < KPL; j++) part[warp][lane + DSA_KEYS * j] = total[j];
         __syncthreads();
         if (warp == 0) {
-            int s = s0 + lane;
-            float sum = part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane];
-            if (s < S) scores[(i64)t * s_stride + s] = s <= pos0 + t ? sum : NEG_INF;
+#pragma unroll
+            for (int j = 0; j < KPL; j++) {
+                const int r = lane + DSA_KEYS * j, s = s0 + r;
+                float sum = part[0][r] + part[1][r] + part[2][r] + part[3][r];
+                if (s < S) scores[(i64)t * s_stride + s] = s <= pos0 + t ? sum : NEG_INF;
+            }
         }
     }
 }
+
+#define DSA_SCORES(name, KPL)                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) name(                                   \
+        const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,  \
+        float scale, float* scores, i64 s_stride, int tiles) {                                \
+        dsa_scores_body<KPL>(q, k, w, heads, dim, S, pos0, scale, scores, s_stride, tiles);   \
+    }
+DSA_SCORES(dsa_scores, 1)
+DSA_SCORES(dsa_scores2, 2)
 
 // keep_mask: the selection as bits for attention_prefill: bits[t, s / 32] bit s % 32 is set for
 //   every position s = ids[t, j] in 0 .. n_keys (bits zeroed before; -1 padding sets none).
@@ -261,4 +298,168 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
             for (int w = 0; w < warp; w++) gt += warp_gt[w], eq += warp_eq[w];
         }
     }
+}
+
+#define TOPK_CLUSTER 8  // kernels.rs
+
+#if __CUDA_ARCH__ >= 900
+#define TOPK_CLUSTER_DIMS __cluster_dims__(TOPK_CLUSTER, 1, 1)
+#else
+#define TOPK_CLUSTER_DIMS
+#endif
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
+}
+// The int at `p` in this block's shared memory, read from the same place in block `rank`'s.
+__device__ __forceinline__ int cluster_load(const int* p, int rank) {
+    u32 remote;
+    int v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+    return v;
+}
+#endif
+
+extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) topk_rows_cluster(
+    const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
+#if __CUDA_ARCH__ >= 900
+    pdl_enter();
+    extern __shared__ u32 cached[];  // [min(len, cache_keys)] the keys of the stretch's start
+    __shared__ int hist[2][2048];    // by pass parity: a pass zeroes the one no block still reads
+    __shared__ int scratch[32];
+    __shared__ int warp_gt[32], warp_eq[32];
+    __shared__ int block_gt, block_eq, base_gt, base_eq;
+    __shared__ u32 sel_prefix;
+    __shared__ int sel_remaining;
+    const int rank = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, lane = tid & 31,
+              warp = tid >> 5;
+    const int n = pos0 + t + 1;
+    const float* row = scores + (i64)t * s_stride;
+    int* orow = out + (i64)t * k;
+
+    if (n <= k) {  // the whole cluster returns
+        if (rank == 0)
+            for (int i = tid; i < k; i += TOPK_THREADS) orow[i] = i < n ? i : -1;
+        return;
+    }
+    // This block's stretch of the row: positions b0 .. b0 + len.
+    const int stretch = ((n + TOPK_CLUSTER - 1) / TOPK_CLUSTER + 31) & ~31;
+    const int b0 = min(rank * stretch, n), len = min(b0 + stretch, n) - b0;
+    const int n_cached = min(len, cache_keys);
+    auto key_at = [&](int j) { return j < n_cached ? cached[j] : order_key(row[b0 + j]); };
+
+    // Radix select as topk_rows, each block counting its stretch.
+    u32 prefix = 0, mask = 0;
+    int remaining = k;
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
+        int* h = hist[pass & 1];
+        for (int b = tid; b < bins; b += TOPK_THREADS) h[b] = 0;
+        __syncthreads();
+        for (int c0 = 0; c0 < len; c0 += TOPK_BATCH * TOPK_THREADS) {  // warp-uniform trips
+            u32 keys[TOPK_BATCH];
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = c0 + j * TOPK_THREADS + tid;
+                keys[j] = i >= len ? 0u : pass == 0 ? order_key(row[b0 + i]) : key_at(i);
+            }
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = c0 + j * TOPK_THREADS + tid;
+                if (pass == 0 && i < n_cached) cached[i] = keys[j];
+                if (i < len && (keys[j] & mask) == prefix)
+                    atomicAdd(&h[(keys[j] >> shift) & (bins - 1)], 1);
+            }
+        }
+        // Every block's counts of this pass are in; the other parity's readers (the pass
+        // before) are past this barrier too.
+        cluster_sync();
+        const int per = bins / TOPK_THREADS;  // 2 or 1
+        int c[2] = {0, 0}, count = 0;
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            if (b == per) break;
+            const int d = bins - 1 - per * tid - b;
+#pragma unroll
+            for (int q = 0; q < TOPK_CLUSTER; q++) c[b] += cluster_load(h + d, q);
+            count += c[b];
+        }
+        int larger = block_scan(count, scratch);
+        if (larger < remaining && larger + count >= remaining) {
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                if (b == per) break;
+                const int d = bins - 1 - per * tid - b;
+                if (larger + c[b] >= remaining) {
+                    sel_prefix = prefix | ((u32)d << shift);
+                    sel_remaining = remaining - larger;
+                    break;
+                }
+                larger += c[b];
+            }
+        }
+        __syncthreads();
+        prefix = sel_prefix;
+        remaining = sel_remaining;
+        mask |= (u32)(bins - 1) << shift;
+    }
+
+    // The placement of topk_rows within the stretch, after the keys of the blocks before it.
+    const int warps = TOPK_THREADS / 32;
+    const int seg = ((len + warps - 1) / warps + 31) & ~31;
+    const int s0 = min(warp * seg, len), s1 = min(s0 + seg, len);
+    const u32 below = (1u << lane) - 1;  // lanes before this one
+    int gt = 0, eq = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
+            u32 keys[TOPK_BATCH];
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = w0 + 32 * j + lane;
+                keys[j] = i < s1 ? key_at(i) : 0u;
+            }
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = w0 + 32 * j + lane;
+                bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
+                u32 bgt = __ballot_sync(0xffffffffu, is_gt);
+                u32 beq = __ballot_sync(0xffffffffu, is_eq);
+                if (pass == 1) {
+                    int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
+                    if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = b0 + i;
+                }
+                gt += __popc(bgt);
+                eq += __popc(beq);
+            }
+        }
+        if (pass == 0) {
+            if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
+            __syncthreads();
+            if (tid == 0) {
+                int sg = 0, se = 0;
+                for (int w = 0; w < warps; w++) sg += warp_gt[w], se += warp_eq[w];
+                block_gt = sg, block_eq = se;
+            }
+            cluster_sync();  // every block's counts
+            if (warp == 0) {
+                int bg = lane < rank ? cluster_load(&block_gt, lane) : 0;
+                int be = lane < rank ? cluster_load(&block_eq, lane) : 0;
+                for (int o = 16; o > 0; o >>= 1) {
+                    bg += __shfl_xor_sync(0xffffffffu, bg, o);
+                    be += __shfl_xor_sync(0xffffffffu, be, o);
+                }
+                if (lane == 0) base_gt = bg, base_eq = be;
+            }
+            __syncthreads();
+            // No block leaves (its counts unread) before all have read them: waited at the end.
+            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+            gt = base_gt, eq = base_eq;
+            for (int w = 0; w < warp; w++) gt += warp_gt[w], eq += warp_eq[w];
+        }
+    }
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
 }

@@ -2465,10 +2465,12 @@ fn dsa_scores_case(
 
 #[test]
 fn dsa_scores_and_topk_match() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
     let mut rng = Rng::new("dsa");
-    // GLM-5's indexer over 40000 keys: blocks of several key tiles.
+    // GLM-5's indexer over 40000 keys: blocks of several key tiles, two keys a lane
+    // (dsa_scores2); keys of 256, whose tiles of two keys a lane do not fit (dsa_scores).
     dsa_scores_case(&g, &mut rng, (32, 128, 1, 39999));
+    dsa_scores_case(&g, &mut rng, (16, 256, 2, 3000));
     let (tokens, pos0, k) = (6, 700, 256);
     let s_len = pos0 + tokens;
     let scores = dsa_scores_case(&g, &mut rng, (8, 128, tokens, pos0));
@@ -2478,54 +2480,90 @@ fn dsa_scores_and_topk_match() {
     for s in 0..40 {
         rows[2 * s_len + 3 * s] = 1e6; // 40 equal maxima in row 2
     }
-    let drows = g.upload(&rows).unwrap();
-    let dout = poisoned_i32(&g, tokens * k);
-    g.topk_rows(g.ptr(&drows, 0), s_len, tokens, pos0, k, g.ptr(&dout, 0))
-        .unwrap();
-    let got = g.download(&dout).unwrap();
-    for t in 0..tokens {
-        let want = topk_twin(&rows[t * s_len..][..s_len], pos0 + t + 1, k);
-        assert_eq!(&got[t * k..][..k], &want[..], "topk row {t}");
-    }
-    // Those selections as attention_prefill's bit mask, against the bits made here.
-    let words = s_len.div_ceil(32);
-    let dbits = g.upload(&vec![0u32; tokens * words]).unwrap();
-    g.keep_mask(g.ptr(&dout, 0), (tokens, k), s_len, words, g.ptr(&dbits, 0))
-        .unwrap();
-    assert_eq!(
-        g.download(&dbits).unwrap(),
-        keep_mask(&got, k, words),
-        "keep_mask"
-    );
-    // Fewer keys than k: all of them, then -1.
-    let dout = poisoned_i32(&g, 2 * k);
-    g.topk_rows(g.ptr(&drows, 0), s_len, 2, 10, k, g.ptr(&dout, 0))
-        .unwrap();
-    let got = g.download(&dout).unwrap();
-    assert_eq!(got[..k], topk_twin(&rows[..s_len], 11, k)[..]);
-    // GLM-5's decode shape: the top 2048 of 30000 keys (past the 22528 the kernel keeps in
-    // shared memory), scores from few values (ties at the boundary across many stretches of
-    // the row) and 8 of every 10 sharing their top bytes.
-    let (n, k_long) = (30000, 2048);
-    let long: Vec<f32> = (0..n)
-        .map(|i| {
-            let r = rng.normal();
-            if i % 10 < 8 {
-                1.0 + (r.abs() * 4.0).floor() / 64.0
-            } else {
-                (r * 4.0).floor()
-            }
+    // GLM-5's decode shape: the top 2048 of two rows of ~30000 keys (past the 22528 topk_rows
+    // keeps in shared memory) and of one of 140000 (past what topk_rows_cluster's blocks keep),
+    // scores from few values (ties at the boundary across many stretches of the row) and 8 of
+    // every 10 sharing their top bytes; rows this long take topk_rows_cluster where it runs.
+    let k_long = 2048;
+    let long_cases: Vec<(usize, Vec<f32>)> = [(2, 30000), (1, 140000)]
+        .into_iter()
+        .map(|(rows, n)| {
+            let values = (0..rows * n)
+                .map(|i| {
+                    let r = rng.normal();
+                    if i % 10 < 8 {
+                        1.0 + (r.abs() * 4.0).floor() / 64.0
+                    } else {
+                        (r * 4.0).floor()
+                    }
+                })
+                .collect();
+            (rows, values)
         })
         .collect();
-    let (dl, dout) = (g.upload(&long).unwrap(), poisoned_i32(&g, k_long));
-    g.topk_rows(g.ptr(&dl, 0), n, 1, n - 1, k_long, g.ptr(&dout, 0))
-        .unwrap();
-    assert_eq!(
-        g.download(&dout).unwrap(),
-        topk_twin(&long, n, k_long),
-        "topk of {n} keys"
-    );
-    println!("topk_rows: {tokens} rows of {s_len} keys, top {k}; 1 of {n}, top {k_long}: exact");
+    let drows = g.upload(&rows).unwrap();
+    // Rows a block each, and (sm_90 and later) long rows a cluster of blocks each.
+    for cluster in [false, g.topk_cluster] {
+        g.topk_cluster = cluster;
+        let form = if cluster {
+            "topk_rows_cluster"
+        } else {
+            "topk_rows"
+        };
+        let dout = poisoned_i32(&g, tokens * k);
+        g.topk_rows(g.ptr(&drows, 0), s_len, tokens, pos0, k, g.ptr(&dout, 0))
+            .unwrap();
+        let got = g.download(&dout).unwrap();
+        for t in 0..tokens {
+            let want = topk_twin(&rows[t * s_len..][..s_len], pos0 + t + 1, k);
+            assert_eq!(&got[t * k..][..k], &want[..], "topk row {t}");
+        }
+        // Those selections as attention_prefill's bit mask, against the bits made here.
+        let words = s_len.div_ceil(32);
+        let dbits = g.upload(&vec![0u32; tokens * words]).unwrap();
+        g.keep_mask(g.ptr(&dout, 0), (tokens, k), s_len, words, g.ptr(&dbits, 0))
+            .unwrap();
+        assert_eq!(
+            g.download(&dbits).unwrap(),
+            keep_mask(&got, k, words),
+            "keep_mask"
+        );
+        // Fewer keys than k: all of them, then -1.
+        let dout = poisoned_i32(&g, 2 * k);
+        g.topk_rows(g.ptr(&drows, 0), s_len, 2, 10, k, g.ptr(&dout, 0))
+            .unwrap();
+        let got = g.download(&dout).unwrap();
+        assert_eq!(got[..k], topk_twin(&rows[..s_len], 11, k)[..], "11 keys");
+        for (long_rows, long) in &long_cases {
+            // Row t: the first n - long_rows + t + 1 of its n values.
+            let n = long.len() / long_rows;
+            let (dl, dout) = (
+                g.upload(long).unwrap(),
+                poisoned_i32(&g, long_rows * k_long),
+            );
+            g.topk_rows(
+                g.ptr(&dl, 0),
+                n,
+                *long_rows,
+                n - long_rows,
+                k_long,
+                g.ptr(&dout, 0),
+            )
+            .unwrap();
+            let got = g.download(&dout).unwrap();
+            for t in 0..*long_rows {
+                assert_eq!(
+                    got[t * k_long..][..k_long],
+                    topk_twin(&long[t * n..][..n], n - long_rows + t + 1, k_long)[..],
+                    "{form}, top {k_long} of row {t} of {n} keys"
+                );
+            }
+        }
+        println!(
+            "topk_rows{}: {tokens} rows of {s_len} keys, top {k}; top {k_long} of 2 rows of 30000 and 1 of 140000 keys ({form}): exact",
+            if cluster { " with clusters" } else { "" }
+        );
+    }
 }
 
 // ----- MoE ---------------------------------------------------------------------------------------

@@ -45,6 +45,9 @@ pub struct Gpu {
     /// Whether a decode row's residual add and norm run on a cluster of blocks
     /// (add_rmsnorm_cluster, ops.rs), which alone sums a row given as parts: sm_90 and later.
     pub clusters: bool,
+    /// Whether a few rows' DSA top-k run on a cluster of blocks each (topk_rows_cluster,
+    /// ops.rs): sm_90 and later.
+    pub topk_cluster: bool,
     /// Whether prefill attention of 16 rows or more runs on the tensor cores (ops.rs,
     /// attention_prefill_mma); `MLA_ATT_MMA=0` keeps it on the f32 kernel, to measure it.
     pub attention_mma: bool,
@@ -160,6 +163,7 @@ impl Gpu {
             dependent_launch,
             bulk_copies,
             clusters: major >= 9,
+            topk_cluster: major >= 9,
             item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
             attention_mma: std::env::var("MLA_ATT_MMA").map_or(true, |v| v != "0"),
             name: ctx.name()?,

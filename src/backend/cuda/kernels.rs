@@ -81,7 +81,7 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         | "mla_decode_split16"
         | "mla_decode_split16x2"
         | "mla_decode_combine" => "mla_decode",
-        "dsa_scores" | "topk_rows" | "keep_mask" => "dsa",
+        "dsa_scores" | "dsa_scores2" | "topk_rows" | "topk_rows_cluster" | "keep_mask" => "dsa",
         "moe_router" | "moe_route_f32" | "moe_combine" => "moe",
         "argmax_row" | "top_p_sample" => "sampling",
         _ => return None,
@@ -159,12 +159,20 @@ pub const DSA_Q_MAX: usize = 8192;
 /// keeps in shared memory for its later passes (88 KiB).
 pub const TOPK_THREADS: u32 = 1024;
 pub const TOPK_CACHE_KEYS: usize = 22528;
+/// Blocks of topk_rows_cluster a row, and the most keys of its stretch each keeps in shared
+/// memory (64 KiB, beside its two 8 KiB histograms).
+pub const TOPK_CLUSTER: usize = 8;
+pub const TOPK_CLUSTER_CACHE_KEYS: usize = 16384;
 
-/// Dynamic shared memory of dsa_scores: the query [heads][dim] and two tiles of 32 keys, rows
-/// padded by 4 floats.
-pub fn dsa_scores_smem_bytes(heads: usize, dim: usize) -> usize {
-    4 * (heads * dim + 2 * 32 * (dim + 4))
+/// Dynamic shared memory of dsa_scores (`keys_per_lane` 1) and dsa_scores2 (2): the query
+/// [heads][dim] and two tiles of 32 keys a lane, rows padded by 4 floats.
+pub fn dsa_scores_smem_bytes(heads: usize, dim: usize, keys_per_lane: usize) -> usize {
+    4 * (heads * dim + 2 * 32 * keys_per_lane * (dim + 4))
 }
+
+/// The most dynamic shared memory dsa_scores2 is launched with (beside its 2.3 KiB of static
+/// shared memory, within SM120's limit): GLM-5's 32 heads x 128 take 82 KiB.
+pub const DSA_SCORES2_SMEM: usize = 96 * 1024;
 
 /// Dynamic shared memory of the cp.async matmul kernels (CpCfg in kernels/matmul.cu, whose
 /// static_assert keeps each under 99 KiB): STAGES stages of the X tile (bf16 rows of 128
@@ -204,8 +212,10 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
             .find(|f| f.0 == k)
             .map_or(0, |&(_, dqk, dv, bk)| attention_mma_smem_bytes(dqk, dv, bk)),
         // heads * dim <= DSA_Q_MAX, dim <= DSA_DIM_MAX: the widest keys make the largest tiles.
-        "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX),
+        "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX, 1),
+        "dsa_scores2" => DSA_SCORES2_SMEM,
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
+        "topk_rows_cluster" => 4 * TOPK_CLUSTER_CACHE_KEYS,
         "mla_decode_split" | "mla_decode_split16" | "mla_decode_split16x2" => {
             mla_decode_smem_bytes()
         }

@@ -10,7 +10,8 @@ use super::error::{check, CudaError};
 use super::kernels::{
     attention_mma_smem_bytes, attention_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX,
     ATT_DV_MAX, ATT_MMA_BQ, ATT_MMA_FORMS, ATT_MMA_THREADS, ATT_THREADS, DSA_DIM_MAX, DSA_Q_MAX,
-    LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS, TOPK_THREADS,
+    DSA_SCORES2_SMEM, LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS,
+    TOPK_CLUSTER, TOPK_CLUSTER_CACHE_KEYS, TOPK_THREADS,
 };
 use cudarc::driver::sys::CUresult;
 
@@ -2206,12 +2207,18 @@ impl Gpu {
         if keys == 0 || tokens == 0 {
             return Ok(());
         }
-        // Tiles of 32 keys per block: as many as spread all tiles over one wave of blocks, so
-        // that a long row loads its query once per block rather than once per tile.
-        let smem = dsa_scores_smem_bytes(heads, dim);
-        let slots = self.wave_blocks("dsa_scores", 128, smem)?;
-        let tiles = (keys.div_ceil(32) * tokens).div_ceil(slots).max(1);
-        launch!(self, "dsa_scores", (grid1(keys, 32 * tiles), tokens as u32, 1), 128,
+        // Two keys a lane where the tiles fit (kernels/dsa.cu).
+        let (kernel, per_lane) = if dsa_scores_smem_bytes(heads, dim, 2) <= DSA_SCORES2_SMEM {
+            ("dsa_scores2", 2)
+        } else {
+            ("dsa_scores", 1)
+        };
+        // Tiles of 32 keys a lane per block: as many as spread all tiles over one wave of
+        // blocks, so that a long row loads its query once per block rather than once per tile.
+        let (smem, tile) = (dsa_scores_smem_bytes(heads, dim, per_lane), 32 * per_lane);
+        let slots = self.wave_blocks(kernel, 128, smem)?;
+        let tiles = (keys.div_ceil(tile) * tokens).div_ceil(slots).max(1);
+        launch!(self, kernel, (grid1(keys, tile * tiles), tokens as u32, 1), 128,
             smem as u32;
             q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores,
             s_stride as i64, tiles as i32);
@@ -2236,6 +2243,7 @@ impl Gpu {
     }
 
     /// Per row t: the k best of scores[t, 0 ..= pos0 + t], ascending positions, -1 padded.
+    /// A few long rows take a cluster of blocks each (topk_rows_cluster), the others a block.
     pub fn topk_rows(
         &self,
         scores: Ptr,
@@ -2245,13 +2253,34 @@ impl Gpu {
         k: usize,
         out: Ptr,
     ) -> Result<(), CudaError> {
+        let n = pos0 + tokens; // the longest row
+        if self.topk_cluster
+            && n >= TOPK_CLUSTER_MIN_KEYS
+            && tokens * TOPK_CLUSTER <= self.multiprocessors
+        {
+            // A cluster a row (decode): the longest stretch's keys, as far as they fit.
+            let cache_keys = n
+                .div_ceil(TOPK_CLUSTER)
+                .next_multiple_of(32)
+                .min(TOPK_CLUSTER_CACHE_KEYS);
+            launch!(self, "topk_rows_cluster", (TOPK_CLUSTER as u32, tokens as u32, 1),
+                TOPK_THREADS, 4 * cache_keys as u32;
+                scores, s_stride as i64, pos0 as i32, k as i32, cache_keys as i32, out);
+            return Ok(());
+        }
         // The longest row's keys, as far as they fit.
-        let cache_keys = (pos0 + tokens).min(TOPK_CACHE_KEYS);
+        let cache_keys = n.min(TOPK_CACHE_KEYS);
         launch!(self, "topk_rows", (tokens as u32, 1, 1), TOPK_THREADS, 4 * cache_keys as u32;
             scores, s_stride as i64, pos0 as i32, k as i32, cache_keys as i32, out);
         Ok(())
     }
 }
+
+/// Rows from which topk_rows_cluster takes a decode row. Its passes cost each of its blocks
+/// about what they cost topk_rows' one block over 8K keys, plus the cluster's barriers and
+/// reads: H100, the top 2048 of 8K keys 12.7 -> 23.0 us, of 32K 30.9 -> 22.8 (ncu), so it
+/// gains from ~21K keys on (docs/performance.md, fifty-third look).
+const TOPK_CLUSTER_MIN_KEYS: usize = 24 * 1024;
 
 /// ROUTER_THREADS of kernels/moe.cu: one block per token.
 const ROUTER_THREADS: u32 = 256;
