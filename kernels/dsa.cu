@@ -189,6 +189,77 @@ __device__ int block_scan(int v, int* scratch) {
 #define TOPK_THREADS 1024  // kernels.rs
 #define TOPK_BATCH 8  // keys a thread loads before it uses them: loads in flight, not in turn
 
+// The key of position first + i: kept in `cached` for i below n_cached (past the first pass,
+// which fills it), else read from the row.
+__device__ __forceinline__ u32 topk_key(const float* row, int first, const u32* cached,
+                                        int n_cached, int i) {
+    return i < n_cached ? cached[i] : order_key(row[first + i]);
+}
+
+// One radix pass: the keys of positions first .. first + len of `row` that match `prefix`
+// under `mask`, counted into h by their digit at `shift` (bins - 1 its mask) by THREADS
+// threads. Pass 0 reads the scores and keeps the first n_cached keys in `cached`.
+template <int THREADS>
+__device__ __forceinline__ void topk_count(const float* row, int first, int len, u32* cached,
+                                           int n_cached, int pass, u32 prefix, u32 mask,
+                                           int shift, int bins, int* h) {
+    const int tid = threadIdx.x;
+    for (int c0 = 0; c0 < len; c0 += TOPK_BATCH * THREADS) {  // warp-uniform trips
+        u32 keys[TOPK_BATCH];
+#pragma unroll
+        for (int j = 0; j < TOPK_BATCH; j++) {
+            int i = c0 + j * THREADS + tid;
+            keys[j] = i >= len                 ? 0u
+                      : pass == 0              ? order_key(row[first + i])
+                                               : topk_key(row, first, cached, n_cached, i);
+        }
+#pragma unroll
+        for (int j = 0; j < TOPK_BATCH; j++) {
+            int i = c0 + j * THREADS + tid;
+            if (pass == 0 && i < n_cached) cached[i] = keys[j];
+            // Plain shared atomics: grouping a warp's equal digits first (__match_any_sync,
+            // or a ballot on the first lane's digit) was slower (lab, H200: 8K keys
+            // 40.5 and 15.8 us against 13.0).
+            if (i < len && (keys[j] & mask) == prefix)
+                atomicAdd(&h[(keys[j] >> shift) & (bins - 1)], 1);
+        }
+    }
+}
+
+// One pass of a warp's walk over positions first + s0 .. first + s1 of `row`, 32 a step
+// (coalesced, and a lane's place within the step from ballots), once the k-th largest key is
+// `prefix`: pass 0 counts the keys above it (gt) and equal to it (eq); pass 1, gt and eq
+// starting from the counts before s0, writes each selected position to its place
+// gt + min(eq, remaining) in orow (the first `remaining` keys equal to prefix are taken).
+__device__ __forceinline__ void topk_place(const float* row, int first, const u32* cached,
+                                           int n_cached, int s0, int s1, u32 prefix,
+                                           int remaining, int pass, int& gt, int& eq,
+                                           int* orow) {
+    const int lane = threadIdx.x & 31;
+    const u32 below = (1u << lane) - 1;  // lanes before this one
+    for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
+        u32 keys[TOPK_BATCH];
+#pragma unroll
+        for (int j = 0; j < TOPK_BATCH; j++) {
+            int i = w0 + 32 * j + lane;
+            keys[j] = i < s1 ? topk_key(row, first, cached, n_cached, i) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < TOPK_BATCH; j++) {
+            int i = w0 + 32 * j + lane;
+            bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
+            u32 bgt = __ballot_sync(0xffffffffu, is_gt);
+            u32 beq = __ballot_sync(0xffffffffu, is_eq);
+            if (pass == 1) {
+                int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
+                if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = first + i;
+            }
+            gt += __popc(bgt);
+            eq += __popc(beq);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
     pdl_enter();
@@ -207,9 +278,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
         for (int i = tid; i < k; i += TOPK_THREADS) orow[i] = i < n ? i : -1;
         return;
     }
-    // Past the first pass, which fills `cached`.
-    auto key_at = [&](int i) { return i < n_cached ? cached[i] : order_key(row[i]); };
-
     // Radix select, 11 + 11 + 10 bits from the top: find the key of the k-th largest score.
     u32 prefix = 0, mask = 0;
     int remaining = k;
@@ -217,24 +285,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
         const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
         for (int b = tid; b < bins; b += TOPK_THREADS) hist[b] = 0;
         __syncthreads();
-        for (int c0 = 0; c0 < n; c0 += TOPK_BATCH * TOPK_THREADS) {  // warp-uniform trips
-            u32 keys[TOPK_BATCH];
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = c0 + j * TOPK_THREADS + tid;
-                keys[j] = i >= n ? 0u : pass == 0 ? order_key(row[i]) : key_at(i);
-            }
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = c0 + j * TOPK_THREADS + tid;
-                if (pass == 0 && i < n_cached) cached[i] = keys[j];
-                // Plain shared atomics: grouping a warp's equal digits first (__match_any_sync,
-                // or a ballot on the first lane's digit) was slower (lab, H200: 8K keys
-                // 40.5 and 15.8 us against 13.0).
-                if (i < n && (keys[j] & mask) == prefix)
-                    atomicAdd(&hist[(keys[j] >> shift) & (bins - 1)], 1);
-            }
-        }
+        topk_count<TOPK_THREADS>(row, 0, n, cached, n_cached, pass, prefix, mask, shift, bins,
+                                 hist);
         __syncthreads();
         // Bins from the top (thread j: the `per` digits from bins - 1 - per * j down): the
         // digit where the count of larger keys first reaches `remaining`.
@@ -267,30 +319,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
     const int warps = TOPK_THREADS / 32;
     const int seg = ((n + warps - 1) / warps + 31) & ~31;
     const int s0 = min(warp * seg, n), s1 = min(s0 + seg, n);
-    const u32 below = (1u << lane) - 1;  // lanes before this one
     int gt = 0, eq = 0;
     for (int pass = 0; pass < 2; pass++) {
-        for (int b0 = s0; b0 < s1; b0 += 32 * TOPK_BATCH) {
-            u32 keys[TOPK_BATCH];
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = b0 + 32 * j + lane;
-                keys[j] = i < s1 ? key_at(i) : 0u;
-            }
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = b0 + 32 * j + lane;
-                bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
-                u32 bgt = __ballot_sync(0xffffffffu, is_gt);
-                u32 beq = __ballot_sync(0xffffffffu, is_eq);
-                if (pass == 1) {
-                    int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
-                    if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = i;
-                }
-                gt += __popc(bgt);
-                eq += __popc(beq);
-            }
-        }
+        topk_place(row, 0, cached, n_cached, s0, s1, prefix, remaining, pass, gt, eq, orow);
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
@@ -349,7 +380,6 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     const int stretch = ((n + TOPK_CLUSTER - 1) / TOPK_CLUSTER + 31) & ~31;
     const int b0 = min(rank * stretch, n), len = min(b0 + stretch, n) - b0;
     const int n_cached = min(len, cache_keys);
-    auto key_at = [&](int j) { return j < n_cached ? cached[j] : order_key(row[b0 + j]); };
 
     // Radix select as topk_rows, each block counting its stretch.
     u32 prefix = 0, mask = 0;
@@ -359,21 +389,8 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
         int* h = hist[pass & 1];
         for (int b = tid; b < bins; b += TOPK_THREADS) h[b] = 0;
         __syncthreads();
-        for (int c0 = 0; c0 < len; c0 += TOPK_BATCH * TOPK_THREADS) {  // warp-uniform trips
-            u32 keys[TOPK_BATCH];
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = c0 + j * TOPK_THREADS + tid;
-                keys[j] = i >= len ? 0u : pass == 0 ? order_key(row[b0 + i]) : key_at(i);
-            }
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = c0 + j * TOPK_THREADS + tid;
-                if (pass == 0 && i < n_cached) cached[i] = keys[j];
-                if (i < len && (keys[j] & mask) == prefix)
-                    atomicAdd(&h[(keys[j] >> shift) & (bins - 1)], 1);
-            }
-        }
+        topk_count<TOPK_THREADS>(row, b0, len, cached, n_cached, pass, prefix, mask, shift, bins,
+                                 h);
         // Every block's counts of this pass are in; the other parity's readers (the pass
         // before) are past this barrier too.
         cluster_sync();
@@ -411,30 +428,9 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     const int warps = TOPK_THREADS / 32;
     const int seg = ((len + warps - 1) / warps + 31) & ~31;
     const int s0 = min(warp * seg, len), s1 = min(s0 + seg, len);
-    const u32 below = (1u << lane) - 1;  // lanes before this one
     int gt = 0, eq = 0;
     for (int pass = 0; pass < 2; pass++) {
-        for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
-            u32 keys[TOPK_BATCH];
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = w0 + 32 * j + lane;
-                keys[j] = i < s1 ? key_at(i) : 0u;
-            }
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = w0 + 32 * j + lane;
-                bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
-                u32 bgt = __ballot_sync(0xffffffffu, is_gt);
-                u32 beq = __ballot_sync(0xffffffffu, is_eq);
-                if (pass == 1) {
-                    int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
-                    if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = b0 + i;
-                }
-                gt += __popc(bgt);
-                eq += __popc(beq);
-            }
-        }
+        topk_place(row, b0, cached, n_cached, s0, s1, prefix, remaining, pass, gt, eq, orow);
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
