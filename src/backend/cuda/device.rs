@@ -45,8 +45,8 @@ pub struct Gpu {
     /// Whether a decode row's residual add and norm run on a cluster of blocks
     /// (add_rmsnorm_cluster, ops.rs), which alone sums a row given as parts: sm_90 and later.
     pub clusters: bool,
-    /// Whether a few rows' DSA top-k run on a cluster of blocks each (topk_rows_cluster,
-    /// ops.rs): sm_90 and later.
+    /// Whether a few long rows' DSA top-k (decode at 24K positions and more) run on a cluster
+    /// of blocks each (topk_rows_cluster, ops.rs): sm_90 and later.
     pub topk_cluster: bool,
     /// Whether prefill attention of 16 rows or more runs on the tensor cores (ops.rs,
     /// attention_prefill_mma); `MLA_ATT_MMA=0` keeps it on the f32 kernel, to measure it.
