@@ -102,6 +102,27 @@ __device__ __forceinline__ void cp_wait() {
 __device__ __forceinline__ u32 shared_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
+// Thread block clusters (sm_90 and later): a barrier of every thread of the cluster, whose
+// arrival releases and whose wait acquires the blocks' shared-memory writes (split in two
+// where a block has work between them), and the address of p's place in block `rank`'s shared
+// memory (for ld.shared::cluster).
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
+}
+__device__ __forceinline__ u32 cluster_addr(const void* p, int rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_addr(p)), "r"(rank));
+    return remote;
+}
+#endif
 __device__ __forceinline__ void mbar_init(u64* b, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(b)), "r"(count));
 }

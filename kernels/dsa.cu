@@ -340,16 +340,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
 #endif
 
 #if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
-                     : "memory");
-}
 // The int at `p` in this block's shared memory, read from the same place in block `rank`'s.
 __device__ __forceinline__ int cluster_load(const int* p, int rank) {
-    u32 remote;
     int v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+    asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(cluster_addr(p, rank)) : "memory");
     return v;
 }
 #endif
@@ -451,11 +445,11 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
             }
             __syncthreads();
             // No block leaves (its counts unread) before all have read them: waited at the end.
-            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+            cluster_arrive();
             gt = base_gt, eq = base_eq;
             for (int w = 0; w < warp; w++) gt += warp_gt[w], eq += warp_eq[w];
         }
     }
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    cluster_wait();
 #endif
 }

@@ -139,27 +139,24 @@ extern "C" __global__ void NORM_CLUSTER_DIMS __launch_bounds__(CLUSTER_THREADS)
     }
     ss = block_sum(ss, scratch);
     if (threadIdx.x == 0) block_ss = ss;
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
-                     : "memory");
+    cluster_sync();
     // Lane b reads block b's sum (the grid is one cluster: block b is its rank b).
     float part = 0.0f;
     int lane = threadIdx.x & 31;
-    if (lane < NORM_CLUSTER) {
-        u32 remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                     : "=r"(remote)
-                     : "r"(shared_addr(&block_ss)), "r"(lane));
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(part) : "r"(remote) : "memory");
-    }
+    if (lane < NORM_CLUSTER)
+        asm volatile("ld.shared::cluster.f32 %0, [%1];"
+                     : "=f"(part)
+                     : "r"(cluster_addr(&block_ss, lane))
+                     : "memory");
     // No block leaves while another may still read its sum.
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    cluster_arrive();
     const float inv = rsqrtf(warp_sum(part) / (float)n + eps);
 #pragma unroll
     for (int k = 0; k < CLUSTER_VALS; k++) {
         int i = lo + threadIdx.x + k * CLUSTER_THREADS;
         if (i < hi) y[i] = v[k] * inv * wv[k];
     }
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    cluster_wait();
 #endif
 }
 
