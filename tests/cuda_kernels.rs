@@ -2502,7 +2502,43 @@ fn dsa_scores_and_topk_match() {
         })
         .collect();
     let drows = g.upload(&rows).unwrap();
-    // Rows a block each, and (sm_90 and later) long rows a cluster of blocks each.
+    let dout = poisoned_i32(&g, tokens * k);
+    g.topk_rows(g.ptr(&drows, 0), s_len, tokens, pos0, k, g.ptr(&dout, 0))
+        .unwrap();
+    let got = g.download(&dout).unwrap();
+    for t in 0..tokens {
+        let want = topk_twin(&rows[t * s_len..][..s_len], pos0 + t + 1, k);
+        assert_eq!(&got[t * k..][..k], &want[..], "topk row {t}");
+    }
+    // Those selections as attention_prefill's bit mask, against the bits made here.
+    let words = s_len.div_ceil(32);
+    let dbits = g.upload(&vec![0u32; tokens * words]).unwrap();
+    g.keep_mask(g.ptr(&dout, 0), (tokens, k), s_len, words, g.ptr(&dbits, 0))
+        .unwrap();
+    assert_eq!(
+        g.download(&dbits).unwrap(),
+        keep_mask(&got, k, words),
+        "keep_mask"
+    );
+    // Fewer keys than k: all of them, then -1.
+    let dout = poisoned_i32(&g, 2 * k);
+    g.topk_rows(g.ptr(&drows, 0), s_len, 2, 10, k, g.ptr(&dout, 0))
+        .unwrap();
+    let got = g.download(&dout).unwrap();
+    assert_eq!(got[..k], topk_twin(&rows[..s_len], 11, k)[..], "11 keys");
+
+    // The long rows on the device with their twins (row t: the first n - rows + t + 1 of its
+    // n values), then selected a block a row and (sm_90 and later) a cluster of blocks a row.
+    let long_cases: Vec<_> = long_cases
+        .iter()
+        .map(|(long_rows, long)| {
+            let n = long.len() / long_rows;
+            let want: Vec<Vec<i32>> = (0..*long_rows)
+                .map(|t| topk_twin(&long[t * n..][..n], n - long_rows + t + 1, k_long))
+                .collect();
+            (*long_rows, n, g.upload(long).unwrap(), want)
+        })
+        .collect();
     for cluster in [false, g.topk_cluster] {
         g.topk_cluster = cluster;
         let form = if cluster {
@@ -2510,40 +2546,11 @@ fn dsa_scores_and_topk_match() {
         } else {
             "topk_rows"
         };
-        let dout = poisoned_i32(&g, tokens * k);
-        g.topk_rows(g.ptr(&drows, 0), s_len, tokens, pos0, k, g.ptr(&dout, 0))
-            .unwrap();
-        let got = g.download(&dout).unwrap();
-        for t in 0..tokens {
-            let want = topk_twin(&rows[t * s_len..][..s_len], pos0 + t + 1, k);
-            assert_eq!(&got[t * k..][..k], &want[..], "topk row {t}");
-        }
-        // Those selections as attention_prefill's bit mask, against the bits made here.
-        let words = s_len.div_ceil(32);
-        let dbits = g.upload(&vec![0u32; tokens * words]).unwrap();
-        g.keep_mask(g.ptr(&dout, 0), (tokens, k), s_len, words, g.ptr(&dbits, 0))
-            .unwrap();
-        assert_eq!(
-            g.download(&dbits).unwrap(),
-            keep_mask(&got, k, words),
-            "keep_mask"
-        );
-        // Fewer keys than k: all of them, then -1.
-        let dout = poisoned_i32(&g, 2 * k);
-        g.topk_rows(g.ptr(&drows, 0), s_len, 2, 10, k, g.ptr(&dout, 0))
-            .unwrap();
-        let got = g.download(&dout).unwrap();
-        assert_eq!(got[..k], topk_twin(&rows[..s_len], 11, k)[..], "11 keys");
-        for (long_rows, long) in &long_cases {
-            // Row t: the first n - long_rows + t + 1 of its n values.
-            let n = long.len() / long_rows;
-            let (dl, dout) = (
-                g.upload(long).unwrap(),
-                poisoned_i32(&g, long_rows * k_long),
-            );
+        for (long_rows, n, dl, want) in &long_cases {
+            let dout = poisoned_i32(&g, long_rows * k_long);
             g.topk_rows(
-                g.ptr(&dl, 0),
-                n,
+                g.ptr(dl, 0),
+                *n,
                 *long_rows,
                 n - long_rows,
                 k_long,
@@ -2551,19 +2558,17 @@ fn dsa_scores_and_topk_match() {
             )
             .unwrap();
             let got = g.download(&dout).unwrap();
-            for t in 0..*long_rows {
+            for (t, want) in want.iter().enumerate() {
                 assert_eq!(
                     got[t * k_long..][..k_long],
-                    topk_twin(&long[t * n..][..n], n - long_rows + t + 1, k_long)[..],
+                    want[..],
                     "{form}, top {k_long} of row {t} of {n} keys"
                 );
             }
         }
-        println!(
-            "topk_rows{}: {tokens} rows of {s_len} keys, top {k}; top {k_long} of 2 rows of 30000 and 1 of 140000 keys ({form}): exact",
-            if cluster { " with clusters" } else { "" }
-        );
+        println!("{form}: top {k_long} of 2 rows of 30000 keys and 1 of 140000: exact");
     }
+    println!("topk_rows: {tokens} rows of {s_len} keys, top {k}: exact");
 }
 
 // ----- MoE ---------------------------------------------------------------------------------------
