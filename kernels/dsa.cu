@@ -152,6 +152,123 @@ __device__ __forceinline__ void dsa_scores_body(const float* q, const float* k, 
 DSA_SCORES(dsa_scores, 1)
 DSA_SCORES(dsa_scores2, 2)
 
+// dsa_scores_mma: the same scores on the tensor cores, each product in split bf16 (q = qh + ql,
+// k = kh + kl; qh.kh + qh.kl + ql.kh summed in f32 carry each term to ~2^-16, as MLA decode's
+// products do). Warp w of a block takes keys 16w .. 16w + 15 of each tile of 64 and all heads,
+// padded to 8 * NT: A (16 keys x 16 dims) straight from the cache, a float4 a lane a row (a
+// lane's k slots 2c, 2c + 1, 2c + 8, 2c + 9 take dims 4c .. 4c + 3: the product is the same in
+// any order of k), split in registers; B (16 dims x 8 heads) the query's hi and lo fragments,
+// split once a block into shared memory in the order lanes read them (one 16-byte load a
+// fragment). Dynamic shared memory dsa_scores_mma_smem_bytes(). dim % 16 == 0, dim <= 256;
+// heads <= 8 NT; k 16-byte aligned. No key tile in shared memory: a warp's loads are whole
+// 32-byte sectors, and its 16 rows' loads are in flight at once.
+#define DSA_MMA_KEYS 64  // keys a block's tile: 16 a warp
+
+template <int NT>
+__device__ __forceinline__ void dsa_scores_mma_body(const float* q, const float* k, const float* w,
+                                                    int heads, int dim, int S, int pos0,
+                                                    float scale, float* scores, i64 s_stride,
+                                                    int tiles) {
+    pdl_enter();
+    extern __shared__ __align__(16) uint4 qfrag[];  // [dim / 16][NT][32]: {bh0, bh1, bl0, bl1}
+    const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;  // a fragment's row (key, head) and k quarter
+    const int ksteps = dim / 16, dim4 = dim / 4;
+
+    // The query, split: float4 i = (head h, dims 4j ..) is B's fragment for lane (h % 8, j % 4)
+    // of N tile h / 8 at k step j / 4. Heads past `heads` are zero.
+    const float* qt = q + (i64)t * heads * dim;
+    for (int i = tid; i < 8 * NT * dim4; i += 128) {
+        const int h = i / dim4, j = i - h * dim4;
+        const float4 v = h < heads ? ((const float4*)(qt + (i64)h * dim))[j] : make_float4(0, 0, 0, 0);
+        const u32 h0 = pack_bf16x2(v.x, v.y), h1 = pack_bf16x2(v.z, v.w);
+        const u32 l0 = pack_bf16x2(v.x - bf16_to_f32((u16)h0), v.y - bf16_to_f32((u16)(h0 >> 16)));
+        const u32 l1 = pack_bf16x2(v.z - bf16_to_f32((u16)h1), v.w - bf16_to_f32((u16)(h1 >> 16)));
+        qfrag[((j >> 2) * NT + (h >> 3)) * 32 + (h & 7) * 4 + (j & 3)] = make_uint4(h0, h1, l0, l1);
+    }
+    // This lane's heads' weights: columns 2c, 2c + 1 of each N tile.
+    float wv[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int h = 8 * nt + 2 * c + e;
+            wv[nt][e] = h < heads ? w[(i64)t * heads + h] : 0.0f;
+        }
+    __syncthreads();
+
+    const int tile0 = blockIdx.x * tiles;
+    const int tile1 = min(tile0 + tiles, (S + DSA_MMA_KEYS - 1) / DSA_MMA_KEYS);
+    for (int tile = tile0; tile < tile1; tile++) {
+        const int s0 = tile * DSA_MMA_KEYS + 16 * warp;  // this warp's keys s0 .. s0 + 15
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        // Rows g and g + 8, 8 k steps (128 dims) of loads at once.
+        const float4* rows[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) rows[r] = (const float4*)(k + (i64)min(s0 + g + 8 * r, S - 1) * dim);
+        for (int k0 = 0; k0 < ksteps; k0 += 8) {
+            float4 kv[8][2];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    kv[j][r] = k0 + j < ksteps ? rows[r][4 * (k0 + j) + c] : make_float4(0, 0, 0, 0);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (k0 + j >= ksteps) break;
+                u32 ah[4], al[4];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const float4 v = kv[j][r];
+                    ah[r] = pack_bf16x2(v.x, v.y);
+                    ah[r + 2] = pack_bf16x2(v.z, v.w);
+                    al[r] = pack_bf16x2(v.x - bf16_to_f32((u16)ah[r]),
+                                        v.y - bf16_to_f32((u16)(ah[r] >> 16)));
+                    al[r + 2] = pack_bf16x2(v.z - bf16_to_f32((u16)ah[r + 2]),
+                                            v.w - bf16_to_f32((u16)(ah[r + 2] >> 16)));
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 b = qfrag[((k0 + j) * NT + nt) * 32 + lane];
+                    const u32 bh[2] = {b.x, b.y}, bl[2] = {b.z, b.w};
+                    mma_bf16_16816(acc[nt], ah, bh);
+                    mma_bf16_16816(acc[nt], ah, bl);
+                    mma_bf16_16816(acc[nt], al, bh);
+                }
+            }
+        }
+        // acc[nt]: keys g (0, 1) and g + 8 (2, 3) by heads 8 nt + 2c (0, 2) and + 1 (1, 3).
+        float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                sum[r] += wv[nt][0] * fmaxf(scale * acc[nt][2 * r], 0.0f) +
+                          wv[nt][1] * fmaxf(scale * acc[nt][2 * r + 1], 0.0f);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+            sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+        }
+        if (c < 2) {  // lane c = 0 writes key g, c = 1 key g + 8
+            const int s = s0 + g + 8 * c;
+            if (s < S) scores[(i64)t * s_stride + s] = s <= pos0 + t ? (c == 0 ? sum[0] : sum[1]) : NEG_INF;
+        }
+    }
+}
+
+#define DSA_SCORES_MMA(name, NT)                                                              \
+    extern "C" __global__ void __launch_bounds__(128) name(                                   \
+        const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,  \
+        float scale, float* scores, i64 s_stride, int tiles) {                                \
+        dsa_scores_mma_body<NT>(q, k, w, heads, dim, S, pos0, scale, scores, s_stride, tiles); \
+    }
+DSA_SCORES_MMA(dsa_scores_mma16, 2)
+DSA_SCORES_MMA(dsa_scores_mma32, 4)
+DSA_SCORES_MMA(dsa_scores_mma64, 8)
+
 // keep_mask: the selection as bits for attention_prefill: bits[t, s / 32] bit s % 32 is set for
 //   every position s = ids[t, j] in 0 .. n_keys (bits zeroed before; -1 padding sets none).
 //   One thread per id.

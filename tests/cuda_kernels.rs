@@ -127,6 +127,8 @@ fn assert_close(what: &str, got: &[f32], want: &[f64], threshold: f64) {
 const F32_OP: f64 = 1e-10;
 /// Products with bf16 operands and f32 accumulation.
 const BF16_MATMUL: f64 = 5e-4;
+/// Products of split bf16 operands (x = hi + lo: hi.hi + hi.lo + lo.hi) with f32 accumulation.
+const SPLIT_BF16: f64 = 1e-9;
 
 fn poisoned(g: &Gpu, n: usize) -> cudarc::driver::CudaSlice<f32> {
     g.upload(&vec![f32::NAN; n]).unwrap()
@@ -2359,7 +2361,7 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize, p
             let dout = poisoned(g, tokens * heads * dl);
             g.mla_decode_with(&a(g.ptr(&dout, 0)), per).unwrap();
             let got = g.download(&dout).unwrap();
-            assert_close(&what, &got, &want, 1e-9);
+            assert_close(&what, &got, &want, SPLIT_BF16);
         }
         // q_pe roped by the kernel, read in place from the whole query.
         let roped = |out: u64| MlaDecode {
@@ -2379,7 +2381,7 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize, p
                 "mla_decode dl {dl} dr {dr} {heads} heads, q_pe roped in the kernel, {per} keys a split{}",
                 if dsa { " dsa" } else { "" }
             );
-            assert_close(&what, &got, &want, 1e-9);
+            assert_close(&what, &got, &want, SPLIT_BF16);
         }
         if !dsa {
             // A split for every key (more than the combine holds) is an error, not a wrong answer.
@@ -2454,11 +2456,16 @@ fn dsa_scores_case(
             want.push(total);
         }
     }
+    // Tensor cores (split bf16) where ops.rs takes them, else the f32 kernels.
+    let mma = g.dsa_mma && dim.is_multiple_of(16) && heads <= 64;
     assert_close(
-        &format!("dsa_scores {heads}x{dim}, {tokens} rows of {s_len} keys"),
+        &format!(
+            "dsa_scores{} {heads}x{dim}, {tokens} rows of {s_len} keys",
+            if mma { " (mma)" } else { "" }
+        ),
         &got,
         &want,
-        F32_OP,
+        if mma { SPLIT_BF16 } else { F32_OP },
     );
     scores
 }
@@ -2467,13 +2474,23 @@ fn dsa_scores_case(
 fn dsa_scores_and_topk_match() {
     let Some(mut g) = gpu() else { return };
     let mut rng = Rng::new("dsa");
-    // GLM-5's indexer over 40000 keys: blocks of several key tiles, two keys a lane
-    // (dsa_scores2); keys of 256, whose tiles of two keys a lane do not fit (dsa_scores).
-    dsa_scores_case(&g, &mut rng, (32, 128, 1, 39999));
-    dsa_scores_case(&g, &mut rng, (16, 256, 2, 3000));
+    // The f32 kernels, then the tensor cores (where the key width allows): GLM-5's indexer
+    // over 40000 keys (blocks of several key tiles; f32: two keys a lane, dsa_scores2);
+    // keys of 256 (f32: tiles of two keys a lane do not fit, dsa_scores; mma: two rounds of
+    // 8 k steps); DeepSeek-V3.2's 64 heads; 20 heads of 48 (mma: heads padded to 32, 3 k
+    // steps, a last tile of 15 keys); keys of 36 (f32 only).
     let (tokens, pos0, k) = (6, 700, 256);
     let s_len = pos0 + tokens;
-    let scores = dsa_scores_case(&g, &mut rng, (8, 128, tokens, pos0));
+    let mut scores = Vec::new();
+    for mma in [false, true] {
+        g.dsa_mma = mma;
+        dsa_scores_case(&g, &mut rng, (32, 128, 1, 39999));
+        dsa_scores_case(&g, &mut rng, (16, 256, 2, 3000));
+        dsa_scores_case(&g, &mut rng, (64, 128, 3, 5000));
+        dsa_scores_case(&g, &mut rng, (20, 48, 2, 333));
+        dsa_scores_case(&g, &mut rng, (4, 36, 2, 100));
+        scores = dsa_scores_case(&g, &mut rng, (8, 128, tokens, pos0));
+    }
 
     // top-k on the GPU's own scores, plus a row with planted ties and a short row.
     let mut rows = scores.clone();

@@ -50,8 +50,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use mla_engine::backend::cuda::kernels::{
-    attention_mma_smem_bytes, matmul_cp_smem_bytes, mla_decode_smem_bytes, ATT_MMA_FORMS, MLA_HB,
-    MLA_THREADS,
+    attention_mma_smem_bytes, dsa_scores_mma_kernel, dsa_scores_mma_smem_bytes,
+    matmul_cp_smem_bytes, mla_decode_smem_bytes, ATT_MMA_FORMS, MLA_HB, MLA_THREADS,
 };
 use mla_engine::backend::cuda::ops::{
     latent_split, mla_combine_shape, tma6_smem_bytes, tma_part_k, tma_smem_bytes, tma_tile,
@@ -364,6 +364,15 @@ const PIECES: &[Piece] = &[
     Line("attention.cu", "ATTENTION_MMA(64, 64, 64)"),
     Line("attention.cu", "ATTENTION_MMA(192, 128, 64)"),
     Line("attention.cu", "ATTENTION_MMA(256, 256, 32)"),
+    Line("dsa.cu", "#define DSA_MMA_KEYS "),
+    Def(
+        "dsa.cu",
+        "template <int NT>\n__device__ __forceinline__ void dsa_scores_mma_body(",
+    ),
+    Line("dsa.cu", "#define DSA_SCORES_MMA("),
+    Line("dsa.cu", "DSA_SCORES_MMA(dsa_scores_mma16,"),
+    Line("dsa.cu", "DSA_SCORES_MMA(dsa_scores_mma32,"),
+    Line("dsa.cu", "DSA_SCORES_MMA(dsa_scores_mma64,"),
 ];
 
 /// The GPU tests' bounds (cuda_kernels): the integer products' F32_OP, MLA decode's, the
@@ -1917,4 +1926,82 @@ fn prefill_attention_on_tensor_cores_matches_f64() {
     check_attention(&h, shape(48, 16, 64, 40, 50), Some(24), 81);
     check_attention(&h, shape(128, 64, 128, 20, 100), None, 82);
     check_attention(&h, shape(192, 64, 256, 20, 40), Some(16), 83);
+}
+
+/// One dsa_scores_mma launch as ops.rs makes it (but `tiles` given): every key of every row
+/// against the f64 scores of the f32 inputs, future keys -inf, the stride's padding unwritten.
+fn check_dsa_scores(
+    h: &Emulation,
+    (heads, dim, tokens, pos0): (usize, usize, usize, usize),
+    tiles: usize,
+    seed: u64,
+) {
+    let mut rng = Rng::new(seed);
+    let s_len = pos0 + tokens;
+    let stride = s_len + 3;
+    let q = normals(&mut rng, tokens * heads * dim);
+    let k = normals(&mut rng, s_len * dim);
+    let w = normals(&mut rng, tokens * heads);
+    let scale = 0.088f32;
+    let kernel = dsa_scores_mma_kernel(heads).unwrap();
+    let nt = heads.next_power_of_two().max(16) / 8;
+    let mut got = h.run(
+        Args::default()
+            .i32(nt as i32)
+            .floats(&q)
+            .floats(&k)
+            .floats(&w)
+            .i32(heads as i32)
+            .i32(dim as i32)
+            .i32(s_len as i32)
+            .i32(pos0 as i32)
+            .f32(scale)
+            .i32(tokens as i32)
+            .i32(tiles as i32)
+            .i32(dsa_scores_mma_smem_bytes(heads, dim) as i32)
+            .floats(&vec![UNWRITTEN; tokens * stride])
+            .i64(stride as i64),
+    );
+    let mut want = Vec::new();
+    for t in 0..tokens {
+        for s in 0..stride {
+            let at = t * stride + s;
+            if s < s_len && s > pos0 + t {
+                assert_eq!(
+                    got[at],
+                    f32::NEG_INFINITY,
+                    "{kernel}: future key {s} of row {t}"
+                );
+                got[at] = UNWRITTEN; // checked: out of the nmse
+                want.push(None);
+                continue;
+            }
+            want.push((s < s_len).then(|| {
+                let kr = &k[s * dim..][..dim];
+                (0..heads)
+                    .map(|hd| {
+                        let qr = &q[(t * heads + hd) * dim..][..dim];
+                        let dot: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        w[t * heads + hd] as f64 * (scale as f64 * dot).max(0.0)
+                    })
+                    .sum()
+            }));
+        }
+    }
+    let what =
+        format!("{kernel} {heads}x{dim}, {tokens} rows of {s_len} keys, {tiles} tiles a block");
+    check_outputs_within(&what, &got, &want, MLA_OP);
+}
+
+#[test]
+fn dsa_scores_on_tensor_cores_match_f64() {
+    let Some(h) = Emulation::build("dsa_scores") else {
+        return;
+    };
+    // GLM-5's 32 heads of 128 (two tiles a block); 64 heads; 8 heads (padded to 16) of 256 (two
+    // rounds of 8 k steps); 20 heads (padded to 32) of 48 (3 k steps), a last tile of 3 keys.
+    check_dsa_scores(&h, (32, 128, 1, 300), 2, 1);
+    check_dsa_scores(&h, (64, 128, 2, 100), 1, 2);
+    check_dsa_scores(&h, (8, 256, 3, 70), 1, 3);
+    check_dsa_scores(&h, (20, 48, 2, 129), 3, 4);
 }

@@ -48,6 +48,9 @@ pub struct Gpu {
     /// Whether a few long rows' DSA top-k (decode at 24K positions and more) run on a cluster
     /// of blocks each (topk_rows_cluster, ops.rs): sm_90 and later.
     pub topk_cluster: bool,
+    /// Whether the DSA indexer's scores run on the tensor cores (dsa_scores_mma*, ops.rs) where
+    /// the key width is a multiple of 16; `MLA_DSA_MMA=0` keeps them on the f32 kernels.
+    pub dsa_mma: bool,
     /// Whether prefill attention of 16 rows or more runs on the tensor cores (ops.rs,
     /// attention_prefill_mma); `MLA_ATT_MMA=0` keeps it on the f32 kernel, to measure it.
     pub attention_mma: bool,
@@ -165,6 +168,7 @@ impl Gpu {
             clusters: major >= 9,
             topk_cluster: major >= 9,
             item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
+            dsa_mma: std::env::var("MLA_DSA_MMA").map_or(true, |v| v != "0"),
             attention_mma: std::env::var("MLA_ATT_MMA").map_or(true, |v| v != "0"),
             name: ctx.name()?,
             arch: format!("sm_{major}{minor}"),

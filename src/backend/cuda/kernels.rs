@@ -81,7 +81,8 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         | "mla_decode_split16"
         | "mla_decode_split16x2"
         | "mla_decode_combine" => "mla_decode",
-        "dsa_scores" | "dsa_scores2" | "topk_rows" | "topk_rows_cluster" | "keep_mask" => "dsa",
+        "dsa_scores" | "dsa_scores2" | "dsa_scores_mma16" | "dsa_scores_mma32"
+        | "dsa_scores_mma64" | "topk_rows" | "topk_rows_cluster" | "keep_mask" => "dsa",
         "moe_router" | "moe_route_f32" | "moe_combine" => "moe",
         "argmax_row" | "top_p_sample" => "sampling",
         _ => return None,
@@ -170,6 +171,25 @@ pub fn dsa_scores_smem_bytes(heads: usize, dim: usize, keys_per_lane: usize) -> 
     4 * (heads * dim + 2 * 32 * keys_per_lane * (dim + 4))
 }
 
+/// Keys a block's tile of dsa_scores_mma (DSA_MMA_KEYS in kernels/dsa.cu).
+pub const DSA_MMA_KEYS: usize = 64;
+
+/// dsa_scores_mma's kernel for `heads` (its N tiles of 8 heads: 2, 4 or 8), None past 64.
+pub fn dsa_scores_mma_kernel(heads: usize) -> Option<&'static str> {
+    match heads {
+        0..=16 => Some("dsa_scores_mma16"),
+        17..=32 => Some("dsa_scores_mma32"),
+        33..=64 => Some("dsa_scores_mma64"),
+        _ => None,
+    }
+}
+
+/// Dynamic shared memory of dsa_scores_mma: the query's hi and lo bf16 values, its heads padded
+/// to the kernel's (`dsa_scores_mma_kernel`).
+pub fn dsa_scores_mma_smem_bytes(heads: usize, dim: usize) -> usize {
+    4 * dim * heads.next_power_of_two().max(16)
+}
+
 /// The most dynamic shared memory dsa_scores2 is launched with (beside its 2.3 KiB of static
 /// shared memory, within SM120's limit): GLM-5's 32 heads x 128 take 82 KiB.
 pub const DSA_SCORES2_SMEM: usize = 96 * 1024;
@@ -214,6 +234,9 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         // heads * dim <= DSA_Q_MAX, dim <= DSA_DIM_MAX: the widest keys make the largest tiles.
         "dsa_scores" => dsa_scores_smem_bytes(DSA_Q_MAX / DSA_DIM_MAX, DSA_DIM_MAX, 1),
         "dsa_scores2" => DSA_SCORES2_SMEM,
+        "dsa_scores_mma16" => dsa_scores_mma_smem_bytes(16, DSA_DIM_MAX),
+        "dsa_scores_mma32" => dsa_scores_mma_smem_bytes(32, DSA_DIM_MAX),
+        "dsa_scores_mma64" => dsa_scores_mma_smem_bytes(64, DSA_DIM_MAX),
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
         "topk_rows_cluster" => 4 * TOPK_CLUSTER_CACHE_KEYS,
         "mla_decode_split" | "mla_decode_split16" | "mla_decode_split16x2" => {

@@ -8,8 +8,9 @@ use crate::gguf::ggml_type::GgmlType;
 use super::device::{launch, DevicePtrRaw as Ptr, Gpu};
 use super::error::{check, CudaError};
 use super::kernels::{
-    attention_mma_smem_bytes, attention_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX,
-    ATT_DV_MAX, ATT_MMA_BQ, ATT_MMA_FORMS, ATT_MMA_THREADS, ATT_THREADS, DSA_DIM_MAX, DSA_Q_MAX,
+    attention_mma_smem_bytes, attention_smem_bytes, dsa_scores_mma_kernel,
+    dsa_scores_mma_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX, ATT_DV_MAX, ATT_MMA_BQ,
+    ATT_MMA_FORMS, ATT_MMA_THREADS, ATT_THREADS, DSA_DIM_MAX, DSA_MMA_KEYS, DSA_Q_MAX,
     DSA_SCORES2_SMEM, LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS,
     TOPK_CLUSTER, TOPK_CLUSTER_CACHE_KEYS, TOPK_THREADS,
 };
@@ -2207,7 +2208,22 @@ impl Gpu {
         if keys == 0 || tokens == 0 {
             return Ok(());
         }
-        // Two keys a lane where the tiles fit (kernels/dsa.cu).
+        // On the tensor cores where the keys are whole k steps; else two keys a lane where
+        // the tiles fit (kernels/dsa.cu).
+        let mma = dsa_scores_mma_kernel(heads).filter(|_| self.dsa_mma && dim.is_multiple_of(16));
+        if let Some(kernel) = mma {
+            // Tiles of 64 keys: as many a block as spread all tiles over one wave of blocks.
+            let smem = dsa_scores_mma_smem_bytes(heads, dim);
+            let slots = self.wave_blocks(kernel, 128, smem)?;
+            let tiles = (keys.div_ceil(DSA_MMA_KEYS) * tokens)
+                .div_ceil(slots)
+                .max(1);
+            launch!(self, kernel, (grid1(keys, DSA_MMA_KEYS * tiles), tokens as u32, 1), 128,
+                smem as u32;
+                q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores,
+                s_stride as i64, tiles as i32);
+            return Ok(());
+        }
         let (kernel, per_lane) = if dsa_scores_smem_bytes(heads, dim, 2) <= DSA_SCORES2_SMEM {
             ("dsa_scores2", 2)
         } else {
