@@ -201,6 +201,10 @@ __device__ __forceinline__ void dsa_scores_mma_body(const float* q, const float*
     const int tile1 = min(tile0 + tiles, (S + DSA_MMA_KEYS - 1) / DSA_MMA_KEYS);
     for (int tile = tile0; tile < tile1; tile++) {
         const int s0 = tile * DSA_MMA_KEYS + 16 * warp;  // this warp's keys s0 .. s0 + 15
+        if (s0 > pos0 + t) {  // all in this row's future (prefill): no products
+            if (lane < 16 && s0 + lane < S) scores[(i64)t * s_stride + s0 + lane] = NEG_INF;
+            continue;
+        }
         float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;

@@ -2478,7 +2478,8 @@ fn dsa_scores_and_topk_match() {
     // over 40000 keys (blocks of several key tiles; f32: two keys a lane, dsa_scores2);
     // keys of 256 (f32: tiles of two keys a lane do not fit, dsa_scores; mma: two rounds of
     // 8 k steps); DeepSeek-V3.2's 64 heads; 20 heads of 48 (mma: heads padded to 32, 3 k
-    // steps, a last tile of 15 keys); keys of 36 (f32 only).
+    // steps, a last tile of 15 keys); keys of 36 (f32 only); a prefill of 200 rows after 20
+    // keys (mma: warps whose keys are all in their row's future).
     let (tokens, pos0, k) = (6, 700, 256);
     let s_len = pos0 + tokens;
     let mut scores = Vec::new();
@@ -2489,6 +2490,7 @@ fn dsa_scores_and_topk_match() {
         dsa_scores_case(&g, &mut rng, (64, 128, 3, 5000));
         dsa_scores_case(&g, &mut rng, (20, 48, 2, 333));
         dsa_scores_case(&g, &mut rng, (4, 36, 2, 100));
+        dsa_scores_case(&g, &mut rng, (32, 128, 200, 20));
         scores = dsa_scores_case(&g, &mut rng, (8, 128, tokens, pos0));
     }
 

@@ -1999,8 +1999,10 @@ fn dsa_scores_on_tensor_cores_match_f64() {
         return;
     };
     // GLM-5's 32 heads of 128 (two tiles a block); 64 heads; 8 heads (padded to 16) of 256 (two
-    // rounds of 8 k steps); 20 heads (padded to 32) of 48 (3 k steps), a last tile of 3 keys.
+    // rounds of 8 k steps); 20 heads (padded to 32) of 48 (3 k steps), a last tile of 3 keys;
+    // a prefill of 40 rows after 10 keys (warps whose keys are all in their row's future).
     check_dsa_scores(&h, (32, 128, 1, 300), 2, 1);
+    check_dsa_scores(&h, (16, 64, 40, 10), 1, 5);
     check_dsa_scores(&h, (64, 128, 2, 100), 1, 2);
     check_dsa_scores(&h, (8, 256, 3, 70), 1, 3);
     check_dsa_scores(&h, (20, 48, 2, 129), 3, 4);
