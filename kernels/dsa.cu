@@ -10,6 +10,7 @@
 //   sums are added at the end. Dynamic shared memory dsa_scores_smem_bytes(): the token's
 //   query [heads][dim] and two key tiles [TK][dim + 4] (row padding: conflict-free float4
 //   reads). heads <= 64, heads * dim <= 8192, dim % 4 == 0, dim <= 256; k 16-byte aligned.
+//   Where dim % 16 == 0, ops.rs takes dsa_scores_mma16/32/64 instead (the tensor cores: below).
 //
 // topk_rows: for each row t, the positions of the k largest of scores[t, 0 .. n_valid(t)),
 //   n_valid(t) = pos0 + t + 1, ascending, -1 padded (all valid positions when there are at most
@@ -174,6 +175,25 @@ __device__ __forceinline__ void dsa_scores_mma_body(const float* q, const float*
     const int t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;  // a fragment's row (key, head) and k quarter
     const int ksteps = dim / 16, dim4 = dim / 4;
+    const int tile0 = blockIdx.x * tiles;
+    const int tile1 = min(tile0 + tiles, (S + DSA_MMA_KEYS - 1) / DSA_MMA_KEYS);
+
+    // Rows g and g + 8 of the warp's keys s0 .., 8 k steps (128 dims) from k step k0, a float4
+    // a lane a row, all in flight at once.
+    float4 kv[8][2];
+    auto load_keys = [&](int s0, int k0) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const float4* row = (const float4*)(k + (i64)min(s0 + g + 8 * r, S - 1) * dim);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                kv[j][r] = k0 + j < ksteps ? row[4 * (k0 + j) + c] : make_float4(0, 0, 0, 0);
+        }
+    };
+    // The first keys' loads go out before the query's, so that a decode block waits one
+    // memory latency, not two.
+    const int first = tile0 * DSA_MMA_KEYS + 16 * warp;
+    if (tile0 < tile1 && first <= pos0 + t) load_keys(first, 0);
 
     // The query, split: float4 i = (head h, dims 4j ..) is B's fragment for lane (h % 8, j % 4)
     // of N tile h / 8 at k step j / 4. Heads past `heads` are zero.
@@ -197,8 +217,6 @@ __device__ __forceinline__ void dsa_scores_mma_body(const float* q, const float*
         }
     __syncthreads();
 
-    const int tile0 = blockIdx.x * tiles;
-    const int tile1 = min(tile0 + tiles, (S + DSA_MMA_KEYS - 1) / DSA_MMA_KEYS);
     for (int tile = tile0; tile < tile1; tile++) {
         const int s0 = tile * DSA_MMA_KEYS + 16 * warp;  // this warp's keys s0 .. s0 + 15
         if (s0 > pos0 + t) {  // all in this row's future (prefill): no products
@@ -208,17 +226,8 @@ __device__ __forceinline__ void dsa_scores_mma_body(const float* q, const float*
         float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-        // Rows g and g + 8, 8 k steps (128 dims) of loads at once.
-        const float4* rows[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) rows[r] = (const float4*)(k + (i64)min(s0 + g + 8 * r, S - 1) * dim);
         for (int k0 = 0; k0 < ksteps; k0 += 8) {
-            float4 kv[8][2];
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-#pragma unroll
-                for (int r = 0; r < 2; r++)
-                    kv[j][r] = k0 + j < ksteps ? rows[r][4 * (k0 + j) + c] : make_float4(0, 0, 0, 0);
+            if (tile > tile0 || k0 > 0) load_keys(s0, k0);
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 if (k0 + j >= ksteps) break;
