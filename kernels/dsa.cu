@@ -300,8 +300,18 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// v[0] + .. + v[n - 1] (n <= 32) in every lane of the warp: one read a lane and 5 shuffles,
+// where a lane's loop over v took up to 31 reads and adds (the top-k kernels run alone on
+// their SMs, bound by the instructions they issue).
+__device__ __forceinline__ int warp_sum_first(const int* v, int n) {
+    const int lane = threadIdx.x & 31;
+    int s = lane < n ? v[lane] : 0;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
 // Exclusive prefix sum over the block (whole warps, at most 32).
-__device__ int block_scan(int v, int* scratch) {
+__device__ __forceinline__ int block_scan(int v, int* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl = v;
     for (int o = 1; o < 32; o <<= 1) {
@@ -310,8 +320,7 @@ __device__ int block_scan(int v, int* scratch) {
     }
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
-    int before = 0;
-    for (int i = 0; i < warp; i++) before += scratch[i];
+    const int before = warp_sum_first(scratch, warp);
     __syncthreads();
     return before + incl - v;
 }
@@ -390,7 +399,7 @@ __device__ __forceinline__ void topk_place(const float* row, int first, const u3
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
     pdl_enter();
     extern __shared__ u32 cached[];  // [min(n, cache_keys)] the keys of the first positions
@@ -455,8 +464,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
-            gt = eq = 0;
-            for (int w = 0; w < warp; w++) gt += warp_gt[w], eq += warp_eq[w];
+            gt = warp_sum_first(warp_gt, warp);
+            eq = warp_sum_first(warp_eq, warp);
         }
     }
 }
@@ -558,10 +567,9 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
-            if (tid == 0) {
-                int sg = 0, se = 0;
-                for (int w = 0; w < warps; w++) sg += warp_gt[w], se += warp_eq[w];
-                block_gt = sg, block_eq = se;
+            if (warp == 0) {
+                const int sg = warp_sum_first(warp_gt, warps), se = warp_sum_first(warp_eq, warps);
+                if (lane == 0) block_gt = sg, block_eq = se;
             }
             cluster_sync();  // every block's counts
             if (warp == 0) {
@@ -576,8 +584,8 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
             __syncthreads();
             // No block leaves (its counts unread) before all have read them: waited at the end.
             cluster_arrive();
-            gt = base_gt, eq = base_eq;
-            for (int w = 0; w < warp; w++) gt += warp_gt[w], eq += warp_eq[w];
+            gt = base_gt + warp_sum_first(warp_gt, warp);
+            eq = base_eq + warp_sum_first(warp_eq, warp);
         }
     }
     cluster_wait();
