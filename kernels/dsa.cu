@@ -328,52 +328,74 @@ __device__ __forceinline__ int block_scan(int v, int* scratch) {
 #define TOPK_THREADS 1024  // kernels.rs
 #define TOPK_BATCH 8  // keys a thread loads before it uses them: loads in flight, not in turn
 
-// The key of position first + i: kept in `cached` for i below n_cached (past the first pass,
-// which fills it), else read from the row.
+// Where a sweep over a stretch of a row takes its keys: the row (the first pass, which keeps
+// the first n_cached in `cached`), the cache alone (it holds the whole stretch: decode rows up
+// to the cache's size), or the cache and then the row past it. One form a sweep, so that a
+// key's load is one instruction, not a branch on the pass and the position.
+enum { KEYS_ROW, KEYS_CACHE, KEYS_BOTH };
+
+template <int SRC>
 __device__ __forceinline__ u32 topk_key(const float* row, int first, const u32* cached,
                                         int n_cached, int i) {
+    if (SRC == KEYS_CACHE) return cached[i];
+    if (SRC == KEYS_ROW) return order_key(row[first + i]);
     return i < n_cached ? cached[i] : order_key(row[first + i]);
 }
 
-// One radix pass: the keys of positions first .. first + len of `row` that match `prefix`
-// under `mask`, counted into h by their digit at `shift` (bins - 1 its mask) by THREADS
-// threads. Pass 0 reads the scores and keeps the first n_cached keys in `cached`.
-template <int THREADS>
-__device__ __forceinline__ void topk_count(const float* row, int first, int len, u32* cached,
-                                           int n_cached, int pass, u32 prefix, u32 mask,
-                                           int shift, int bins, int* h) {
+// One radix pass in one form: the keys of positions first .. first + len of `row` that match
+// `prefix` under `mask`, counted into h by their digit at `shift` (bins - 1 its mask) by
+// THREADS threads.
+template <int THREADS, int SRC>
+__device__ __forceinline__ void topk_count_from(const float* row, int first, int len,
+                                                u32* cached, int n_cached, u32 prefix, u32 mask,
+                                                int shift, int bins, int* h) {
     const int tid = threadIdx.x;
     for (int c0 = 0; c0 < len; c0 += TOPK_BATCH * THREADS) {  // warp-uniform trips
         u32 keys[TOPK_BATCH];
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
             int i = c0 + j * THREADS + tid;
-            keys[j] = i >= len                 ? 0u
-                      : pass == 0              ? order_key(row[first + i])
-                                               : topk_key(row, first, cached, n_cached, i);
+            keys[j] = i < len ? topk_key<SRC>(row, first, cached, n_cached, i) : 0u;
         }
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
             int i = c0 + j * THREADS + tid;
-            if (pass == 0 && i < n_cached) cached[i] = keys[j];
+            if (SRC == KEYS_ROW && i < n_cached) cached[i] = keys[j];
             // Plain shared atomics: grouping a warp's equal digits first (__match_any_sync,
             // or a ballot on the first lane's digit) was slower (lab, H200: 8K keys
-            // 40.5 and 15.8 us against 13.0).
-            if (i < len && (keys[j] & mask) == prefix)
+            // 40.5 and 15.8 us against 13.0). The first pass (mask 0) counts every key.
+            if (i < len && (SRC == KEYS_ROW || (keys[j] & mask) == prefix))
                 atomicAdd(&h[(keys[j] >> shift) & (bins - 1)], 1);
         }
     }
 }
 
+// Radix pass `pass` over the stretch; pass 0 reads the scores and keeps the first n_cached
+// keys in `cached` (the first pass has mask 0).
+template <int THREADS>
+__device__ __forceinline__ void topk_count(const float* row, int first, int len, u32* cached,
+                                           int n_cached, int pass, u32 prefix, u32 mask,
+                                           int shift, int bins, int* h) {
+    if (pass == 0)
+        topk_count_from<THREADS, KEYS_ROW>(row, first, len, cached, n_cached, prefix, mask,
+                                           shift, bins, h);
+    else if (n_cached == len)
+        topk_count_from<THREADS, KEYS_CACHE>(row, first, len, cached, n_cached, prefix, mask,
+                                             shift, bins, h);
+    else
+        topk_count_from<THREADS, KEYS_BOTH>(row, first, len, cached, n_cached, prefix, mask,
+                                            shift, bins, h);
+}
+
 // One pass of a warp's walk over positions first + s0 .. first + s1 of `row`, 32 a step
 // (coalesced, and a lane's place within the step from ballots), once the k-th largest key is
-// `prefix`: pass 0 counts the keys above it (gt) and equal to it (eq); pass 1, gt and eq
-// starting from the counts before s0, writes each selected position to its place
+// `prefix`: without WRITE it counts the keys above it (gt) and equal to it (eq); with WRITE,
+// gt and eq starting from the counts before s0, it writes each selected position to its place
 // gt + min(eq, remaining) in orow (the first `remaining` keys equal to prefix are taken).
-__device__ __forceinline__ void topk_place(const float* row, int first, const u32* cached,
-                                           int n_cached, int s0, int s1, u32 prefix,
-                                           int remaining, int pass, int& gt, int& eq,
-                                           int* orow) {
+template <int SRC, bool WRITE>
+__device__ __forceinline__ void topk_place_from(const float* row, int first, const u32* cached,
+                                                int n_cached, int s0, int s1, u32 prefix,
+                                                int remaining, int& gt, int& eq, int* orow) {
     const int lane = threadIdx.x & 31;
     const u32 below = (1u << lane) - 1;  // lanes before this one
     for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
@@ -381,7 +403,7 @@ __device__ __forceinline__ void topk_place(const float* row, int first, const u3
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
             int i = w0 + 32 * j + lane;
-            keys[j] = i < s1 ? topk_key(row, first, cached, n_cached, i) : 0u;
+            keys[j] = i < s1 ? topk_key<SRC>(row, first, cached, n_cached, i) : 0u;
         }
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
@@ -389,13 +411,36 @@ __device__ __forceinline__ void topk_place(const float* row, int first, const u3
             bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
             u32 bgt = __ballot_sync(0xffffffffu, is_gt);
             u32 beq = __ballot_sync(0xffffffffu, is_eq);
-            if (pass == 1) {
+            if (WRITE) {
                 int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
                 if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = first + i;
             }
             gt += __popc(bgt);
             eq += __popc(beq);
         }
+    }
+}
+
+// The walk's pass `pass` (0: count, 1: write) over a stretch of `len` positions, n_cached of
+// them kept.
+__device__ __forceinline__ void topk_place(const float* row, int first, const u32* cached,
+                                           int n_cached, int len, int s0, int s1, u32 prefix,
+                                           int remaining, int pass, int& gt, int& eq,
+                                           int* orow) {
+    if (n_cached == len) {
+        if (pass == 0)
+            topk_place_from<KEYS_CACHE, false>(row, first, cached, n_cached, s0, s1, prefix,
+                                               remaining, gt, eq, orow);
+        else
+            topk_place_from<KEYS_CACHE, true>(row, first, cached, n_cached, s0, s1, prefix,
+                                              remaining, gt, eq, orow);
+    } else {
+        if (pass == 0)
+            topk_place_from<KEYS_BOTH, false>(row, first, cached, n_cached, s0, s1, prefix,
+                                              remaining, gt, eq, orow);
+        else
+            topk_place_from<KEYS_BOTH, true>(row, first, cached, n_cached, s0, s1, prefix,
+                                             remaining, gt, eq, orow);
     }
 }
 
@@ -460,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const int s0 = min(warp * seg, n), s1 = min(s0 + seg, n);
     int gt = 0, eq = 0;
     for (int pass = 0; pass < 2; pass++) {
-        topk_place(row, 0, cached, n_cached, s0, s1, prefix, remaining, pass, gt, eq, orow);
+        topk_place(row, 0, cached, n_cached, n, s0, s1, prefix, remaining, pass, gt, eq, orow);
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
@@ -563,7 +608,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     const int s0 = min(warp * seg, len), s1 = min(s0 + seg, len);
     int gt = 0, eq = 0;
     for (int pass = 0; pass < 2; pass++) {
-        topk_place(row, b0, cached, n_cached, s0, s1, prefix, remaining, pass, gt, eq, orow);
+        topk_place(row, b0, cached, n_cached, len, s0, s1, prefix, remaining, pass, gt, eq, orow);
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
