@@ -196,15 +196,28 @@ __device__ __forceinline__ void dsa_scores_mma_body(const float* q, const float*
     if (tile0 < tile1 && first <= pos0 + t) load_keys(first, 0);
 
     // The query, split: float4 i = (head h, dims 4j ..) is B's fragment for lane (h % 8, j % 4)
-    // of N tile h / 8 at k step j / 4. Heads past `heads` are zero.
-    const float* qt = q + (i64)t * heads * dim;
-    for (int i = tid; i < 8 * NT * dim4; i += 128) {
-        const int h = i / dim4, j = i - h * dim4;
-        const float4 v = h < heads ? ((const float4*)(qt + (i64)h * dim))[j] : make_float4(0, 0, 0, 0);
-        const u32 h0 = pack_bf16x2(v.x, v.y), h1 = pack_bf16x2(v.z, v.w);
-        const u32 l0 = pack_bf16x2(v.x - bf16_to_f32((u16)h0), v.y - bf16_to_f32((u16)(h0 >> 16)));
-        const u32 l1 = pack_bf16x2(v.z - bf16_to_f32((u16)h1), v.w - bf16_to_f32((u16)(h1 >> 16)));
-        qfrag[((j >> 2) * NT + (h >> 3)) * 32 + (h & 7) * 4 + (j & 3)] = make_uint4(h0, h1, l0, l1);
+    // of N tile h / 8 at k step j / 4. Heads past `heads` are zero. Loads in batches of
+    // DSA_BATCH a thread, all issued before the first is used.
+    const float4* q4 = (const float4*)(q + (i64)t * heads * dim);
+    for (int i0 = tid; i0 < 8 * NT * dim4; i0 += DSA_BATCH * 128) {
+        float4 v[DSA_BATCH];
+#pragma unroll
+        for (int b = 0; b < DSA_BATCH; b++) {
+            const int i = i0 + 128 * b;
+            v[b] = i < heads * dim4 ? q4[i] : make_float4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int b = 0; b < DSA_BATCH; b++) {
+            const int i = i0 + 128 * b, h = i / dim4, j = i - h * dim4;
+            if (i >= 8 * NT * dim4) break;
+            const u32 h0 = pack_bf16x2(v[b].x, v[b].y), h1 = pack_bf16x2(v[b].z, v[b].w);
+            const u32 l0 = pack_bf16x2(v[b].x - bf16_to_f32((u16)h0),
+                                       v[b].y - bf16_to_f32((u16)(h0 >> 16)));
+            const u32 l1 = pack_bf16x2(v[b].z - bf16_to_f32((u16)h1),
+                                       v[b].w - bf16_to_f32((u16)(h1 >> 16)));
+            qfrag[((j >> 2) * NT + (h >> 3)) * 32 + (h & 7) * 4 + (j & 3)] =
+                make_uint4(h0, h1, l0, l1);
+        }
     }
     // This lane's heads' weights: columns 2c, 2c + 1 of each N tile.
     float wv[NT][2];
@@ -300,14 +313,12 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// v[0] + .. + v[n - 1] (n <= 32) in every lane of the warp: one read a lane and 5 shuffles,
-// where a lane's loop over v took up to 31 reads and adds (the top-k kernels run alone on
-// their SMs, bound by the instructions they issue).
+// v[0] + .. + v[n - 1] (n <= 32) in every lane of the warp: one read a lane and one warp
+// reduction, where a lane's loop over v took up to 31 reads and adds (the top-k kernels run
+// alone on their SMs, bound by the instructions they issue).
 __device__ __forceinline__ int warp_sum_first(const int* v, int n) {
     const int lane = threadIdx.x & 31;
-    int s = lane < n ? v[lane] : 0;
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    return s;
+    return __reduce_add_sync(0xffffffffu, lane < n ? v[lane] : 0);
 }
 
 // Exclusive prefix sum over the block (whole warps, at most 32).
@@ -389,14 +400,35 @@ __device__ __forceinline__ void topk_count(const float* row, int first, int len,
 
 // One pass of a warp's walk over positions first + s0 .. first + s1 of `row`, 32 a step
 // (coalesced, and a lane's place within the step from ballots), once the k-th largest key is
-// `prefix`: without WRITE it counts the keys above it (gt) and equal to it (eq); with WRITE,
-// gt and eq starting from the counts before s0, it writes each selected position to its place
-// gt + min(eq, remaining) in orow (the first `remaining` keys equal to prefix are taken).
+// `prefix`: without WRITE it adds the keys above it to gt and those equal to it to eq (each
+// lane its own, one warp sum at the end); with WRITE, gt and eq starting from the counts
+// before s0, it writes each selected position to its place gt + min(eq, remaining) in orow
+// (the first `remaining` keys equal to prefix are taken).
 template <int SRC, bool WRITE>
 __device__ __forceinline__ void topk_place_from(const float* row, int first, const u32* cached,
                                                 int n_cached, int s0, int s1, u32 prefix,
                                                 int remaining, int& gt, int& eq, int* orow) {
     const int lane = threadIdx.x & 31;
+    if (!WRITE) {  // counts alone: a lane's own, summed once at the end
+        int lane_gt = 0, lane_eq = 0;
+        for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
+            u32 keys[TOPK_BATCH];
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = w0 + 32 * j + lane;
+                keys[j] = i < s1 ? topk_key<SRC>(row, first, cached, n_cached, i) : 0u;
+            }
+#pragma unroll
+            for (int j = 0; j < TOPK_BATCH; j++) {
+                int i = w0 + 32 * j + lane;
+                lane_gt += i < s1 && keys[j] > prefix;
+                lane_eq += i < s1 && keys[j] == prefix;
+            }
+        }
+        gt += __reduce_add_sync(0xffffffffu, lane_gt);
+        eq += __reduce_add_sync(0xffffffffu, lane_eq);
+        return;
+    }
     const u32 below = (1u << lane) - 1;  // lanes before this one
     for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
         u32 keys[TOPK_BATCH];
@@ -411,10 +443,8 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
             bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
             u32 bgt = __ballot_sync(0xffffffffu, is_gt);
             u32 beq = __ballot_sync(0xffffffffu, is_eq);
-            if (WRITE) {
-                int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
-                if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = first + i;
-            }
+            int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
+            if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = first + i;
             gt += __popc(bgt);
             eq += __popc(beq);
         }

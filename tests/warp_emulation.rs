@@ -364,6 +364,7 @@ const PIECES: &[Piece] = &[
     Line("attention.cu", "ATTENTION_MMA(64, 64, 64)"),
     Line("attention.cu", "ATTENTION_MMA(192, 128, 64)"),
     Line("attention.cu", "ATTENTION_MMA(256, 256, 32)"),
+    Line("dsa.cu", "#define DSA_BATCH "),
     Line("dsa.cu", "#define DSA_MMA_KEYS "),
     Def(
         "dsa.cu",
