@@ -1,5 +1,6 @@
 //! The tensor-core kernels (kernels/matvec.cu's integer products, kernels/matmul.cu's bf16
-//! prefill products, kernels/attention.cu's prefill attention, kernels/mla_decode.cu) checked
+//! prefill products, kernels/attention.cu's prefill attention, kernels/mla_decode.cu,
+//! kernels/dsa.cu's indexer scores) checked
 //! on the CPU: the kernels' own source, cut out and compiled for the host, run on emulated
 //! warps and thread blocks (tests/warp_emulation/block.h: every thread a host thread,
 //! mma.sync by the PTX ISA's fragment layouts, mbarriers and bulk copies as the ISA defines
@@ -27,6 +28,10 @@
 //!   a shared-memory copy out of bounds or misaligned is refused, and the harness runs under
 //!   AddressSanitizer and the alignment sanitizer where the compiler has them (reads past a
 //!   buffer; a load of a word from an address the GPU would fault on, which x86 reads).
+//!
+//! - The DSA indexer's scores on the tensor cores (kernels/dsa.cu's `dsa_scores_mma16/32/64`,
+//!   split bf16) against the f64 scores of the f32 inputs: padded heads, several k rounds,
+//!   partial tiles, prefill rows whose later keys are -inf.
 //!
 //! - The parts launches of MLA's q_a, kv_a and indexer key with the latent's norms in their
 //!   last blocks (`matvec_latent_<type>`: matvec_body, then parts_tail; and
