@@ -144,14 +144,15 @@ __device__ __forceinline__ void dsa_scores_body(const float* q, const float* k, 
     }
 }
 
-#define DSA_SCORES(name, KPL)                                                                 \
+// A scores kernel: 128 threads running `body` (dsa_scores_body, dsa_scores_mma_body).
+#define DSA_SCORES(name, body)                                                                \
     extern "C" __global__ void __launch_bounds__(128) name(                                   \
         const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,  \
         float scale, float* scores, i64 s_stride, int tiles) {                                \
-        dsa_scores_body<KPL>(q, k, w, heads, dim, S, pos0, scale, scores, s_stride, tiles);   \
+        body(q, k, w, heads, dim, S, pos0, scale, scores, s_stride, tiles);                   \
     }
-DSA_SCORES(dsa_scores, 1)
-DSA_SCORES(dsa_scores2, 2)
+DSA_SCORES(dsa_scores, dsa_scores_body<1>)
+DSA_SCORES(dsa_scores2, dsa_scores_body<2>)
 
 // dsa_scores_mma: the same scores on the tensor cores, each product in split bf16 (q = qh + ql,
 // k = kh + kl; qh.kh + qh.kl + ql.kh summed in f32 carry each term to ~2^-16, as MLA decode's
@@ -285,15 +286,9 @@ __device__ __forceinline__ void dsa_scores_mma_body(const float* q, const float*
     }
 }
 
-#define DSA_SCORES_MMA(name, NT)                                                              \
-    extern "C" __global__ void __launch_bounds__(128) name(                                   \
-        const float* q, const float* k, const float* w, int heads, int dim, int S, int pos0,  \
-        float scale, float* scores, i64 s_stride, int tiles) {                                \
-        dsa_scores_mma_body<NT>(q, k, w, heads, dim, S, pos0, scale, scores, s_stride, tiles); \
-    }
-DSA_SCORES_MMA(dsa_scores_mma16, 2)
-DSA_SCORES_MMA(dsa_scores_mma32, 4)
-DSA_SCORES_MMA(dsa_scores_mma64, 8)
+DSA_SCORES(dsa_scores_mma16, dsa_scores_mma_body<2>)
+DSA_SCORES(dsa_scores_mma32, dsa_scores_mma_body<4>)
+DSA_SCORES(dsa_scores_mma64, dsa_scores_mma_body<8>)
 
 // keep_mask: the selection as bits for attention_prefill: bits[t, s / 32] bit s % 32 is set for
 //   every position s = ids[t, j] in 0 .. n_keys (bits zeroed before; -1 padding sets none).
@@ -409,27 +404,8 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
                                                 int n_cached, int s0, int s1, u32 prefix,
                                                 int remaining, int& gt, int& eq, int* orow) {
     const int lane = threadIdx.x & 31;
-    if (!WRITE) {  // counts alone: a lane's own, summed once at the end
-        int lane_gt = 0, lane_eq = 0;
-        for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
-            u32 keys[TOPK_BATCH];
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = w0 + 32 * j + lane;
-                keys[j] = i < s1 ? topk_key<SRC>(row, first, cached, n_cached, i) : 0u;
-            }
-#pragma unroll
-            for (int j = 0; j < TOPK_BATCH; j++) {
-                int i = w0 + 32 * j + lane;
-                lane_gt += i < s1 && keys[j] > prefix;
-                lane_eq += i < s1 && keys[j] == prefix;
-            }
-        }
-        gt += __reduce_add_sync(0xffffffffu, lane_gt);
-        eq += __reduce_add_sync(0xffffffffu, lane_eq);
-        return;
-    }
     const u32 below = (1u << lane) - 1;  // lanes before this one
+    int lane_gt = 0, lane_eq = 0;        // without WRITE: this lane's counts
     for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
         u32 keys[TOPK_BATCH];
 #pragma unroll
@@ -441,6 +417,11 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
         for (int j = 0; j < TOPK_BATCH; j++) {
             int i = w0 + 32 * j + lane;
             bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
+            if (!WRITE) {
+                lane_gt += is_gt;
+                lane_eq += is_eq;
+                continue;
+            }
             u32 bgt = __ballot_sync(0xffffffffu, is_gt);
             u32 beq = __ballot_sync(0xffffffffu, is_eq);
             int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
@@ -449,29 +430,36 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
             eq += __popc(beq);
         }
     }
+    if (!WRITE) {
+        gt += __reduce_add_sync(0xffffffffu, lane_gt);
+        eq += __reduce_add_sync(0xffffffffu, lane_eq);
+    }
 }
 
 // The walk's pass `pass` (0: count, 1: write) over a stretch of `len` positions, n_cached of
 // them kept.
+template <int SRC>
+__device__ __forceinline__ void topk_place_pass(const float* row, int first, const u32* cached,
+                                                int n_cached, int s0, int s1, u32 prefix,
+                                                int remaining, int pass, int& gt, int& eq,
+                                                int* orow) {
+    if (pass == 0)
+        topk_place_from<SRC, false>(row, first, cached, n_cached, s0, s1, prefix, remaining, gt,
+                                    eq, orow);
+    else
+        topk_place_from<SRC, true>(row, first, cached, n_cached, s0, s1, prefix, remaining, gt,
+                                   eq, orow);
+}
 __device__ __forceinline__ void topk_place(const float* row, int first, const u32* cached,
                                            int n_cached, int len, int s0, int s1, u32 prefix,
                                            int remaining, int pass, int& gt, int& eq,
                                            int* orow) {
-    if (n_cached == len) {
-        if (pass == 0)
-            topk_place_from<KEYS_CACHE, false>(row, first, cached, n_cached, s0, s1, prefix,
-                                               remaining, gt, eq, orow);
-        else
-            topk_place_from<KEYS_CACHE, true>(row, first, cached, n_cached, s0, s1, prefix,
-                                              remaining, gt, eq, orow);
-    } else {
-        if (pass == 0)
-            topk_place_from<KEYS_BOTH, false>(row, first, cached, n_cached, s0, s1, prefix,
-                                              remaining, gt, eq, orow);
-        else
-            topk_place_from<KEYS_BOTH, true>(row, first, cached, n_cached, s0, s1, prefix,
-                                             remaining, gt, eq, orow);
-    }
+    if (n_cached == len)
+        topk_place_pass<KEYS_CACHE>(row, first, cached, n_cached, s0, s1, prefix, remaining,
+                                    pass, gt, eq, orow);
+    else
+        topk_place_pass<KEYS_BOTH>(row, first, cached, n_cached, s0, s1, prefix, remaining, pass,
+                                   gt, eq, orow);
 }
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(

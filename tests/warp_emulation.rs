@@ -375,10 +375,10 @@ const PIECES: &[Piece] = &[
         "dsa.cu",
         "template <int NT>\n__device__ __forceinline__ void dsa_scores_mma_body(",
     ),
-    Line("dsa.cu", "#define DSA_SCORES_MMA("),
-    Line("dsa.cu", "DSA_SCORES_MMA(dsa_scores_mma16,"),
-    Line("dsa.cu", "DSA_SCORES_MMA(dsa_scores_mma32,"),
-    Line("dsa.cu", "DSA_SCORES_MMA(dsa_scores_mma64,"),
+    Line("dsa.cu", "#define DSA_SCORES("),
+    Line("dsa.cu", "DSA_SCORES(dsa_scores_mma16,"),
+    Line("dsa.cu", "DSA_SCORES(dsa_scores_mma32,"),
+    Line("dsa.cu", "DSA_SCORES(dsa_scores_mma64,"),
 ];
 
 /// The GPU tests' bounds (cuda_kernels): the integer products' F32_OP, MLA decode's, the
