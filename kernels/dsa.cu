@@ -465,7 +465,7 @@ __device__ __forceinline__ void topk_place(const float* row, int first, const u3
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
     pdl_enter();
-    extern __shared__ u32 cached[];  // [min(n, cache_keys)] the keys of the first positions
+    extern __shared__ __align__(16) u32 cached[];  // [min(n, cache_keys)] the keys of the first positions
     __shared__ int hist[2048];
     __shared__ int scratch[32];
     __shared__ int warp_gt[32], warp_eq[32];
@@ -554,7 +554,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
 #if __CUDA_ARCH__ >= 900
     pdl_enter();
-    extern __shared__ u32 cached[];  // [min(len, cache_keys)] the keys of the stretch's start
+    extern __shared__ __align__(16) u32 cached[];  // [min(len, cache_keys)] the keys of the stretch's start
     __shared__ int hist[2][2048];    // by pass parity: a pass zeroes the one no block still reads
     __shared__ int scratch[32];
     __shared__ int warp_gt[32], warp_eq[32];

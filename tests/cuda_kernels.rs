@@ -11,7 +11,7 @@ mod common;
 
 use common::{
     attend, attention_want, dot64, keep_mask, latent_twin, layernorm_rope_twin, rmsnorm_twin,
-    roped_q_pe, span_table, visible_keys, AttentionShape,
+    roped_q_pe, span_table, topk_twin, visible_keys, AttentionShape,
 };
 use mla_engine::backend::cpu::Cpu;
 use mla_engine::backend::cuda::kernels::{LATENT_DIMS, LATENT_ROPE_AT, MLA_MAX_SPLITS};
@@ -2392,18 +2392,6 @@ fn mla_decode_case(g: &Gpu, rng: &mut Rng, dl: usize, dr: usize, heads: usize, p
 }
 
 // ----- DSA indexer ------------------------------------------------------------------------------
-
-/// CPU twin of topk_rows: the k best of row[0..n], ascending positions, ties lowest first.
-fn topk_twin(row: &[f32], n: usize, k: usize) -> Vec<i32> {
-    if n <= k {
-        return (0..k).map(|i| if i < n { i as i32 } else { -1 }).collect();
-    }
-    let mut idx: Vec<usize> = (0..n).collect();
-    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-    let mut chosen: Vec<i32> = idx[..k].iter().map(|&i| i as i32).collect();
-    chosen.sort();
-    chosen
-}
 
 /// dsa_scores on random inputs against an f64 twin; returns the GPU's scores [tokens, S].
 fn dsa_scores_case(

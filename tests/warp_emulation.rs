@@ -1,6 +1,6 @@
 //! The tensor-core kernels (kernels/matvec.cu's integer products, kernels/matmul.cu's bf16
 //! prefill products, kernels/attention.cu's prefill attention, kernels/mla_decode.cu,
-//! kernels/dsa.cu's indexer scores) checked
+//! kernels/dsa.cu's indexer scores and top-k) checked
 //! on the CPU: the kernels' own source, cut out and compiled for the host, run on emulated
 //! warps and thread blocks (tests/warp_emulation/block.h: every thread a host thread,
 //! mma.sync by the PTX ISA's fragment layouts, mbarriers and bulk copies as the ISA defines
@@ -31,7 +31,9 @@
 //!
 //! - The DSA indexer's scores on the tensor cores (kernels/dsa.cu's `dsa_scores_mma16/32/64`,
 //!   split bf16) against the f64 scores of the f32 inputs: padded heads, several k rounds,
-//!   partial tiles, prefill rows whose later keys are -inf.
+//!   partial tiles, prefill rows whose later keys are -inf; and its top-k (`topk_rows`, a block
+//!   of 1024 emulated threads a row) against the twin's selection, exactly: a row kept whole in
+//!   shared memory and in part, ties at the boundary, rows of fewer keys than k.
 //!
 //! - The parts launches of MLA's q_a, kv_a and indexer key with the latent's norms in their
 //!   last blocks (`matvec_latent_<type>`: matvec_body, then parts_tail; and
@@ -46,7 +48,7 @@ mod common;
 
 use common::{
     attention_want, keep_mask, latent_twin, layernorm_rope_twin, rmsnorm_twin, roped_q_pe,
-    span_table, AttentionShape,
+    span_table, topk_twin, AttentionShape,
 };
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -370,6 +372,34 @@ const PIECES: &[Piece] = &[
     Line("attention.cu", "ATTENTION_MMA(192, 128, 64)"),
     Line("attention.cu", "ATTENTION_MMA(256, 256, 32)"),
     Line("dsa.cu", "#define DSA_BATCH "),
+    Def("dsa.cu", "__device__ __forceinline__ u32 order_key("),
+    Def("dsa.cu", "__device__ __forceinline__ int warp_sum_first("),
+    Def("dsa.cu", "__device__ __forceinline__ int block_scan("),
+    Line("dsa.cu", "#define TOPK_THREADS "),
+    Line("dsa.cu", "#define TOPK_BATCH "),
+    Def("dsa.cu", "enum { KEYS_ROW"),
+    Def(
+        "dsa.cu",
+        "template <int SRC>\n__device__ __forceinline__ u32 topk_key(",
+    ),
+    Def(
+        "dsa.cu",
+        "template <int THREADS, int SRC>\n__device__ __forceinline__ void topk_count_from(",
+    ),
+    Def(
+        "dsa.cu",
+        "template <int THREADS>\n__device__ __forceinline__ void topk_count(",
+    ),
+    Def(
+        "dsa.cu",
+        "template <int SRC, bool WRITE>\n__device__ __forceinline__ void topk_place_from(",
+    ),
+    Def(
+        "dsa.cu",
+        "template <int SRC>\n__device__ __forceinline__ void topk_place_pass(",
+    ),
+    Def("dsa.cu", "__device__ __forceinline__ void topk_place("),
+    Kernel("dsa.cu", "topk_rows"),
     Line("dsa.cu", "#define DSA_MMA_KEYS "),
     Def(
         "dsa.cu",
@@ -2012,4 +2042,77 @@ fn dsa_scores_on_tensor_cores_match_f64() {
     check_dsa_scores(&h, (64, 128, 2, 100), 1, 2);
     check_dsa_scores(&h, (8, 256, 3, 70), 1, 3);
     check_dsa_scores(&h, (20, 48, 2, 129), 3, 4);
+}
+
+/// topk_rows on `rows` rows of `scores` ([rows][stride], row t: the first pos0 + t + 1
+/// positions), `cache_keys` keys of shared memory, against the twin's selection.
+fn check_topk(
+    h: &Emulation,
+    scores: &[f32],
+    stride: usize,
+    pos0: usize,
+    k: usize,
+    cache_keys: usize,
+) {
+    let rows = scores.len() / stride;
+    let got = h.run(
+        Args::default()
+            .floats(scores)
+            .i64(stride as i64)
+            .i32(rows as i32)
+            .i32(pos0 as i32)
+            .i32(k as i32)
+            .i32(cache_keys as i32),
+    );
+    for t in 0..rows {
+        let want = topk_twin(&scores[t * stride..][..stride], pos0 + t + 1, k);
+        let row: Vec<i32> = got[t * k..][..k]
+            .iter()
+            .map(|v| v.to_bits() as i32)
+            .collect();
+        assert_eq!(
+            row,
+            want,
+            "topk_rows row {t} of {rows} ({} keys, top {k}, {cache_keys} kept)",
+            pos0 + t + 1
+        );
+    }
+    println!(
+        "topk_rows: {rows} rows of up to {} keys, top {k}, {cache_keys} kept: exact",
+        pos0 + rows
+    );
+}
+
+#[test]
+fn topk_rows_matches_its_twin() {
+    let Some(h) = Emulation::build("topk") else {
+        return;
+    };
+    let mut rng = Rng::new(9);
+    // Decode: the top 2048 of 5000 normal scores, the row kept whole in shared memory, then
+    // with 1500 kept (the later passes read the rest from the row).
+    let row = normals(&mut rng, 5000);
+    check_topk(&h, &row, 5000, 4999, 2048, 5000);
+    check_topk(&h, &row, 5000, 4999, 2048, 1500);
+    // Prefill rows of few values, 8 of every 10 sharing their top bytes, and 40 equal maxima:
+    // ties at the boundary across the row, taken lowest position first.
+    let (rows, pos0) = (3, 1200);
+    let stride = pos0 + rows;
+    let mut scores: Vec<f32> = normals(&mut rng, rows * stride)
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            if i % 10 < 8 {
+                1.0 + (r.abs() * 4.0).floor() / 64.0
+            } else {
+                (r * 4.0).floor()
+            }
+        })
+        .collect();
+    for s in 0..40 {
+        scores[stride + 3 * s] = 1e6;
+    }
+    check_topk(&h, &scores, stride, pos0, 256, stride);
+    // Fewer keys than k: all of them, then -1.
+    check_topk(&h, &scores[..2 * stride], stride, 10, 256, 11);
 }

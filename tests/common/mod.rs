@@ -298,6 +298,18 @@ pub fn visible_keys(keep: Option<&[i32]>, t: usize, n_ids: usize, pos0: usize) -
     }
 }
 
+/// CPU twin of topk_rows: the k best of row[0..n], ascending positions, ties lowest first.
+pub fn topk_twin(row: &[f32], n: usize, k: usize) -> Vec<i32> {
+    if n <= k {
+        return (0..k).map(|i| if i < n { i as i32 } else { -1 }).collect();
+    }
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let mut chosen: Vec<i32> = idx[..k].iter().map(|&i| i as i32).collect();
+    chosen.sort();
+    chosen
+}
+
 /// DSA selections (rows of n_ids positions, -1 padded) as attention_prefill's key bit mask,
 /// [rows][words] u32.
 pub fn keep_mask(keep: &[i32], n_ids: usize, words: usize) -> Vec<u32> {

@@ -10,6 +10,7 @@
 // Only what the kernels use is here.
 #include <atomic>
 #include <barrier>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -158,6 +159,11 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 }
 inline int __shfl_xor_sync(unsigned, int v, int o) { return (int)exchange((u32)v, LANE ^ o); }
 inline u64 __shfl_sync(unsigned, u64 v, int from) { return exchange(v, from); }
+inline int __shfl_up_sync(unsigned, int v, int d) {
+    const int from = LANE >= d ? LANE - d : LANE;
+    return (int)exchange((u32)v, from);
+}
+inline int __popc(u32 v) { return std::popcount(v); }
 inline u32 __ballot_sync(unsigned, bool p) {
     u32 r = 0;
     for (int l = 0; l < 32; l++) r |= (u32)(exchange(p, l) != 0) << l;
