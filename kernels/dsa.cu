@@ -395,14 +395,15 @@ __device__ __forceinline__ void topk_count(const float* row, int first, int len,
 
 // One pass of a warp's walk over positions first + s0 .. first + s1 of `row`, 32 a step
 // (coalesced, and a lane's place within the step from ballots), once the k-th largest key is
-// `prefix`: without WRITE it adds the keys above it to gt and those equal to it to eq (each
+// `prefix` under `mask`: without WRITE it adds the keys above it to gt and those equal to it to eq (each
 // lane its own, one warp sum at the end); with WRITE, gt and eq starting from the counts
 // before s0, it writes each selected position to its place gt + min(eq, remaining) in orow
 // (the first `remaining` keys equal to prefix are taken).
 template <int SRC, bool WRITE>
 __device__ __forceinline__ void topk_place_from(const float* row, int first, const u32* cached,
                                                 int n_cached, int s0, int s1, u32 prefix,
-                                                int remaining, int& gt, int& eq, int* orow) {
+                                                u32 mask, int remaining, int& gt, int& eq,
+                                                int* orow) {
     const int lane = threadIdx.x & 31;
     const u32 below = (1u << lane) - 1;  // lanes before this one
     int lane_gt = 0, lane_eq = 0;        // without WRITE: this lane's counts
@@ -416,7 +417,8 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
             int i = w0 + 32 * j + lane;
-            bool is_gt = i < s1 && keys[j] > prefix, is_eq = i < s1 && keys[j] == prefix;
+            const u32 key = keys[j] & mask;
+            bool is_gt = i < s1 && key > prefix, is_eq = i < s1 && key == prefix;
             if (!WRITE) {
                 lane_gt += is_gt;
                 lane_eq += is_eq;
@@ -441,25 +443,25 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
 template <int SRC>
 __device__ __forceinline__ void topk_place_pass(const float* row, int first, const u32* cached,
                                                 int n_cached, int s0, int s1, u32 prefix,
-                                                int remaining, int pass, int& gt, int& eq,
-                                                int* orow) {
+                                                u32 mask, int remaining, int pass, int& gt,
+                                                int& eq, int* orow) {
     if (pass == 0)
-        topk_place_from<SRC, false>(row, first, cached, n_cached, s0, s1, prefix, remaining, gt,
-                                    eq, orow);
+        topk_place_from<SRC, false>(row, first, cached, n_cached, s0, s1, prefix, mask,
+                                    remaining, gt, eq, orow);
     else
-        topk_place_from<SRC, true>(row, first, cached, n_cached, s0, s1, prefix, remaining, gt,
-                                   eq, orow);
+        topk_place_from<SRC, true>(row, first, cached, n_cached, s0, s1, prefix, mask,
+                                   remaining, gt, eq, orow);
 }
 __device__ __forceinline__ void topk_place(const float* row, int first, const u32* cached,
                                            int n_cached, int len, int s0, int s1, u32 prefix,
-                                           int remaining, int pass, int& gt, int& eq,
+                                           u32 mask, int remaining, int pass, int& gt, int& eq,
                                            int* orow) {
     if (n_cached == len)
-        topk_place_pass<KEYS_CACHE>(row, first, cached, n_cached, s0, s1, prefix, remaining,
-                                    pass, gt, eq, orow);
+        topk_place_pass<KEYS_CACHE>(row, first, cached, n_cached, s0, s1, prefix, mask,
+                                    remaining, pass, gt, eq, orow);
     else
-        topk_place_pass<KEYS_BOTH>(row, first, cached, n_cached, s0, s1, prefix, remaining, pass,
-                                   gt, eq, orow);
+        topk_place_pass<KEYS_BOTH>(row, first, cached, n_cached, s0, s1, prefix, mask,
+                                   remaining, pass, gt, eq, orow);
 }
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
@@ -470,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     __shared__ int scratch[32];
     __shared__ int warp_gt[32], warp_eq[32];
     __shared__ u32 sel_prefix;
-    __shared__ int sel_remaining;
+    __shared__ int sel_remaining, sel_whole;
     const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n = pos0 + t + 1, n_cached = min(n, cache_keys);
     const float* row = scores + (i64)t * s_stride;
@@ -502,6 +504,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
                 if (larger + c >= remaining) {
                     sel_prefix = prefix | ((u32)d << shift);
                     sel_remaining = remaining - larger;
+                    sel_whole = larger + c == remaining;
                     break;
                 }
                 larger += c;
@@ -511,10 +514,13 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
         prefix = sel_prefix;
         remaining = sel_remaining;
         mask |= (u32)(bins - 1) << shift;
+        if (sel_whole) break;  // the digit's keys all taken: no finer pass needed
     }
 
-    // Now: keys > prefix are all taken, and the first `remaining` keys == prefix; position i
-    // goes to (keys > prefix before it) + min(keys == prefix before it, remaining). Each warp
+    // Now, comparing keys under `mask` (the passes' bits; fewer where a pass's digit was taken
+    // whole, then every key equal to prefix is taken): keys > prefix are all taken, and the
+    // first `remaining` keys == prefix; position i goes to (keys > prefix before it) +
+    // min(keys == prefix before it, remaining). Each warp
     // takes a contiguous segment of the row, 32 positions a step (coalesced, and a lane's
     // place within the step from ballots): it counts its segment, one block scan of the
     // warps' counts tells it where its positions start, and it walks the segment again.
@@ -523,7 +529,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const int s0 = min(warp * seg, n), s1 = min(s0 + seg, n);
     int gt = 0, eq = 0;
     for (int pass = 0; pass < 2; pass++) {
-        topk_place(row, 0, cached, n_cached, n, s0, s1, prefix, remaining, pass, gt, eq, orow);
+        topk_place(row, 0, cached, n_cached, n, s0, s1, prefix, mask, remaining, pass, gt, eq,
+                   orow);
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
@@ -560,7 +567,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     __shared__ int warp_gt[32], warp_eq[32];
     __shared__ int block_gt, block_eq, base_gt, base_eq;
     __shared__ u32 sel_prefix;
-    __shared__ int sel_remaining;
+    __shared__ int sel_remaining, sel_whole;
     const int rank = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, lane = tid & 31,
               warp = tid >> 5;
     const int n = pos0 + t + 1;
@@ -609,6 +616,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
                 if (larger + c[b] >= remaining) {
                     sel_prefix = prefix | ((u32)d << shift);
                     sel_remaining = remaining - larger;
+                    sel_whole = larger + c[b] == remaining;
                     break;
                 }
                 larger += c[b];
@@ -618,6 +626,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
         prefix = sel_prefix;
         remaining = sel_remaining;
         mask |= (u32)(bins - 1) << shift;
+        if (sel_whole) break;  // the digit's keys all taken: no finer pass needed
     }
 
     // The placement of topk_rows within the stretch, after the keys of the blocks before it.
@@ -626,7 +635,8 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     const int s0 = min(warp * seg, len), s1 = min(s0 + seg, len);
     int gt = 0, eq = 0;
     for (int pass = 0; pass < 2; pass++) {
-        topk_place(row, b0, cached, n_cached, len, s0, s1, prefix, remaining, pass, gt, eq, orow);
+        topk_place(row, b0, cached, n_cached, len, s0, s1, prefix, mask, remaining, pass, gt,
+                   eq, orow);
         if (pass == 0) {
             if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
             __syncthreads();
