@@ -17,8 +17,9 @@
 //   k). Equal scores at the boundary are taken lowest position first. One block of
 //   TOPK_THREADS threads per row: a 3-pass radix select on the order-preserving u32 image of
 //   the scores finds the k-th largest value (each pass: a histogram of the next 11, 11 and 10
-//   bits, then a block scan over the bins from the top finds the digit), then a pass over the
-//   row puts each selected position in its place. The first pass keeps the keys of the first
+//   bits, then a block scan over the bins from the top finds the digit; the select stops early
+//   where the digit's keys are all taken), then a pass over the row puts each selected
+//   position in its place. The first pass keeps the keys of the first
 //   `cache_keys` positions in dynamic shared memory (4 bytes each) for the others. At decode
 //   (T = 1) this block is alone on the GPU, so the kernel is its latency: loads are issued in
 //   batches, and warps walk the row in coalesced steps.
