@@ -465,6 +465,43 @@ __device__ __forceinline__ void topk_place(const float* row, int first, const u3
                                    remaining, pass, gt, eq, orow);
 }
 
+// Where a radix pass's digit search leaves its result for the block (topk_select).
+struct TopkDigit {
+    u32 prefix;
+    int remaining, whole;
+};
+
+// A radix pass's digit from its bins' counts, the bins from the top: thread j holds c[b], the
+// count of digit bins - 1 - per * j - b for b < per (per = bins / TOPK_THREADS, 1 or 2), and
+// the digit is where the count of larger keys first reaches `remaining`. Every thread's
+// prefix, mask and remaining become the pass's; true where the digit's keys are all taken (no
+// finer pass is needed).
+__device__ __forceinline__ bool topk_select(const int c[2], int bins, int shift, u32& prefix,
+                                            u32& mask, int& remaining, int* scratch,
+                                            TopkDigit* sel) {
+    const int per = bins / TOPK_THREADS;
+    const int count = per == 2 ? c[0] + c[1] : c[0];
+    int larger = block_scan(count, scratch);
+    if (larger < remaining && larger + count >= remaining) {
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            if (b == per) break;
+            if (larger + c[b] >= remaining) {
+                sel->prefix = prefix | ((u32)(bins - 1 - per * (int)threadIdx.x - b) << shift);
+                sel->remaining = remaining - larger;
+                sel->whole = larger + c[b] == remaining;
+                break;
+            }
+            larger += c[b];
+        }
+    }
+    __syncthreads();
+    prefix = sel->prefix;
+    remaining = sel->remaining;
+    mask |= (u32)(bins - 1) << shift;
+    return sel->whole;
+}
+
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
     pdl_enter();
@@ -472,8 +509,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     __shared__ int hist[2048];
     __shared__ int scratch[32];
     __shared__ int warp_gt[32], warp_eq[32];
-    __shared__ u32 sel_prefix;
-    __shared__ int sel_remaining, sel_whole;
+    __shared__ TopkDigit sel;
     const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n = pos0 + t + 1, n_cached = min(n, cache_keys);
     const float* row = scores + (i64)t * s_stride;
@@ -493,29 +529,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
         topk_count<TOPK_THREADS>(row, 0, n, cached, n_cached, pass, prefix, mask, shift, bins,
                                  hist);
         __syncthreads();
-        // Bins from the top (thread j: the `per` digits from bins - 1 - per * j down): the
-        // digit where the count of larger keys first reaches `remaining`.
         const int per = bins / TOPK_THREADS;
-        int count = 0;
-        for (int b = 0; b < per; b++) count += hist[bins - 1 - per * tid - b];
-        int larger = block_scan(count, scratch);
-        if (larger < remaining && larger + count >= remaining) {
-            for (int b = 0; b < per; b++) {
-                int d = bins - 1 - per * tid - b, c = hist[d];
-                if (larger + c >= remaining) {
-                    sel_prefix = prefix | ((u32)d << shift);
-                    sel_remaining = remaining - larger;
-                    sel_whole = larger + c == remaining;
-                    break;
-                }
-                larger += c;
-            }
-        }
-        __syncthreads();
-        prefix = sel_prefix;
-        remaining = sel_remaining;
-        mask |= (u32)(bins - 1) << shift;
-        if (sel_whole) break;  // the digit's keys all taken: no finer pass needed
+        int c[2] = {0, 0};
+#pragma unroll
+        for (int b = 0; b < 2; b++)
+            if (b < per) c[b] = hist[bins - 1 - per * tid - b];
+        if (topk_select(c, bins, shift, prefix, mask, remaining, scratch, &sel)) break;
     }
 
     // Now, comparing keys under `mask` (the passes' bits; fewer where a pass's digit was taken
@@ -567,8 +586,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     __shared__ int scratch[32];
     __shared__ int warp_gt[32], warp_eq[32];
     __shared__ int block_gt, block_eq, base_gt, base_eq;
-    __shared__ u32 sel_prefix;
-    __shared__ int sel_remaining, sel_whole;
+    __shared__ TopkDigit sel;
     const int rank = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, lane = tid & 31,
               warp = tid >> 5;
     const int n = pos0 + t + 1;
@@ -599,35 +617,15 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
         // before) are past this barrier too.
         cluster_sync();
         const int per = bins / TOPK_THREADS;  // 2 or 1
-        int c[2] = {0, 0}, count = 0;
+        int c[2] = {0, 0};
 #pragma unroll
         for (int b = 0; b < 2; b++) {
             if (b == per) break;
             const int d = bins - 1 - per * tid - b;
 #pragma unroll
             for (int q = 0; q < TOPK_CLUSTER; q++) c[b] += cluster_load(h + d, q);
-            count += c[b];
         }
-        int larger = block_scan(count, scratch);
-        if (larger < remaining && larger + count >= remaining) {
-#pragma unroll
-            for (int b = 0; b < 2; b++) {
-                if (b == per) break;
-                const int d = bins - 1 - per * tid - b;
-                if (larger + c[b] >= remaining) {
-                    sel_prefix = prefix | ((u32)d << shift);
-                    sel_remaining = remaining - larger;
-                    sel_whole = larger + c[b] == remaining;
-                    break;
-                }
-                larger += c[b];
-            }
-        }
-        __syncthreads();
-        prefix = sel_prefix;
-        remaining = sel_remaining;
-        mask |= (u32)(bins - 1) << shift;
-        if (sel_whole) break;  // the digit's keys all taken: no finer pass needed
+        if (topk_select(c, bins, shift, prefix, mask, remaining, scratch, &sel)) break;
     }
 
     // The placement of topk_rows within the stretch, after the keys of the blocks before it.

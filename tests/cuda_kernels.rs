@@ -2445,7 +2445,7 @@ fn dsa_scores_case(
         }
     }
     // Tensor cores (split bf16) where ops.rs takes them, else the f32 kernels.
-    let mma = g.dsa_mma && dim.is_multiple_of(16) && heads <= 64;
+    let mma = g.dsa_scores_mma(heads, dim).is_some();
     assert_close(
         &format!(
             "dsa_scores{} {heads}x{dim}, {tokens} rows of {s_len} keys",

@@ -399,6 +399,8 @@ const PIECES: &[Piece] = &[
         "template <int SRC>\n__device__ __forceinline__ void topk_place_pass(",
     ),
     Def("dsa.cu", "__device__ __forceinline__ void topk_place("),
+    Def("dsa.cu", "struct TopkDigit {"),
+    Def("dsa.cu", "__device__ __forceinline__ bool topk_select("),
     Kernel("dsa.cu", "topk_rows"),
     Line("dsa.cu", "#define DSA_MMA_KEYS "),
     Def(
@@ -1979,8 +1981,8 @@ fn check_dsa_scores(
     let k = normals(&mut rng, s_len * dim);
     let w = normals(&mut rng, tokens * heads);
     let scale = 0.088f32;
-    let kernel = dsa_scores_mma_kernel(heads).unwrap();
-    let nt = heads.next_power_of_two().max(16) / 8;
+    let (kernel, padded) = dsa_scores_mma_kernel(heads).unwrap();
+    let nt = padded / 8;
     let mut got = h.run(
         Args::default()
             .i32(nt as i32)
@@ -1994,7 +1996,7 @@ fn check_dsa_scores(
             .f32(scale)
             .i32(tokens as i32)
             .i32(tiles as i32)
-            .i32(dsa_scores_mma_smem_bytes(heads, dim) as i32)
+            .i32(dsa_scores_mma_smem_bytes(padded, dim) as i32)
             .floats(&vec![UNWRITTEN; tokens * stride])
             .i64(stride as i64),
     );

@@ -174,20 +174,21 @@ pub fn dsa_scores_smem_bytes(heads: usize, dim: usize, keys_per_lane: usize) -> 
 /// Keys a block's tile of dsa_scores_mma (DSA_MMA_KEYS in kernels/dsa.cu).
 pub const DSA_MMA_KEYS: usize = 64;
 
-/// dsa_scores_mma's kernel for `heads` (its N tiles of 8 heads: 2, 4 or 8), None past 64.
-pub fn dsa_scores_mma_kernel(heads: usize) -> Option<&'static str> {
+/// dsa_scores_mma's kernel for `heads` and the heads it pads them to (its N tiles of 8 heads:
+/// 2, 4 or 8), None past 64.
+pub fn dsa_scores_mma_kernel(heads: usize) -> Option<(&'static str, usize)> {
     match heads {
-        0..=16 => Some("dsa_scores_mma16"),
-        17..=32 => Some("dsa_scores_mma32"),
-        33..=64 => Some("dsa_scores_mma64"),
+        0..=16 => Some(("dsa_scores_mma16", 16)),
+        17..=32 => Some(("dsa_scores_mma32", 32)),
+        33..=64 => Some(("dsa_scores_mma64", 64)),
         _ => None,
     }
 }
 
-/// Dynamic shared memory of dsa_scores_mma: the query's hi and lo bf16 values, its heads padded
-/// to the kernel's (`dsa_scores_mma_kernel`).
-pub fn dsa_scores_mma_smem_bytes(heads: usize, dim: usize) -> usize {
-    4 * dim * heads.next_power_of_two().max(16)
+/// Dynamic shared memory of dsa_scores_mma: the query's hi and lo bf16 values, `padded_heads`
+/// of `dim` (`dsa_scores_mma_kernel`).
+pub fn dsa_scores_mma_smem_bytes(padded_heads: usize, dim: usize) -> usize {
+    4 * dim * padded_heads
 }
 
 /// The most dynamic shared memory dsa_scores2 is launched with (beside its 2.3 KiB of static

@@ -2179,6 +2179,13 @@ impl Gpu {
         Ok(())
     }
 
+    /// The tensor-core scores kernel dsa_scores takes for `heads` of `dim`, and its heads
+    /// padded (16, 32 or 64); None where it takes the f32 kernels (dsa_mma off, dim not a
+    /// multiple of 16, more than 64 heads).
+    pub fn dsa_scores_mma(&self, heads: usize, dim: usize) -> Option<(&'static str, usize)> {
+        dsa_scores_mma_kernel(heads).filter(|_| self.dsa_mma && dim.is_multiple_of(16))
+    }
+
     /// DSA indexer scores [T, s_stride] for keys 0 .. S (see kernels/dsa.cu).
     #[allow(clippy::too_many_arguments)]
     pub fn dsa_scores(
@@ -2208,30 +2215,19 @@ impl Gpu {
         if keys == 0 || tokens == 0 {
             return Ok(());
         }
-        // On the tensor cores where the keys are whole k steps; else two keys a lane where
-        // the tiles fit (kernels/dsa.cu).
-        let mma = dsa_scores_mma_kernel(heads).filter(|_| self.dsa_mma && dim.is_multiple_of(16));
-        if let Some(kernel) = mma {
-            // Tiles of 64 keys: as many a block as spread all tiles over one wave of blocks.
-            let smem = dsa_scores_mma_smem_bytes(heads, dim);
-            let slots = self.wave_blocks(kernel, 128, smem)?;
-            let tiles = (keys.div_ceil(DSA_MMA_KEYS) * tokens)
-                .div_ceil(slots)
-                .max(1);
-            launch!(self, kernel, (grid1(keys, DSA_MMA_KEYS * tiles), tokens as u32, 1), 128,
-                smem as u32;
-                q, k, w, heads as i32, dim as i32, keys as i32, pos0 as i32, scale, scores,
-                s_stride as i64, tiles as i32);
-            return Ok(());
-        }
-        let (kernel, per_lane) = if dsa_scores_smem_bytes(heads, dim, 2) <= DSA_SCORES2_SMEM {
-            ("dsa_scores2", 2)
-        } else {
-            ("dsa_scores", 1)
+        // On the tensor cores where the keys are whole k steps (tiles of 64 keys); else two
+        // keys a lane where the tiles fit (tiles of 32 keys a lane) (kernels/dsa.cu).
+        let (kernel, smem, tile) = match self.dsa_scores_mma(heads, dim) {
+            Some((kernel, padded)) => {
+                (kernel, dsa_scores_mma_smem_bytes(padded, dim), DSA_MMA_KEYS)
+            }
+            None if dsa_scores_smem_bytes(heads, dim, 2) <= DSA_SCORES2_SMEM => {
+                ("dsa_scores2", dsa_scores_smem_bytes(heads, dim, 2), 64)
+            }
+            None => ("dsa_scores", dsa_scores_smem_bytes(heads, dim, 1), 32),
         };
-        // Tiles of 32 keys a lane per block: as many as spread all tiles over one wave of
-        // blocks, so that a long row loads its query once per block rather than once per tile.
-        let (smem, tile) = (dsa_scores_smem_bytes(heads, dim, per_lane), 32 * per_lane);
+        // Tiles a block: as many as spread all tiles over one wave of blocks, so that a long
+        // row loads its query once per block rather than once per tile.
         let slots = self.wave_blocks(kernel, 128, smem)?;
         let tiles = (keys.div_ceil(tile) * tokens).div_ceil(slots).max(1);
         launch!(self, kernel, (grid1(keys, tile * tiles), tokens as u32, 1), 128,
