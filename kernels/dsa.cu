@@ -18,11 +18,11 @@
 //   TOPK_THREADS threads per row: a 3-pass radix select on the order-preserving u32 image of
 //   the scores finds the k-th largest value (each pass: a histogram of the next 11, 11 and 10
 //   bits, then a block scan over the bins from the top finds the digit; the select stops early
-//   where the digit's keys are all taken), then a pass over the row puts each selected
-//   position in its place. The first pass keeps the keys of the first
-//   `cache_keys` positions in dynamic shared memory (4 bytes each) for the others. At decode
-//   (T = 1) this block is alone on the GPU, so the kernel is its latency: loads are issued in
-//   batches, and warps walk the row in coalesced steps.
+//   where the digit's keys are all taken), then one more pass over the row puts each selected
+//   position in its place (a block scan of the threads' counts a chunk of the row). The first
+//   pass keeps the keys of the first `cache_keys` positions in dynamic shared memory (4 bytes
+//   each) for the others. At decode (T = 1) this block is alone on the GPU, so the kernel is
+//   its latency: loads are issued in batches, each key is read once a pass.
 //
 // topk_rows_cluster: the same selection, bit for bit, by a cluster of TOPK_CLUSTER blocks a row
 //   (sm_90+; grid (TOPK_CLUSTER, T)): block r takes the r-th stretch of the row, keeps its keys
@@ -317,8 +317,8 @@ __device__ __forceinline__ int warp_sum_first(const int* v, int n) {
     return __reduce_add_sync(0xffffffffu, lane < n ? v[lane] : 0);
 }
 
-// Exclusive prefix sum over the block (whole warps, at most 32).
-__device__ __forceinline__ int block_scan(int v, int* scratch) {
+// Exclusive prefix sum over the block (whole warps, at most 32), and the block's total.
+__device__ __forceinline__ int block_scan(int v, int* scratch, int& total) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl = v;
     for (int o = 1; o < 32; o <<= 1) {
@@ -328,6 +328,7 @@ __device__ __forceinline__ int block_scan(int v, int* scratch) {
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
     const int before = warp_sum_first(scratch, warp);
+    total = warp_sum_first(scratch, blockDim.x >> 5);
     __syncthreads();
     return before + incl - v;
 }
@@ -394,75 +395,84 @@ __device__ __forceinline__ void topk_count(const float* row, int first, int len,
                                             shift, bins, h);
 }
 
-// One pass of a warp's walk over positions first + s0 .. first + s1 of `row`, 32 a step
-// (coalesced, and a lane's place within the step from ballots), once the k-th largest key is
-// `prefix` under `mask`: without WRITE it adds the keys above it to gt and those equal to it to eq (each
-// lane its own, one warp sum at the end); with WRITE, gt and eq starting from the counts
-// before s0, it writes each selected position to its place gt + min(eq, remaining) in orow
-// (the first `remaining` keys equal to prefix are taken).
+// A thread's TOPK_BATCH keys at positions i0 .. of a stretch of `len` (0 past it; i0 % 8 == 0):
+// two 16-byte reads where they are all kept.
+template <int SRC>
+__device__ __forceinline__ void topk_keys_at(const float* row, int first, const u32* cached,
+                                             int n_cached, int len, int i0,
+                                             u32 keys[TOPK_BATCH]) {
+    if (SRC != KEYS_ROW && i0 + TOPK_BATCH <= n_cached) {
+        const uint4 a = *(const uint4*)(cached + i0), b = *(const uint4*)(cached + i0 + 4);
+        keys[0] = a.x, keys[1] = a.y, keys[2] = a.z, keys[3] = a.w;
+        keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < TOPK_BATCH; j++)
+        keys[j] = i0 + j < len ? topk_key<SRC>(row, first, cached, n_cached, i0 + j) : 0u;
+}
+
+// The placement over a stretch of `len` positions, once the k-th largest key is `prefix` under
+// `mask`: the keys above it are all taken, and the first `remaining` equal to it (lowest
+// position first); position i goes to orow[gt + min(eq, remaining)], gt and eq the keys above
+// and equal before it, counted from the gt and eq passed in (the stretches before). Chunks of
+// TOPK_BATCH * TOPK_THREADS positions, thread j taking TOPK_BATCH in a row: it counts its keys
+// (above | equal << 16), one block scan of the counts gives each thread its places, and it
+// writes its positions from the keys it holds. Without WRITE, the thread's counts of the whole
+// stretch are added to gt and eq (no scan). gt and eq end as the counts past the stretch.
 template <int SRC, bool WRITE>
 __device__ __forceinline__ void topk_place_from(const float* row, int first, const u32* cached,
-                                                int n_cached, int s0, int s1, u32 prefix,
-                                                u32 mask, int remaining, int& gt, int& eq,
-                                                int* orow) {
-    const int lane = threadIdx.x & 31;
-    const u32 below = (1u << lane) - 1;  // lanes before this one
-    int lane_gt = 0, lane_eq = 0;        // without WRITE: this lane's counts
-    for (int w0 = s0; w0 < s1; w0 += 32 * TOPK_BATCH) {
+                                                int n_cached, int len, u32 prefix, u32 mask,
+                                                int remaining, int& gt, int& eq, int* orow,
+                                                int* scratch) {
+    for (int c0 = 0; c0 < len; c0 += TOPK_BATCH * TOPK_THREADS) {  // block-uniform trips
+        const int i0 = c0 + TOPK_BATCH * (int)threadIdx.x;
         u32 keys[TOPK_BATCH];
+        topk_keys_at<SRC>(row, first, cached, n_cached, len, i0, keys);
+        int counts = 0;  // above | equal << 16: at most TOPK_BATCH * TOPK_THREADS each
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
-            int i = w0 + 32 * j + lane;
-            keys[j] = i < s1 ? topk_key<SRC>(row, first, cached, n_cached, i) : 0u;
-        }
-#pragma unroll
-        for (int j = 0; j < TOPK_BATCH; j++) {
-            int i = w0 + 32 * j + lane;
             const u32 key = keys[j] & mask;
-            bool is_gt = i < s1 && key > prefix, is_eq = i < s1 && key == prefix;
-            if (!WRITE) {
-                lane_gt += is_gt;
-                lane_eq += is_eq;
-                continue;
-            }
-            u32 bgt = __ballot_sync(0xffffffffu, is_gt);
-            u32 beq = __ballot_sync(0xffffffffu, is_eq);
-            int g = gt + __popc(bgt & below), e = eq + __popc(beq & below);
-            if (is_gt || (is_eq && e < remaining)) orow[g + min(e, remaining)] = first + i;
-            gt += __popc(bgt);
-            eq += __popc(beq);
+            const bool in = i0 + j < len;
+            counts += in && key > prefix ? 1 : in && key == prefix ? 0x10000 : 0;
         }
-    }
-    if (!WRITE) {
-        gt += __reduce_add_sync(0xffffffffu, lane_gt);
-        eq += __reduce_add_sync(0xffffffffu, lane_eq);
+        if (!WRITE) {
+            gt += counts & 0xffff;
+            eq += counts >> 16;
+            continue;
+        }
+        int total;
+        const int before = block_scan(counts, scratch, total);
+        int g = gt + (before & 0xffff), e = eq + (before >> 16);
+#pragma unroll
+        for (int j = 0; j < TOPK_BATCH; j++) {
+            const u32 key = keys[j] & mask;
+            if (i0 + j >= len) break;
+            if (key > prefix) {
+                orow[g + min(e, remaining)] = first + i0 + j;
+                g++;
+            } else if (key == prefix) {
+                if (e < remaining) orow[g + e] = first + i0 + j;
+                e++;
+            }
+        }
+        gt += total & 0xffff;
+        eq += total >> 16;
     }
 }
 
-// The walk's pass `pass` (0: count, 1: write) over a stretch of `len` positions, n_cached of
-// them kept.
-template <int SRC>
-__device__ __forceinline__ void topk_place_pass(const float* row, int first, const u32* cached,
-                                                int n_cached, int s0, int s1, u32 prefix,
-                                                u32 mask, int remaining, int pass, int& gt,
-                                                int& eq, int* orow) {
-    if (pass == 0)
-        topk_place_from<SRC, false>(row, first, cached, n_cached, s0, s1, prefix, mask,
-                                    remaining, gt, eq, orow);
-    else
-        topk_place_from<SRC, true>(row, first, cached, n_cached, s0, s1, prefix, mask,
-                                   remaining, gt, eq, orow);
-}
+// topk_place_from over a stretch of `len` positions, n_cached of them kept.
+template <bool WRITE>
 __device__ __forceinline__ void topk_place(const float* row, int first, const u32* cached,
-                                           int n_cached, int len, int s0, int s1, u32 prefix,
-                                           u32 mask, int remaining, int pass, int& gt, int& eq,
-                                           int* orow) {
+                                           int n_cached, int len, u32 prefix, u32 mask,
+                                           int remaining, int& gt, int& eq, int* orow,
+                                           int* scratch) {
     if (n_cached == len)
-        topk_place_pass<KEYS_CACHE>(row, first, cached, n_cached, s0, s1, prefix, mask,
-                                    remaining, pass, gt, eq, orow);
+        topk_place_from<KEYS_CACHE, WRITE>(row, first, cached, n_cached, len, prefix, mask,
+                                           remaining, gt, eq, orow, scratch);
     else
-        topk_place_pass<KEYS_BOTH>(row, first, cached, n_cached, s0, s1, prefix, mask,
-                                   remaining, pass, gt, eq, orow);
+        topk_place_from<KEYS_BOTH, WRITE>(row, first, cached, n_cached, len, prefix, mask,
+                                          remaining, gt, eq, orow, scratch);
 }
 
 // Where a radix pass's digit search leaves its result for the block (topk_select).
@@ -481,7 +491,8 @@ __device__ __forceinline__ bool topk_select(const int c[2], int bins, int shift,
                                             TopkDigit* sel) {
     const int per = bins / TOPK_THREADS;
     const int count = per == 2 ? c[0] + c[1] : c[0];
-    int larger = block_scan(count, scratch);
+    int total;
+    int larger = block_scan(count, scratch, total);
     if (larger < remaining && larger + count >= remaining) {
 #pragma unroll
         for (int b = 0; b < 2; b++) {
@@ -508,9 +519,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     extern __shared__ __align__(16) u32 cached[];  // [min(n, cache_keys)] the keys of the first positions
     __shared__ int hist[2048];
     __shared__ int scratch[32];
-    __shared__ int warp_gt[32], warp_eq[32];
     __shared__ TopkDigit sel;
-    const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int t = blockIdx.x, tid = threadIdx.x;
     const int n = pos0 + t + 1, n_cached = min(n, cache_keys);
     const float* row = scores + (i64)t * s_stride;
     int* orow = out + (i64)t * k;
@@ -538,26 +548,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     }
 
     // Now, comparing keys under `mask` (the passes' bits; fewer where a pass's digit was taken
-    // whole, then every key equal to prefix is taken): keys > prefix are all taken, and the
-    // first `remaining` keys == prefix; position i goes to (keys > prefix before it) +
-    // min(keys == prefix before it, remaining). Each warp
-    // takes a contiguous segment of the row, 32 positions a step (coalesced, and a lane's
-    // place within the step from ballots): it counts its segment, one block scan of the
-    // warps' counts tells it where its positions start, and it walks the segment again.
-    const int warps = TOPK_THREADS / 32;
-    const int seg = ((n + warps - 1) / warps + 31) & ~31;
-    const int s0 = min(warp * seg, n), s1 = min(s0 + seg, n);
+    // whole, then every key equal to prefix is taken), the placement (topk_place_from).
     int gt = 0, eq = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        topk_place(row, 0, cached, n_cached, n, s0, s1, prefix, mask, remaining, pass, gt, eq,
-                   orow);
-        if (pass == 0) {
-            if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
-            __syncthreads();
-            gt = warp_sum_first(warp_gt, warp);
-            eq = warp_sum_first(warp_eq, warp);
-        }
-    }
+    topk_place<true>(row, 0, cached, n_cached, n, prefix, mask, remaining, gt, eq, orow,
+                     scratch);
 }
 
 #define TOPK_CLUSTER 8  // kernels.rs
@@ -628,38 +622,33 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
         if (topk_select(c, bins, shift, prefix, mask, remaining, scratch, &sel)) break;
     }
 
-    // The placement of topk_rows within the stretch, after the keys of the blocks before it.
-    const int warps = TOPK_THREADS / 32;
-    const int seg = ((len + warps - 1) / warps + 31) & ~31;
-    const int s0 = min(warp * seg, len), s1 = min(s0 + seg, len);
+    // The placement of topk_rows within the stretch, after the keys of the blocks before it:
+    // the block's counts first, then the cluster's before it.
     int gt = 0, eq = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        topk_place(row, b0, cached, n_cached, len, s0, s1, prefix, mask, remaining, pass, gt,
-                   eq, orow);
-        if (pass == 0) {
-            if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
-            __syncthreads();
-            if (warp == 0) {
-                const int sg = warp_sum_first(warp_gt, warps), se = warp_sum_first(warp_eq, warps);
-                if (lane == 0) block_gt = sg, block_eq = se;
-            }
-            cluster_sync();  // every block's counts
-            if (warp == 0) {
-                int bg = lane < rank ? cluster_load(&block_gt, lane) : 0;
-                int be = lane < rank ? cluster_load(&block_eq, lane) : 0;
-                for (int o = 16; o > 0; o >>= 1) {
-                    bg += __shfl_xor_sync(0xffffffffu, bg, o);
-                    be += __shfl_xor_sync(0xffffffffu, be, o);
-                }
-                if (lane == 0) base_gt = bg, base_eq = be;
-            }
-            __syncthreads();
-            // No block leaves (its counts unread) before all have read them: waited at the end.
-            cluster_arrive();
-            gt = base_gt + warp_sum_first(warp_gt, warp);
-            eq = base_eq + warp_sum_first(warp_eq, warp);
-        }
+    topk_place<false>(row, b0, cached, n_cached, len, prefix, mask, remaining, gt, eq, orow,
+                      scratch);
+    gt = __reduce_add_sync(0xffffffffu, gt);
+    eq = __reduce_add_sync(0xffffffffu, eq);
+    if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
+    __syncthreads();
+    if (warp == 0) {
+        const int sg = warp_sum_first(warp_gt, 32), se = warp_sum_first(warp_eq, 32);
+        if (lane == 0) block_gt = sg, block_eq = se;
     }
+    cluster_sync();  // every block's counts
+    if (warp == 0) {
+        int bg = lane < rank ? cluster_load(&block_gt, lane) : 0;
+        int be = lane < rank ? cluster_load(&block_eq, lane) : 0;
+        bg = __reduce_add_sync(0xffffffffu, bg);
+        be = __reduce_add_sync(0xffffffffu, be);
+        if (lane == 0) base_gt = bg, base_eq = be;
+    }
+    __syncthreads();
+    // No block leaves (its counts unread) before all have read them: waited at the end.
+    cluster_arrive();
+    gt = base_gt, eq = base_eq;
+    topk_place<true>(row, b0, cached, n_cached, len, prefix, mask, remaining, gt, eq, orow,
+                     scratch);
     cluster_wait();
 #endif
 }

@@ -392,13 +392,16 @@ const PIECES: &[Piece] = &[
     ),
     Def(
         "dsa.cu",
+        "template <int SRC>\n__device__ __forceinline__ void topk_keys_at(",
+    ),
+    Def(
+        "dsa.cu",
         "template <int SRC, bool WRITE>\n__device__ __forceinline__ void topk_place_from(",
     ),
     Def(
         "dsa.cu",
-        "template <int SRC>\n__device__ __forceinline__ void topk_place_pass(",
+        "template <bool WRITE>\n__device__ __forceinline__ void topk_place(",
     ),
-    Def("dsa.cu", "__device__ __forceinline__ void topk_place("),
     Def("dsa.cu", "struct TopkDigit {"),
     Def("dsa.cu", "__device__ __forceinline__ bool topk_select("),
     Kernel("dsa.cu", "topk_rows"),
@@ -2096,6 +2099,14 @@ fn topk_rows_matches_its_twin() {
     let row = normals(&mut rng, 5000);
     check_topk(&h, &row, 5000, 4999, 2048, 5000);
     check_topk(&h, &row, 5000, 4999, 2048, 1500);
+    // 20000 keys of few values (the boundary's ties over all three chunks of the placement),
+    // kept whole, then 9001 of them (a chunk from the cache and the row both).
+    let row: Vec<f32> = normals(&mut rng, 20000)
+        .into_iter()
+        .map(|r| (r * 3.0).floor())
+        .collect();
+    check_topk(&h, &row, 20000, 19999, 2048, 20000);
+    check_topk(&h, &row, 20000, 19999, 2048, 9001);
     // Prefill rows of few values, 8 of every 10 sharing their top bytes, and 40 equal maxima:
     // ties at the boundary across the row, taken lowest position first.
     let (rows, pos0) = (3, 1200);
