@@ -515,7 +515,6 @@ __device__ __forceinline__ bool topk_select(const int c[2], int bins, int shift,
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
-    pdl_enter();
     extern __shared__ __align__(16) u32 cached[];  // [min(n, cache_keys)] the keys of the first positions
     __shared__ int hist[2048];
     __shared__ int scratch[32];
@@ -524,6 +523,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const int n = pos0 + t + 1, n_cached = min(n, cache_keys);
     const float* row = scores + (i64)t * s_stride;
     int* orow = out + (i64)t * k;
+    // The first pass's bins, zeroed while the kernel before ends.
+    for (int b = tid; b < 2048; b += TOPK_THREADS) hist[b] = 0;
+    __syncthreads();
+    pdl_enter();
 
     if (n <= k) {
         for (int i = tid; i < k; i += TOPK_THREADS) orow[i] = i < n ? i : -1;
@@ -534,16 +537,19 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     int remaining = k;
     for (int pass = 0; pass < 3; pass++) {
         const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
-        for (int b = tid; b < bins; b += TOPK_THREADS) hist[b] = 0;
-        __syncthreads();
         topk_count<TOPK_THREADS>(row, 0, n, cached, n_cached, pass, prefix, mask, shift, bins,
                                  hist);
         __syncthreads();
+        // Each bin is read by one thread, which zeroes it for the next pass (topk_select's
+        // barriers come between).
         const int per = bins / TOPK_THREADS;
         int c[2] = {0, 0};
 #pragma unroll
         for (int b = 0; b < 2; b++)
-            if (b < per) c[b] = hist[bins - 1 - per * tid - b];
+            if (b < per) {
+                c[b] = hist[bins - 1 - per * tid - b];
+                hist[bins - 1 - per * tid - b] = 0;
+            }
         if (topk_select(c, bins, shift, prefix, mask, remaining, scratch, &sel)) break;
     }
 
@@ -574,9 +580,8 @@ __device__ __forceinline__ int cluster_load(const int* p, int rank) {
 extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) topk_rows_cluster(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
 #if __CUDA_ARCH__ >= 900
-    pdl_enter();
     extern __shared__ __align__(16) u32 cached[];  // [min(len, cache_keys)] the keys of the stretch's start
-    __shared__ int hist[2][2048];    // by pass parity: a pass zeroes the one no block still reads
+    __shared__ int hist[2][2048];    // by pass parity: the third pass zeroes the first's again
     __shared__ int scratch[32];
     __shared__ int warp_gt[32], warp_eq[32];
     __shared__ int block_gt, block_eq, base_gt, base_eq;
@@ -586,6 +591,10 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     const int n = pos0 + t + 1;
     const float* row = scores + (i64)t * s_stride;
     int* orow = out + (i64)t * k;
+    // The first two passes' bins, zeroed while the kernel before ends.
+    for (int b = tid; b < 2 * 2048; b += TOPK_THREADS) (&hist[0][0])[b] = 0;
+    __syncthreads();
+    pdl_enter();
 
     if (n <= k) {  // the whole cluster returns
         if (rank == 0)
@@ -603,8 +612,10 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) top
     for (int pass = 0; pass < 3; pass++) {
         const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
         int* h = hist[pass & 1];
-        for (int b = tid; b < bins; b += TOPK_THREADS) h[b] = 0;
-        __syncthreads();
+        if (pass == 2) {  // no block reads the first pass's bins since the second's barrier
+            for (int b = tid; b < bins; b += TOPK_THREADS) h[b] = 0;
+            __syncthreads();
+        }
         topk_count<TOPK_THREADS>(row, b0, len, cached, n_cached, pass, prefix, mask, shift, bins,
                                  h);
         // Every block's counts of this pass are in; the other parity's readers (the pass
