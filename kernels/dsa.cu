@@ -317,20 +317,26 @@ __device__ __forceinline__ int warp_sum_first(const int* v, int n) {
     return __reduce_add_sync(0xffffffffu, lane < n ? v[lane] : 0);
 }
 
-// Exclusive prefix sum over the block (whole warps, at most 32), and the block's total.
-__device__ __forceinline__ int block_scan(int v, int* scratch, int& total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = v;
+// Inclusive prefix sum over the warp.
+__device__ __forceinline__ int warp_scan(int v) {
+    const int lane = threadIdx.x & 31;
     for (int o = 1; o < 32; o <<= 1) {
-        int n = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += n;
+        const int n = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += n;
     }
+    return v;
+}
+
+// Exclusive prefix sum over the block (whole warps, at most 32), and the block's total. One
+// barrier: `scratch` (32 ints) may be written again only past the next one, so a caller
+// scanning in turn alternates two.
+__device__ __forceinline__ int block_scan(int v, int* scratch, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int incl = warp_scan(v);
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
-    const int before = warp_sum_first(scratch, warp);
     total = warp_sum_first(scratch, blockDim.x >> 5);
-    __syncthreads();
-    return before + incl - v;
+    return warp_sum_first(scratch, warp) + incl - v;
 }
 
 #define TOPK_THREADS 1024  // kernels.rs
@@ -420,6 +426,7 @@ __device__ __forceinline__ void topk_keys_at(const float* row, int first, const 
 // (above | equal << 16), one block scan of the counts gives each thread its places, and it
 // writes its positions from the keys it holds. Without WRITE, the thread's counts of the whole
 // stretch are added to gt and eq (no scan). gt and eq end as the counts past the stretch.
+// scratch: 64 ints.
 template <int SRC, bool WRITE>
 __device__ __forceinline__ void topk_place_from(const float* row, int first, const u32* cached,
                                                 int n_cached, int len, u32 prefix, u32 mask,
@@ -441,8 +448,9 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
             eq += counts >> 16;
             continue;
         }
-        int total;
-        const int before = block_scan(counts, scratch, total);
+        int total;  // scratch's halves in turn (block_scan)
+        const int before =
+            block_scan(counts, scratch + 32 * (c0 / (TOPK_BATCH * TOPK_THREADS) & 1), total);
         int g = gt + (before & 0xffff), e = eq + (before >> 16);
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
@@ -485,25 +493,34 @@ struct TopkDigit {
 // count of digit bins - 1 - per * j - b for b < per (per = bins / TOPK_THREADS, 1 or 2), and
 // the digit is where the count of larger keys first reaches `remaining`. Every thread's
 // prefix, mask and remaining become the pass's; true where the digit's keys are all taken (no
-// finer pass is needed).
+// finer pass is needed). Two barriers: every warp finds from the warps' sums the one whose
+// bins hold the digit, and that warp alone scans its threads' counts.
 __device__ __forceinline__ bool topk_select(const int c[2], int bins, int shift, u32& prefix,
                                             u32& mask, int& remaining, int* scratch,
                                             TopkDigit* sel) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per = bins / TOPK_THREADS;
     const int count = per == 2 ? c[0] + c[1] : c[0];
-    int total;
-    int larger = block_scan(count, scratch, total);
-    if (larger < remaining && larger + count >= remaining) {
+    const int warp_count = __reduce_add_sync(0xffffffffu, count);
+    if (lane == 0) scratch[warp] = warp_count;
+    __syncthreads();
+    const int w = scratch[lane], upto = warp_scan(w);  // TOPK_THREADS / 32 == 32 warps
+    const int home = __ffs(__ballot_sync(0xffffffffu, upto >= remaining)) - 1;
+    const int before = __shfl_sync(0xffffffffu, upto - w, home);  // keys in the warps before
+    if (warp == home) {
+        int larger = before + warp_scan(count) - count;
+        if (larger < remaining && larger + count >= remaining) {
 #pragma unroll
-        for (int b = 0; b < 2; b++) {
-            if (b == per) break;
-            if (larger + c[b] >= remaining) {
-                sel->prefix = prefix | ((u32)(bins - 1 - per * (int)threadIdx.x - b) << shift);
-                sel->remaining = remaining - larger;
-                sel->whole = larger + c[b] == remaining;
-                break;
+            for (int b = 0; b < 2; b++) {
+                if (b == per) break;
+                if (larger + c[b] >= remaining) {
+                    sel->prefix = prefix | ((u32)(bins - 1 - per * (int)threadIdx.x - b) << shift);
+                    sel->remaining = remaining - larger;
+                    sel->whole = larger + c[b] == remaining;
+                    break;
+                }
+                larger += c[b];
             }
-            larger += c[b];
         }
     }
     __syncthreads();
@@ -517,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
     extern __shared__ __align__(16) u32 cached[];  // [min(n, cache_keys)] the keys of the first positions
     __shared__ int hist[2048];
-    __shared__ int scratch[32];
+    __shared__ int scratch[64];
     __shared__ TopkDigit sel;
     const int t = blockIdx.x, tid = threadIdx.x;
     const int n = pos0 + t + 1, n_cached = min(n, cache_keys);
@@ -577,12 +594,12 @@ __device__ __forceinline__ int cluster_load(const int* p, int rank) {
 }
 #endif
 
-extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS) topk_rows_cluster(
+extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS, 1) topk_rows_cluster(
     const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) u32 cached[];  // [min(len, cache_keys)] the keys of the stretch's start
     __shared__ int hist[2][2048];    // by pass parity: the third pass zeroes the first's again
-    __shared__ int scratch[32];
+    __shared__ int scratch[64];
     __shared__ int warp_gt[32], warp_eq[32];
     __shared__ int block_gt, block_eq, base_gt, base_eq;
     __shared__ TopkDigit sel;

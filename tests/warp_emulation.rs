@@ -374,6 +374,7 @@ const PIECES: &[Piece] = &[
     Line("dsa.cu", "#define DSA_BATCH "),
     Def("dsa.cu", "__device__ __forceinline__ u32 order_key("),
     Def("dsa.cu", "__device__ __forceinline__ int warp_sum_first("),
+    Def("dsa.cu", "__device__ __forceinline__ int warp_scan("),
     Def("dsa.cu", "__device__ __forceinline__ int block_scan("),
     Line("dsa.cu", "#define TOPK_THREADS "),
     Line("dsa.cu", "#define TOPK_BATCH "),
