@@ -381,6 +381,10 @@ const PIECES: &[Piece] = &[
     Def("dsa.cu", "enum { KEYS_ROW"),
     Def(
         "dsa.cu",
+        "template <int THREADS>\n__device__ __forceinline__ int topk_per_trip(",
+    ),
+    Def(
+        "dsa.cu",
         "template <int SRC>\n__device__ __forceinline__ u32 topk_key(",
     ),
     Def(
@@ -2108,6 +2112,9 @@ fn topk_rows_matches_its_twin() {
         .collect();
     check_topk(&h, &row, 20000, 19999, 2048, 20000);
     check_topk(&h, &row, 20000, 19999, 2048, 9001);
+    // 8192 and 4000 of them: 8 and 4 keys a thread a trip, read 16 bytes at a time.
+    check_topk(&h, &row[..8192], 8192, 8191, 2048, 8192);
+    check_topk(&h, &row[..4000], 4000, 3999, 2048, 2100);
     // Prefill rows of few values, 8 of every 10 sharing their top bytes, and 40 equal maxima:
     // ties at the boundary across the row, taken lowest position first.
     let (rows, pos0) = (3, 1200);
