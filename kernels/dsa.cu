@@ -356,15 +356,6 @@ __device__ __forceinline__ u32 topk_key(const float* row, int first, const u32* 
     return i < n_cached ? cached[i] : order_key(row[first + i]);
 }
 
-// Keys a thread takes a trip of a sweep over `len` positions: the fewest trips of at most
-// TOPK_BATCH, the keys spread evenly over them (8193 keys: two trips of 5 a thread, not 8 and 8;
-// 4096: one of 4). A sweep issues its key slots whether they hold a key or not.
-template <int THREADS>
-__device__ __forceinline__ int topk_per_trip(int len) {
-    const int trips = max(1, (len + TOPK_BATCH * THREADS - 1) / (TOPK_BATCH * THREADS));
-    return (len + trips * THREADS - 1) / (trips * THREADS);
-}
-
 // One radix pass in one form: the keys of positions first .. first + len of `row` that match
 // `prefix` under `mask`, counted into h by their digit at `shift` (bins - 1 its mask) by
 // THREADS threads.
@@ -372,18 +363,16 @@ template <int THREADS, int SRC>
 __device__ __forceinline__ void topk_count_from(const float* row, int first, int len,
                                                 u32* cached, int n_cached, u32 prefix, u32 mask,
                                                 int shift, int bins, int* h) {
-    const int tid = threadIdx.x, per = topk_per_trip<THREADS>(len);
-    for (int c0 = 0; c0 < len; c0 += per * THREADS) {  // block-uniform trips
+    const int tid = threadIdx.x;
+    for (int c0 = 0; c0 < len; c0 += TOPK_BATCH * THREADS) {  // warp-uniform trips
         u32 keys[TOPK_BATCH];
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
-            if (j == per) break;
             int i = c0 + j * THREADS + tid;
             keys[j] = i < len ? topk_key<SRC>(row, first, cached, n_cached, i) : 0u;
         }
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
-            if (j == per) break;
             int i = c0 + j * THREADS + tid;
             if (SRC == KEYS_ROW && i < n_cached) cached[i] = keys[j];
             // Plain shared atomics: grouping a warp's equal digits first (__match_any_sync,
@@ -414,35 +403,30 @@ __device__ __forceinline__ void topk_count(const float* row, int first, int len,
                                             shift, bins, h);
 }
 
-// A thread's `per` keys at positions i0 .. of a stretch of `len` (0 past it): 16-byte reads
-// where per is 4 or 8 and they are all kept (i0 is then a multiple of per).
+// A thread's TOPK_BATCH keys at positions i0 .. of a stretch of `len` (0 past it; i0 % 8 == 0):
+// two 16-byte reads where they are all kept.
 template <int SRC>
 __device__ __forceinline__ void topk_keys_at(const float* row, int first, const u32* cached,
-                                             int n_cached, int len, int i0, int per,
+                                             int n_cached, int len, int i0,
                                              u32 keys[TOPK_BATCH]) {
-    if (SRC != KEYS_ROW && per % 4 == 0 && i0 + per <= n_cached) {
-#pragma unroll
-        for (int j = 0; j < TOPK_BATCH; j += 4) {
-            if (j == per) break;
-            const uint4 v = *(const uint4*)(cached + i0 + j);
-            keys[j] = v.x, keys[j + 1] = v.y, keys[j + 2] = v.z, keys[j + 3] = v.w;
-        }
+    if (SRC != KEYS_ROW && i0 + TOPK_BATCH <= n_cached) {
+        const uint4 a = *(const uint4*)(cached + i0), b = *(const uint4*)(cached + i0 + 4);
+        keys[0] = a.x, keys[1] = a.y, keys[2] = a.z, keys[3] = a.w;
+        keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
         return;
     }
 #pragma unroll
-    for (int j = 0; j < TOPK_BATCH; j++) {
-        if (j == per) break;
+    for (int j = 0; j < TOPK_BATCH; j++)
         keys[j] = i0 + j < len ? topk_key<SRC>(row, first, cached, n_cached, i0 + j) : 0u;
-    }
 }
 
 // The placement over a stretch of `len` positions, once the k-th largest key is `prefix` under
 // `mask`: the keys above it are all taken, and the first `remaining` equal to it (lowest
 // position first); position i goes to orow[gt + min(eq, remaining)], gt and eq the keys above
-// and equal before it, counted from the gt and eq passed in (the stretches before). Trips of
-// per * TOPK_THREADS positions (topk_per_trip), thread j taking `per` in a row: it counts its
-// keys (above | equal << 16), one block scan of the counts gives each thread its places, and
-// it writes its positions from the keys it holds. Without WRITE, the thread's counts of the whole
+// and equal before it, counted from the gt and eq passed in (the stretches before). Chunks of
+// TOPK_BATCH * TOPK_THREADS positions, thread j taking TOPK_BATCH in a row: it counts its keys
+// (above | equal << 16), one block scan of the counts gives each thread its places, and it
+// writes its positions from the keys it holds. Without WRITE, the thread's counts of the whole
 // stretch are added to gt and eq (no scan). gt and eq end as the counts past the stretch.
 // scratch: 64 ints.
 template <int SRC, bool WRITE>
@@ -450,15 +434,13 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
                                                 int n_cached, int len, u32 prefix, u32 mask,
                                                 int remaining, int& gt, int& eq, int* orow,
                                                 int* scratch) {
-    const int per = topk_per_trip<TOPK_THREADS>(len);
-    for (int c0 = 0; c0 < len; c0 += per * TOPK_THREADS) {  // block-uniform trips
-        const int i0 = c0 + per * (int)threadIdx.x;
+    for (int c0 = 0; c0 < len; c0 += TOPK_BATCH * TOPK_THREADS) {  // block-uniform trips
+        const int i0 = c0 + TOPK_BATCH * (int)threadIdx.x;
         u32 keys[TOPK_BATCH];
-        topk_keys_at<SRC>(row, first, cached, n_cached, len, i0, per, keys);
+        topk_keys_at<SRC>(row, first, cached, n_cached, len, i0, keys);
         int counts = 0;  // above | equal << 16: at most TOPK_BATCH * TOPK_THREADS each
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
-            if (j == per) break;
             const u32 key = keys[j] & mask;
             const bool in = i0 + j < len;
             counts += in && key > prefix ? 1 : in && key == prefix ? 0x10000 : 0;
@@ -470,12 +452,12 @@ __device__ __forceinline__ void topk_place_from(const float* row, int first, con
         }
         int total;  // scratch's halves in turn (block_scan)
         const int before =
-            block_scan(counts, scratch + 32 * (c0 / (per * TOPK_THREADS) & 1), total);
+            block_scan(counts, scratch + 32 * (c0 / (TOPK_BATCH * TOPK_THREADS) & 1), total);
         int g = gt + (before & 0xffff), e = eq + (before >> 16);
 #pragma unroll
         for (int j = 0; j < TOPK_BATCH; j++) {
-            if (j == per || i0 + j >= len) break;
             const u32 key = keys[j] & mask;
+            if (i0 + j >= len) break;
             if (key > prefix) {
                 orow[g + min(e, remaining)] = first + i0 + j;
                 g++;

@@ -381,10 +381,6 @@ const PIECES: &[Piece] = &[
     Def("dsa.cu", "enum { KEYS_ROW"),
     Def(
         "dsa.cu",
-        "template <int THREADS>\n__device__ __forceinline__ int topk_per_trip(",
-    ),
-    Def(
-        "dsa.cu",
         "template <int SRC>\n__device__ __forceinline__ u32 topk_key(",
     ),
     Def(
@@ -2112,7 +2108,8 @@ fn topk_rows_matches_its_twin() {
         .collect();
     check_topk(&h, &row, 20000, 19999, 2048, 20000);
     check_topk(&h, &row, 20000, 19999, 2048, 9001);
-    // 8192 and 4000 of them: 8 and 4 keys a thread a trip, read 16 bytes at a time.
+    // 8192 and 4000 of them: the placement's 16-byte reads from the cache, all of a thread's
+    // keys kept, then some.
     check_topk(&h, &row[..8192], 8192, 8191, 2048, 8192);
     check_topk(&h, &row[..4000], 4000, 3999, 2048, 2100);
     // Prefill rows of few values, 8 of every 10 sharing their top bytes, and 40 equal maxima:
