@@ -2112,6 +2112,8 @@ fn topk_rows_matches_its_twin() {
     // keys kept, then some.
     check_topk(&h, &row[..8192], 8192, 8191, 2048, 8192);
     check_topk(&h, &row[..4000], 4000, 3999, 2048, 2100);
+    // 8193, the GLM-5 file's rows after 8192 positions: the placement's second pass of a key.
+    check_topk(&h, &row[..8193], 8193, 8192, 2048, 8193);
     // Prefill rows of few values, 8 of every 10 sharing their top bytes, and 40 equal maxima:
     // ties at the boundary across the row, taken lowest position first.
     let (rows, pos0) = (3, 1200);
