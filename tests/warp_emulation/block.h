@@ -10,7 +10,6 @@
 // Only what the kernels use is here.
 #include <atomic>
 #include <barrier>
-#include <bit>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -163,7 +162,6 @@ inline int __shfl_up_sync(unsigned, int v, int d) {
     const int from = LANE >= d ? LANE - d : LANE;
     return (int)exchange((u32)v, from);
 }
-inline int __popc(u32 v) { return std::popcount(v); }
 inline u32 __ballot_sync(unsigned, bool p) {
     u32 r = 0;
     for (int l = 0; l < 32; l++) r |= (u32)(exchange(p, l) != 0) << l;
