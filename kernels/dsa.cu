@@ -654,12 +654,12 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS, 1) 
 
     // The placement of topk_rows within the stretch, after the keys of the blocks before it:
     // the block's counts first, then the cluster's before it.
-    int gt = 0, eq = 0;
-    topk_place<false>(row, b0, cached, n_cached, len, prefix, mask, remaining, gt, eq, orow,
-                      scratch);
-    gt = __reduce_add_sync(0xffffffffu, gt);
-    eq = __reduce_add_sync(0xffffffffu, eq);
-    if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
+    int above = 0, equal = 0;  // this thread's keys of the stretch
+    topk_place<false>(row, b0, cached, n_cached, len, prefix, mask, remaining, above, equal,
+                      orow, scratch);
+    above = __reduce_add_sync(0xffffffffu, above);
+    equal = __reduce_add_sync(0xffffffffu, equal);
+    if (lane == 0) warp_gt[warp] = above, warp_eq[warp] = equal;
     __syncthreads();
     if (warp == 0) {
         const int sg = warp_sum_first(warp_gt, 32), se = warp_sum_first(warp_eq, 32);
@@ -676,7 +676,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS, 1) 
     __syncthreads();
     // No block leaves (its counts unread) before all have read them: waited at the end.
     cluster_arrive();
-    gt = base_gt, eq = base_eq;
+    int gt = base_gt, eq = base_eq;
     topk_place<true>(row, b0, cached, n_cached, len, prefix, mask, remaining, gt, eq, orow,
                      scratch);
     cluster_wait();
