@@ -2546,9 +2546,9 @@ fn dsa_scores_and_topk_match() {
             (*long_rows, n, g.upload(long).unwrap(), want)
         })
         .collect();
-    for cluster in [false, g.topk_cluster] {
-        g.topk_cluster = cluster;
-        let form = if cluster {
+    for cluster in [None, g.topk_cluster_keys.map(|_| 0)] {
+        g.topk_cluster_keys = cluster;
+        let form = if cluster.is_some() {
             "topk_rows_cluster"
         } else {
             "topk_rows"

@@ -45,9 +45,10 @@ pub struct Gpu {
     /// Whether a decode row's residual add and norm run on a cluster of blocks
     /// (add_rmsnorm_cluster, ops.rs), which alone sums a row given as parts: sm_90 and later.
     pub clusters: bool,
-    /// Whether a few long rows' DSA top-k (decode at 24K positions and more) run on a cluster
-    /// of blocks each (topk_rows_cluster, ops.rs): sm_90 and later.
-    pub topk_cluster: bool,
+    /// Keys from which a few long rows' DSA top-k (decode) run on a cluster of blocks each
+    /// (topk_rows_cluster, ops.rs): sm_90 and later, from TOPK_CLUSTER_MIN_KEYS unless
+    /// MLA_TOPK_CLUSTER_KEYS says otherwise (to measure where it gains); None: never.
+    pub topk_cluster_keys: Option<usize>,
     /// Whether the DSA indexer's scores run on the tensor cores (dsa_scores_mma*, ops.rs) where
     /// the key width is a multiple of 16; `MLA_DSA_MMA=0` keeps them on the f32 kernels.
     pub dsa_mma: bool,
@@ -126,6 +127,21 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
     Ok(())
 }
 
+/// Rows from which topk_rows_cluster takes a decode row. Its passes cost each of its blocks
+/// about what they cost topk_rows' one block over 8K keys, plus the cluster's barriers and
+/// reads: H100, the top 2048 of 8K keys 12.7 -> 23.0 us, of 32K 30.9 -> 22.8 (ncu), so it
+/// gains from ~21K keys on (docs/performance.md, fifty-third look).
+const TOPK_CLUSTER_MIN_KEYS: usize = 24 * 1024;
+
+/// Gpu::topk_cluster_keys on sm_90 and later: MLA_TOPK_CLUSTER_KEYS if set (0: every decode
+/// row), else TOPK_CLUSTER_MIN_KEYS.
+fn topk_cluster_keys() -> usize {
+    std::env::var("MLA_TOPK_CLUSTER_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(TOPK_CLUSTER_MIN_KEYS)
+}
+
 impl Gpu {
     /// Opens device `ordinal`, or says why there is none (no driver, no device).
     pub fn new(ordinal: usize) -> Result<Gpu, CudaError> {
@@ -166,7 +182,7 @@ impl Gpu {
             dependent_launch,
             bulk_copies,
             clusters: major >= 9,
-            topk_cluster: major >= 9,
+            topk_cluster_keys: (major >= 9).then(topk_cluster_keys),
             item_copies: std::env::var("MLA_ITEMS").map_or(true, |v| v != "0"),
             dsa_mma: std::env::var("MLA_DSA_MMA").map_or(true, |v| v != "0"),
             attention_mma: std::env::var("MLA_ATT_MMA").map_or(true, |v| v != "0"),

@@ -2266,8 +2266,7 @@ impl Gpu {
         out: Ptr,
     ) -> Result<(), CudaError> {
         let n = pos0 + tokens; // the longest row
-        if self.topk_cluster
-            && n >= TOPK_CLUSTER_MIN_KEYS
+        if self.topk_cluster_keys.is_some_and(|min| n >= min)
             && tokens * TOPK_CLUSTER <= self.multiprocessors
         {
             // A cluster a row (decode): the longest stretch's keys, as far as they fit.
@@ -2287,12 +2286,6 @@ impl Gpu {
         Ok(())
     }
 }
-
-/// Rows from which topk_rows_cluster takes a decode row. Its passes cost each of its blocks
-/// about what they cost topk_rows' one block over 8K keys, plus the cluster's barriers and
-/// reads: H100, the top 2048 of 8K keys 12.7 -> 23.0 us, of 32K 30.9 -> 22.8 (ncu), so it
-/// gains from ~21K keys on (docs/performance.md, fifty-third look).
-const TOPK_CLUSTER_MIN_KEYS: usize = 24 * 1024;
 
 /// ROUTER_THREADS of kernels/moe.cu: one block per token.
 const ROUTER_THREADS: u32 = 256;
