@@ -24,8 +24,8 @@
 //   each) for the others. At decode (T = 1) this block is alone on the GPU, so the kernel is
 //   its latency: loads are issued in batches, each key is read once a pass.
 //
-// topk_rows_cluster: the same selection, bit for bit, by a cluster of TOPK_CLUSTER blocks a row
-//   (sm_90+; grid (TOPK_CLUSTER, T)): block r takes the r-th stretch of the row, keeps its keys
+// topk_rows_cluster4 / topk_rows_cluster8: the same selection, bit for bit, by a cluster of C
+//   = 4 or 8 blocks a row (sm_90+; grid (C, T)): block r takes the r-th stretch of the row, keeps its keys
 //   (up to `cache_keys`) in shared memory, and counts them into its own histogram; after a
 //   cluster barrier every block adds the cluster's histograms (distributed shared memory) and
 //   finds the same digit, so the passes need no other exchange. The placement adds the counts
@@ -579,12 +579,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
                      scratch);
 }
 
-#define TOPK_CLUSTER 8  // kernels.rs
-
 #if __CUDA_ARCH__ >= 900
-#define TOPK_CLUSTER_DIMS __cluster_dims__(TOPK_CLUSTER, 1, 1)
+#define TOPK_CLUSTER_DIMS(C) __cluster_dims__(C, 1, 1)
 #else
-#define TOPK_CLUSTER_DIMS
+#define TOPK_CLUSTER_DIMS(C)
 #endif
 
 #if __CUDA_ARCH__ >= 900
@@ -596,8 +594,10 @@ __device__ __forceinline__ int cluster_load(const int* p, int rank) {
 }
 #endif
 
-extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS, 1) topk_rows_cluster(
-    const float* scores, i64 s_stride, int pos0, int k, int cache_keys, int* out) {
+// The kernel of a cluster of C blocks.
+template <int C>
+__device__ __forceinline__ void topk_rows_cluster(const float* scores, i64 s_stride, int pos0,
+                                                  int k, int cache_keys, int* out) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) u32 cached[];  // [min(len, cache_keys)] the keys of the stretch's start
     __shared__ int hist[2][2048];    // by pass parity: the third pass zeroes the first's again
@@ -621,7 +621,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS, 1) 
         return;
     }
     // This block's stretch of the row: positions b0 .. b0 + len.
-    const int stretch = ((n + TOPK_CLUSTER - 1) / TOPK_CLUSTER + 31) & ~31;
+    const int stretch = ((n + C - 1) / C + 31) & ~31;
     const int b0 = min(rank * stretch, n), len = min(b0 + stretch, n) - b0;
     const int n_cached = min(len, cache_keys);
 
@@ -647,7 +647,7 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS, 1) 
             if (b == per) break;
             const int d = bins - 1 - per * tid - b;
 #pragma unroll
-            for (int q = 0; q < TOPK_CLUSTER; q++) c[b] += cluster_load(h + d, q);
+            for (int q = 0; q < C; q++) c[b] += cluster_load(h + d, q);
         }
         if (topk_select(c, bins, shift, prefix, mask, remaining, scratch, &sel)) break;
     }
@@ -681,4 +681,18 @@ extern "C" __global__ void TOPK_CLUSTER_DIMS __launch_bounds__(TOPK_THREADS, 1) 
                      scratch);
     cluster_wait();
 #endif
+}
+
+// Clusters of 4 blocks take decode rows while a block's stretch fits its cache: fewer blocks
+// to merge and wait for at each pass (lab, H200, the GLM-5 file's own rows of 16K / 24K / 49K
+// keys: 16.3 / 16.2 / 16.8 us on 8 blocks, 11.7 / 12.2 / 16.0 on 4); 8 blocks take longer rows.
+extern "C" __global__ void TOPK_CLUSTER_DIMS(4) __launch_bounds__(TOPK_THREADS, 1)
+    topk_rows_cluster4(const float* scores, i64 s_stride, int pos0, int k, int cache_keys,
+                       int* out) {
+    topk_rows_cluster<4>(scores, s_stride, pos0, k, cache_keys, out);
+}
+extern "C" __global__ void TOPK_CLUSTER_DIMS(8) __launch_bounds__(TOPK_THREADS, 1)
+    topk_rows_cluster8(const float* scores, i64 s_stride, int pos0, int k, int cache_keys,
+                       int* out) {
+    topk_rows_cluster<8>(scores, s_stride, pos0, k, cache_keys, out);
 }

@@ -2488,9 +2488,10 @@ fn dsa_scores_and_topk_match() {
         rows[2 * s_len + 3 * s] = 1e6; // 40 equal maxima in row 2
     }
     // GLM-5's decode shape: the top 2048 of two rows of ~30000 keys (past the 22528 topk_rows
-    // keeps in shared memory) and of one of 140000 (past what topk_rows_cluster's blocks keep),
+    // keeps in shared memory) and of one of 140000 (past what topk_rows_cluster8's blocks keep),
     // scores from few values (ties at the boundary across many stretches of the row) and 8 of
-    // every 10 sharing their top bytes; rows this long take topk_rows_cluster where it runs.
+    // every 10 sharing their top bytes; where clusters run, the first two take
+    // topk_rows_cluster4 and the third topk_rows_cluster8.
     let k_long = 2048;
     let long_cases: Vec<(usize, Vec<f32>)> = [(2, 30000), (1, 140000)]
         .into_iter()
@@ -2549,7 +2550,7 @@ fn dsa_scores_and_topk_match() {
     for cluster in [None, g.topk_cluster_keys.map(|_| 0)] {
         g.topk_cluster_keys = cluster;
         let form = if cluster.is_some() {
-            "topk_rows_cluster"
+            "topk_rows_cluster4 / 8"
         } else {
             "topk_rows"
         };

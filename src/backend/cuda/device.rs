@@ -46,7 +46,7 @@ pub struct Gpu {
     /// (add_rmsnorm_cluster, ops.rs), which alone sums a row given as parts: sm_90 and later.
     pub clusters: bool,
     /// Keys from which a few long rows' DSA top-k (decode) run on a cluster of blocks each
-    /// (topk_rows_cluster, ops.rs): sm_90 and later, from TOPK_CLUSTER_MIN_KEYS unless
+    /// (topk_rows_cluster4 / 8, ops.rs): sm_90 and later, from TOPK_CLUSTER_MIN_KEYS unless
     /// MLA_TOPK_CLUSTER_KEYS says otherwise (to measure where it gains); None: never.
     pub topk_cluster_keys: Option<usize>,
     /// Whether the DSA indexer's scores run on the tensor cores (dsa_scores_mma*, ops.rs) where
@@ -127,11 +127,12 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// Rows from which topk_rows_cluster takes a decode row. Its passes cost each of its blocks
-/// about what they cost topk_rows' one block over 8K keys, plus the cluster's barriers and
-/// reads: H100, the top 2048 of 8K keys 12.7 -> 23.0 us, of 32K 30.9 -> 22.8 (ncu), so it
-/// gains from ~21K keys on (docs/performance.md, fifty-third look).
-const TOPK_CLUSTER_MIN_KEYS: usize = 24 * 1024;
+/// Rows from which a cluster takes a decode row. Its passes cost each of its blocks about what
+/// they cost topk_rows' one block over a short row, plus the cluster's barriers and reads, so
+/// that its time hardly grows with the row: H200, the GLM-5 file's own rows (ncu) of 12K /
+/// 16K / 24K keys take topk_rows 10.2 / 13.2 / 17.6 us, topk_rows_cluster4 11.5 / 11.7 / 12.2
+/// (docs/performance.md, fifty-sixth look).
+const TOPK_CLUSTER_MIN_KEYS: usize = 16 * 1024;
 
 /// Gpu::topk_cluster_keys on sm_90 and later: MLA_TOPK_CLUSTER_KEYS if set (0: every decode
 /// row), else TOPK_CLUSTER_MIN_KEYS.

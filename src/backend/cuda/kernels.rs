@@ -82,7 +82,8 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
         | "mla_decode_split16x2"
         | "mla_decode_combine" => "mla_decode",
         "dsa_scores" | "dsa_scores2" | "dsa_scores_mma16" | "dsa_scores_mma32"
-        | "dsa_scores_mma64" | "topk_rows" | "topk_rows_cluster" | "keep_mask" => "dsa",
+        | "dsa_scores_mma64" | "topk_rows" | "topk_rows_cluster4" | "topk_rows_cluster8"
+        | "keep_mask" => "dsa",
         "moe_router" | "moe_route_f32" | "moe_combine" => "moe",
         "argmax_row" | "top_p_sample" => "sampling",
         _ => return None,
@@ -160,9 +161,8 @@ pub const DSA_Q_MAX: usize = 8192;
 /// keeps in shared memory for its later passes (88 KiB).
 pub const TOPK_THREADS: u32 = 1024;
 pub const TOPK_CACHE_KEYS: usize = 22528;
-/// Blocks of topk_rows_cluster a row, and the most keys of its stretch each keeps in shared
-/// memory (64 KiB, beside its two 8 KiB histograms).
-pub const TOPK_CLUSTER: usize = 8;
+/// The most keys of its stretch a block of topk_rows_cluster4 / 8 keeps in shared memory
+/// (64 KiB, beside its two 8 KiB histograms).
 pub const TOPK_CLUSTER_CACHE_KEYS: usize = 16384;
 
 /// Dynamic shared memory of dsa_scores (`keys_per_lane` 1) and dsa_scores2 (2): the query
@@ -239,7 +239,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "dsa_scores_mma32" => dsa_scores_mma_smem_bytes(32, DSA_DIM_MAX),
         "dsa_scores_mma64" => dsa_scores_mma_smem_bytes(64, DSA_DIM_MAX),
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
-        "topk_rows_cluster" => 4 * TOPK_CLUSTER_CACHE_KEYS,
+        "topk_rows_cluster4" | "topk_rows_cluster8" => 4 * TOPK_CLUSTER_CACHE_KEYS,
         "mla_decode_split" | "mla_decode_split16" | "mla_decode_split16x2" => {
             mla_decode_smem_bytes()
         }

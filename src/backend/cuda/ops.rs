@@ -12,7 +12,7 @@ use super::kernels::{
     dsa_scores_mma_smem_bytes, dsa_scores_smem_bytes, ATT_BQ, ATT_DQK_MAX, ATT_DV_MAX, ATT_MMA_BQ,
     ATT_MMA_FORMS, ATT_MMA_THREADS, ATT_THREADS, DSA_DIM_MAX, DSA_MMA_KEYS, DSA_Q_MAX,
     DSA_SCORES2_SMEM, LATENT_DIMS, LATENT_ROPE_AT, MLA_DL_MAX, MLA_DR_MAX, TOPK_CACHE_KEYS,
-    TOPK_CLUSTER, TOPK_CLUSTER_CACHE_KEYS, TOPK_THREADS,
+    TOPK_CLUSTER_CACHE_KEYS, TOPK_THREADS,
 };
 use cudarc::driver::sys::CUresult;
 
@@ -2255,7 +2255,7 @@ impl Gpu {
     }
 
     /// Per row t: the k best of scores[t, 0 ..= pos0 + t], ascending positions, -1 padded.
-    /// A few long rows take a cluster of blocks each (topk_rows_cluster), the others a block.
+    /// A few long rows take a cluster of blocks each (topk_rows_cluster4 / 8), the others a block.
     pub fn topk_rows(
         &self,
         scores: Ptr,
@@ -2266,15 +2266,21 @@ impl Gpu {
         out: Ptr,
     ) -> Result<(), CudaError> {
         let n = pos0 + tokens; // the longest row
+                               // A cluster a row (decode): 4 blocks while their stretches fit their caches, else 8.
+        let (cluster, blocks) = if n <= 4 * TOPK_CLUSTER_CACHE_KEYS {
+            ("topk_rows_cluster4", 4)
+        } else {
+            ("topk_rows_cluster8", 8)
+        };
         if self.topk_cluster_keys.is_some_and(|min| n >= min)
-            && tokens * TOPK_CLUSTER <= self.multiprocessors
+            && tokens * blocks <= self.multiprocessors
         {
-            // A cluster a row (decode): the longest stretch's keys, as far as they fit.
+            // The longest stretch's keys, as far as they fit.
             let cache_keys = n
-                .div_ceil(TOPK_CLUSTER)
+                .div_ceil(blocks)
                 .next_multiple_of(32)
                 .min(TOPK_CLUSTER_CACHE_KEYS);
-            launch!(self, "topk_rows_cluster", (TOPK_CLUSTER as u32, tokens as u32, 1),
+            launch!(self, cluster, (blocks as u32, tokens as u32, 1),
                 TOPK_THREADS, 4 * cache_keys as u32;
                 scores, s_stride as i64, pos0 as i32, k as i32, cache_keys as i32, out);
             return Ok(());
