@@ -25,12 +25,12 @@
 //   its latency: loads are issued in batches, each key is read once a pass.
 //
 // topk_rows_cluster4 / topk_rows_cluster8: the same selection, bit for bit, by a cluster of C
-//   = 4 or 8 blocks a row (sm_90+; grid (C, T)): block r takes the r-th stretch of the row, keeps its keys
-//   (up to `cache_keys`) in shared memory, and counts them into its own histogram; after a
-//   cluster barrier every block adds the cluster's histograms (distributed shared memory) and
-//   finds the same digit, so the passes need no other exchange. The placement adds the counts
-//   of the blocks before it. For decode, where one block per row leaves the GPU idle and each
-//   pass's shared atomics are one SM's work.
+//   = 4 or 8 blocks a row (sm_90+; grid (C, T)): block r takes the r-th stretch of the row,
+//   keeps its keys (up to `cache_keys`) in shared memory, and counts them into its own
+//   histogram; after a cluster barrier every block adds the cluster's histograms (distributed
+//   shared memory) and finds the same digit, so the passes need no other exchange. The
+//   placement adds the counts of the blocks before it. For decode, where one block per row
+//   leaves the GPU idle and each pass's shared atomics are one SM's work.
 
 #define DSA_KEYS 32  // keys of a tile a lane's turn: a tile is DSA_KEYS * KPL keys
 #define DSA_HC 8  // heads per warp pass

@@ -2266,7 +2266,8 @@ impl Gpu {
         out: Ptr,
     ) -> Result<(), CudaError> {
         let n = pos0 + tokens; // the longest row
-                               // A cluster a row (decode): 4 blocks while their stretches fit their caches, else 8.
+
+        // A cluster a row (decode): 4 blocks while their stretches fit their caches, else 8.
         let (cluster, blocks) = if n <= 4 * TOPK_CLUSTER_CACHE_KEYS {
             ("topk_rows_cluster4", 4)
         } else {
