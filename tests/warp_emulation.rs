@@ -33,7 +33,10 @@
 //!   split bf16) against the f64 scores of the f32 inputs: padded heads, several k rounds,
 //!   partial tiles, prefill rows whose later keys are -inf; and its top-k (`topk_rows`, a block
 //!   of 1024 emulated threads a row) against the twin's selection, exactly: a row kept whole in
-//!   shared memory and in part, ties at the boundary, rows of fewer keys than k.
+//!   shared memory and in part, ties at the boundary, rows of fewer keys than k. The same for
+//!   its decode rows on clusters of 4 and 8 blocks (`topk_rows_cluster4` / `8`): each block a
+//!   process of its own, distributed shared memory read from copies its blocks make of their
+//!   statics at each cluster barrier (block.h, run_cluster).
 //!
 //! - The parts launches of MLA's q_a, kv_a and indexer key with the latent's norms in their
 //!   last blocks (`matvec_latent_<type>`: matvec_body, then parts_tail; and
@@ -406,6 +409,13 @@ const PIECES: &[Piece] = &[
     Def("dsa.cu", "struct TopkDigit {"),
     Def("dsa.cu", "__device__ __forceinline__ bool topk_select("),
     Kernel("dsa.cu", "topk_rows"),
+    Line("dsa.cu", "#define TOPK_CLUSTER_DIMS(C) __cluster_dims__"),
+    Def(
+        "dsa.cu",
+        "template <int C>\n__device__ __forceinline__ void topk_rows_cluster(",
+    ),
+    Kernel("dsa.cu", "topk_rows_cluster4"),
+    Kernel("dsa.cu", "topk_rows_cluster8"),
     Line("dsa.cu", "#define DSA_MMA_KEYS "),
     Def(
         "dsa.cu",
@@ -2135,4 +2145,52 @@ fn topk_rows_matches_its_twin() {
     check_topk(&h, &scores, stride, pos0, 256, stride);
     // Fewer keys than k: all of them, then -1.
     check_topk(&h, &scores[..2 * stride], stride, 10, 256, 11);
+}
+
+/// topk_rows_cluster4 / 8 (`blocks`) on one decode row of `row.len()` keys, `cache_keys` keys
+/// of each block's stretch in its shared memory, against the twin's selection.
+fn check_topk_cluster(h: &Emulation, row: &[f32], k: usize, cache_keys: usize, blocks: usize) {
+    let n = row.len();
+    let got = h.run(
+        Args::default()
+            .floats(row)
+            .i32(n as i32 - 1)
+            .i32(k as i32)
+            .i32(cache_keys as i32)
+            .i32(blocks as i32),
+    );
+    let got: Vec<i32> = got.iter().map(|v| v.to_bits() as i32).collect();
+    let what = format!("topk_rows_cluster{blocks}: top {k} of {n} keys, {cache_keys} kept a block");
+    assert_eq!(got, topk_twin(row, n, k), "{what}");
+    println!("{what}: exact");
+}
+
+#[test]
+fn topk_rows_cluster_matches_its_twin() {
+    let Some(h) = Emulation::build("topk_cluster") else {
+        return;
+    };
+    let mut rng = Rng::new(10);
+    // The GLM-5 file's rows after 16K-24K positions on 4 blocks: normal scores, each block's
+    // stretch kept whole, then partly (the later passes read the rest from the row).
+    let row = normals(&mut rng, 16385);
+    check_topk_cluster(&h, &row, 2048, 4128, 4);
+    check_topk_cluster(&h, &row, 2048, 1000, 4);
+    // Few values, 8 of every 10 sharing their top bytes: the boundary's ties across the blocks'
+    // stretches (the placement after the blocks before), on 4 and 8 blocks.
+    let row: Vec<f32> = normals(&mut rng, 24000)
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            if i % 10 < 8 {
+                1.0 + (r.abs() * 4.0).floor() / 64.0
+            } else {
+                (r * 4.0).floor()
+            }
+        })
+        .collect();
+    check_topk_cluster(&h, &row, 2048, 6016, 4);
+    check_topk_cluster(&h, &row, 2048, 3008, 8);
+    // Fewer keys than k: all of them, then -1 (block 0 alone writes).
+    check_topk_cluster(&h, &row[..1500], 2048, 384, 4);
 }

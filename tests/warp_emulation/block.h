@@ -24,11 +24,17 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #define __device__
 #define __forceinline__ inline
 #define __global__
 #define __launch_bounds__(...)
-#define __shared__ static  // one block runs at a time
+#define __shared__ static  // one block runs at a time in a process (run_cluster: one each)
+#define __cluster_dims__(...)
 #define __CUDA_ARCH__ 900
 
 typedef unsigned char u8;
@@ -515,6 +521,86 @@ inline void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
     }
 }
 
+// ---- a cluster of blocks (sm_90's thread block clusters) ----
+
+// run_cluster runs each block of a cluster in a process of its own (fork), so that its
+// __shared__ variables (statics) are its own. At each cluster barrier a block's first thread
+// copies the process's static data (.data and .bss, where the statics are; GCC ignores a
+// section attribute on a template's static) into the block's slot of memory the processes
+// share (two sets of slots, by the barrier's parity), and ld.shared::cluster reads the slot of
+// the block it names, at the variable's place: what that block wrote before the barrier,
+// which is all a kernel may read of it (what it writes after is not ordered before the read).
+extern "C" u8 __data_start[], _end[];
+unsigned CLUSTER_RANK, CLUSTER_SIZE, CLUSTER_PHASE;
+pthread_barrier_t* CLUSTER_BARRIER;  // in the shared memory: the blocks' first threads
+u8* CLUSTER_SLOTS;                   // [parity][rank] copies of the static data
+inline size_t static_bytes() { return _end - __data_start; }
+// Word by word, unchecked: the copy takes in the sanitizer's red zones between variables.
+__attribute__((no_sanitize_address)) inline void copy_statics(u8* to) {
+    const volatile u64* from = (const volatile u64*)__data_start;
+    for (size_t i = 0; i < static_bytes() / 8; i++) ((u64*)to)[i] = from[i];
+}
+inline void cluster_sync() {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const size_t slot = (CLUSTER_PHASE & 1) * CLUSTER_SIZE + CLUSTER_RANK;
+        copy_statics(CLUSTER_SLOTS + slot * static_bytes());
+        pthread_barrier_wait(CLUSTER_BARRIER);
+        CLUSTER_PHASE++;
+    }
+    __syncthreads();
+}
+// The kernels' split barrier (arrive once done reading the others, wait before leaving): the
+// copies outlive the blocks, so arriving is nothing and waiting is a whole barrier.
+inline void cluster_arrive() {}
+inline void cluster_wait() { cluster_sync(); }
+inline int cluster_load(const int* p, int rank) {
+    const size_t at = (const u8*)p - __data_start;
+    expect(at + 4 <= static_bytes(), "ld.shared::cluster of a variable that is not __shared__");
+    expect(CLUSTER_PHASE > 0 && (unsigned)rank < CLUSTER_SIZE, "ld.shared::cluster outside a cluster");
+    const size_t slot = ((CLUSTER_PHASE - 1) & 1) * CLUSTER_SIZE + rank;
+    int v;
+    std::memcpy(&v, CLUSTER_SLOTS + slot * static_bytes() + at, 4);
+    return v;
+}
+// Memory the processes of a cluster share (zeroed), for what its blocks write to global memory.
+inline u8* shared_pages(size_t bytes) {
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    expect(m != MAP_FAILED, "mmap");
+    return (u8*)m;
+}
+inline void run_grid(Dim3 grid, int threads, size_t shared, const std::function<void()>& thread);
+// One cluster of `size` blocks (blockIdx.x = rank; blockIdx.y, z 0), `threads` threads and
+// `shared` bytes of dynamic shared memory each. Call it before any thread is started.
+inline void run_cluster(unsigned size, int threads, size_t shared,
+                        const std::function<void()>& thread) {
+    u8* m = shared_pages(sizeof(pthread_barrier_t) + 64 + 2 * size * static_bytes());
+    CLUSTER_BARRIER = (pthread_barrier_t*)m;
+    pthread_barrierattr_t attr;
+    pthread_barrierattr_init(&attr);
+    pthread_barrierattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_barrier_init(CLUSTER_BARRIER, &attr, size);
+    CLUSTER_SLOTS = m + sizeof(pthread_barrier_t) + 64;
+    CLUSTER_SIZE = size;
+    std::vector<pid_t> blocks;
+    for (unsigned r = 0; r < size; r++) {
+        const pid_t pid = fork();
+        expect(pid >= 0, "fork");
+        if (pid == 0) {
+            CLUSTER_RANK = r;
+            run_grid({1, 1, 1}, threads, shared, thread);
+            std::fflush(stdout);
+            std::_Exit(0);
+        }
+        blocks.push_back(pid);
+    }
+    for (pid_t pid : blocks) {
+        int status = 0;
+        expect(waitpid(pid, &status, 0) == pid, "waitpid");
+        expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "a block of the cluster failed");
+    }
+}
+
 // Runs thread() for every thread of every block of `grid`, one block after another, with
 // `threads` threads a block (one host thread each, kept from block to block) and `shared`
 // bytes of dynamic shared memory (allocated exactly, filled with garbage for each block).
@@ -529,7 +615,7 @@ inline void run_grid(Dim3 grid, int threads, size_t shared, const std::function<
     unsigned next = 0;  // the block to run, set between blocks by the barrier's completion
     auto start = [&] {
         const unsigned b = next;
-        blockIdx = {b % grid.x, b / grid.x % grid.y, b / grid.x / grid.y};
+        blockIdx = {CLUSTER_RANK + b % grid.x, b / grid.x % grid.y, b / grid.x / grid.y};
         gridDim = grid;
         blockDim = {(unsigned)threads, 1, 1};
         for (size_t i = 0; i < shared; i++) smem[i] = (u8)(0x5A + 77 * i + b);
