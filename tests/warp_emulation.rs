@@ -2060,6 +2060,21 @@ fn dsa_scores_on_tensor_cores_match_f64() {
     check_dsa_scores(&h, (20, 48, 2, 129), 3, 4);
 }
 
+/// n scores of few values, 8 of every 10 sharing their top bytes: ties at a top-k's boundary.
+fn few_values(rng: &mut Rng, n: usize) -> Vec<f32> {
+    normals(rng, n)
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            if i % 10 < 8 {
+                1.0 + (r.abs() * 4.0).floor() / 64.0
+            } else {
+                (r * 4.0).floor()
+            }
+        })
+        .collect()
+}
+
 /// topk_rows on `rows` rows of `scores` ([rows][stride], row t: the first pos0 + t + 1
 /// positions), `cache_keys` keys of shared memory, against the twin's selection.
 fn check_topk(
@@ -2128,17 +2143,7 @@ fn topk_rows_matches_its_twin() {
     // ties at the boundary across the row, taken lowest position first.
     let (rows, pos0) = (3, 1200);
     let stride = pos0 + rows;
-    let mut scores: Vec<f32> = normals(&mut rng, rows * stride)
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            if i % 10 < 8 {
-                1.0 + (r.abs() * 4.0).floor() / 64.0
-            } else {
-                (r * 4.0).floor()
-            }
-        })
-        .collect();
+    let mut scores = few_values(&mut rng, rows * stride);
     for s in 0..40 {
         scores[stride + 3 * s] = 1e6;
     }
@@ -2178,17 +2183,7 @@ fn topk_rows_cluster_matches_its_twin() {
     check_topk_cluster(&h, &row, 2048, 1000, 4);
     // Few values, 8 of every 10 sharing their top bytes: the boundary's ties across the blocks'
     // stretches (the placement after the blocks before), on 4 and 8 blocks.
-    let row: Vec<f32> = normals(&mut rng, 24000)
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            if i % 10 < 8 {
-                1.0 + (r.abs() * 4.0).floor() / 64.0
-            } else {
-                (r * 4.0).floor()
-            }
-        })
-        .collect();
+    let row = few_values(&mut rng, 24000);
     check_topk_cluster(&h, &row, 2048, 6016, 4);
     check_topk_cluster(&h, &row, 2048, 3008, 8);
     // Fewer keys than k: all of them, then -1 (block 0 alone writes).
