@@ -7,7 +7,7 @@ int main(int argc, char** argv) {
     auto scores = in.buffer();
     const int pos0 = in.i32(), k = in.i32(), cache_keys = in.i32(), blocks = in.i32();
     expect(blocks == 4 || blocks == 8, "a cluster of 4 or 8 blocks");
-    int* out = (int*)shared_pages(4 * (size_t)k);  // the blocks' positions, each its own
+    int* out = (int*)shared_pages(4 * (size_t)k);  // written by the blocks' processes
     std::memset(out, 0x5A, 4 * (size_t)k);         // every place is written
     const float* row = ptr<float>(scores);
     run_cluster(blocks, TOPK_THREADS, 4 * (size_t)cache_keys, [&] {
