@@ -132,6 +132,40 @@ extern "C" __global__ void mma_peak(float* out, int iters) {
 
 extern "C" __global__ void empty_kernel() {}
 
+// Pure reads of n 16-byte words from p, 4 loads in flight a thread, nothing kept but an xor
+// whose store never happens (it keeps the loads). stretches == 0: the grid sweeps p front to
+// back (every block in the same region at a time); else each block reads its own contiguous
+// 1/gridDim of p, as the matrix-vector kernels' blocks read their rows.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+extern "C" __global__ void read_bytes(const uint4* p, u64 n, int stretches, u32* out) {
+    u64 begin = 0, end = n, stride = (u64)gridDim.x * blockDim.x;
+    u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    if (stretches) {
+        const u64 len = (n + gridDim.x - 1) / gridDim.x;
+        begin = blockIdx.x * len;
+        end = begin + len < n ? begin + len : n;
+        stride = blockDim.x;
+        i = begin + threadIdx.x;
+    }
+    u32 acc = 0;
+    for (; i + 3 * stride < end; i += 4 * stride) {
+        uint4 a = ld_stream(p + i), b = ld_stream(p + i + stride);
+        uint4 c = ld_stream(p + i + 2 * stride), d = ld_stream(p + i + 3 * stride);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+        acc ^= c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < end; i += stride) {
+        uint4 a = ld_stream(p + i);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (acc == 0x9E3779B9u && begin == end) out[0] = acc;
+}
+
 // Busy for `ns` nanoseconds of the global timer.
 extern "C" __global__ void spin_ns(u64 ns) {
     u64 t0, t;
@@ -516,6 +550,47 @@ impl Bench {
             "section": "ceiling", "name": "launch of an empty kernel",
             "us": gpu_secs * 1e6, "host_us": host * 1e6,
         }));
+        Ok(())
+    }
+
+    /// What one launch that only reads N bytes from DRAM reaches, for the sizes the decode
+    /// kernels read a launch (q_b 21 MB .. the MoE gate-up pair 132 MB, the lm head 521 MB):
+    /// the ramp and tail of a short launch, and the access pattern (the grid sweeping the bytes
+    /// together, or each block its own stretch as the matrix-vector kernels read), beside the
+    /// copy ceiling. 8 blocks of 256 threads an SM, 4 loads of 16 bytes in flight a thread.
+    fn reads(&mut self, arena: &CudaSlice<u8>, out: u64) -> Result<()> {
+        let base = self.gpu.ptr(arena, 0);
+        let f = self.function("read_bytes")?;
+        let cfg = LaunchConfig {
+            grid_dim: (8 * self.gpu.multiprocessors as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for mib in [16usize, 32, 64, 128, 256, 512] {
+            for (stretches, how) in [(0i32, "grid sweep"), (1, "block stretches")] {
+                let name = format!("read {mib} MiB, {how}");
+                if !self.wanted(&name) {
+                    continue;
+                }
+                let bytes = mib << 20;
+                let (copies, step) = self.rotation(bytes, ARENA_BYTES);
+                let words = (bytes / 16) as u64;
+                let stream = self.gpu.stream.clone();
+                let timed = self.time(|i| {
+                    let p = base + ((i % copies) * step) as u64;
+                    let mut b = stream.launch_builder(&f);
+                    b.arg(&p).arg(&words).arg(&stretches).arg(&out);
+                    // SAFETY: read_bytes takes (const uint4*, u64, int, u32*); p .. p + bytes
+                    // lies in the arena, out holds a u32.
+                    unsafe { b.launch(cfg) }?;
+                    Ok(())
+                });
+                let Some((secs, host)) = self.ok_or_report("read", &name, timed) else {
+                    continue;
+                };
+                self.push_bw("read", name, bytes as f64, secs, host, json!({"mib": mib}));
+            }
+        }
         Ok(())
     }
 
@@ -964,6 +1039,9 @@ impl Bench {
         self.fill_random(&mut out, 3)?;
         let y = self.gpu.ptr(&out, 0);
         self.gpu.sync()?;
+        if !self.l2 {
+            self.reads(&arena, y)?;
+        }
         self.matvec(&arena, x, y)?;
         self.heads(&arena, x, y)?;
         self.moe(&arena, x)?;
