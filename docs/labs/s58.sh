@@ -6,7 +6,8 @@
 #          on alternating (Q4K4 moves only the Q4_K rows, TOPK_HOME only the indexer's 32K
 #          row, the one on a cluster), 2 rounds
 #   l2     the Q4_K rows over L2, off/on
-#   ncu    ncu memory sections of read_bytes, ffn_up and MoE Q4_K launches (as shipped)
+#   ncu    ncu memory sections of read_bytes, ffn_up and MoE Q4_K launches, and of MLA
+#          decode's split kernels (DS3 and one TP-8 rank at 8K) (as shipped)
 #   synth  the GLM-5 and DS3 files, in the background (decode and topk wait)
 #   decode both files' decode/prefill, Q4K4 off/on, 2 rounds
 #   topk   ncu of the GLM-5 file's own top-k after 16384 / 24576 positions, HOME off/on;
@@ -46,7 +47,14 @@ for p in "$@"; do
       --metrics dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       -k 'regex:^(read_bytes|matvec_tma_q4_k|matvec_tma_items_q4_k)$' \
       $x bench --quick --filter "read 64,read 128,matvec q4_k ds3.ffn_up,moe q4_k ds3" >"$out/ncu-mem.txt" 2>&1
-    echo "ncu exit $?"; grep -E "^  [a-z_]+|Duration|DRAM Throughput|dram__|L2 Hit Rate " "$out/ncu-mem.txt" | head -n 70 ;;
+    echo "ncu exit $?"; grep -E "^  [a-z_]+|Duration|DRAM Throughput|dram__|L2 Hit Rate " "$out/ncu-mem.txt" | head -n 70
+    # MLA decode's split kernels: shared-memory wavefronts and the tensor pipe beside time
+    # (the code's counts put a key tile's shared reads and writes near or above its mma time).
+    ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --metrics l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum \
+      -k 'regex:^mla_decode_split' \
+      $x bench --quick --filter "mla_decode ds3 8K,mla_decode ds3 tp8 rank 8K" >"$out/ncu-mla.txt" 2>&1
+    echo "ncu mla exit $?"; grep -E "^  mla|Duration|wavefronts_mem_shared|bank_conflicts|hmma|Shared Memory|Stall" "$out/ncu-mla.txt" | head -n 40 ;;
   synth)
     ( touch $sf/running
       for m in glm5 ds3; do
