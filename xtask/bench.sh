@@ -117,7 +117,7 @@ EOF
     --section LaunchStats --section WarpStateStats --section SchedulerStats"
   # read_bytes: launches that only read 64 MiB (the grid sweeping, a block a stretch) beside the products.
   ncu --clock-control none -k 'regex:^(matvec_tma_q4_k|matvec_tc_q4_k|matvec_tc8_q4_k|matvec_q4_k|mla_decode_split|matmul_cp_q4_k|read_bytes)$' \
-    --launch-count 10 $sections \
+    --launch-count 12 $sections \
     "$x" bench --quick --filter 'read 64 MiB,matvec q4_k ds3.ffn_up,matvec q4_k ds3.kv_a,mla_decode ds3 8K,matmul q4_k ds3.ffn_up 2048x' \
     >"$out/ncu-kernels.txt" 2>&1
   echo "ncu kernels: exit $?"
