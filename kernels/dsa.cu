@@ -27,8 +27,10 @@
 // topk_rows_cluster4 / topk_rows_cluster8: the same selection, bit for bit, by a cluster of C
 //   = 4 or 8 blocks a row (sm_90+; grid (C, T)): block r takes the r-th stretch of the row,
 //   keeps its keys (up to `cache_keys`) in shared memory, and counts them into its own
-//   histogram; after a cluster barrier every block adds the cluster's histograms (distributed
-//   shared memory) and finds the same digit, so the passes need no other exchange. The
+//   histogram and its warps' sums of it; after a cluster barrier every block adds the
+//   cluster's warp sums (distributed shared memory), and the warp whose bins hold the digit
+//   adds those bins of every block, so all find the same digit and the passes need no other
+//   exchange. The
 //   placement adds the counts of the blocks before it. For decode, where one block per row
 //   leaves the GPU idle and each pass's shared atomics are one SM's work.
 
@@ -491,12 +493,56 @@ struct TopkDigit {
     int remaining, whole;
 };
 
-// A radix pass's digit from its bins' counts, the bins from the top: thread j holds c[b], the
-// count of digit bins - 1 - per * j - b for b < per (per = bins / TOPK_THREADS, 1 or 2), and
-// the digit is where the count of larger keys first reaches `remaining`. Every thread's
-// prefix, mask and remaining become the pass's; true where the digit's keys are all taken (no
-// finer pass is needed). Two barriers: every warp finds from the warps' sums the one whose
-// bins hold the digit, and that warp alone scans its threads' counts.
+// A radix pass's digit from its bins' counts, the bins from the top, in three pieces (the
+// cluster kernels gather the counts in their own way): thread j holds c[b], the count of
+// digit bins - 1 - per * j - b for b < per (per = bins / TOPK_THREADS, 1 or 2), and the digit
+// is where the count of larger keys first reaches `remaining`.
+//
+// topk_home_warp: from the warps' counts (warp_counts, 32), the warp whose bins hold the
+// digit, and the count of larger keys in the warps before it; every lane of every warp.
+__device__ __forceinline__ int topk_home_warp(const int* warp_counts, int remaining,
+                                              int& before) {
+    const int lane = threadIdx.x & 31;
+    const int w = warp_counts[lane], upto = warp_scan(w);  // TOPK_THREADS / 32 == 32 warps
+    const int home = __ffs(__ballot_sync(0xffffffffu, upto >= remaining)) - 1;
+    before = __shfl_sync(0xffffffffu, upto - w, home);
+    return home;
+}
+
+// topk_warp_digit: the home warp alone scans its threads' counts into sel.
+__device__ __forceinline__ void topk_warp_digit(const int c[2], int bins, int shift, u32 prefix,
+                                                int remaining, int before, TopkDigit* sel) {
+    const int per = bins / TOPK_THREADS;
+    const int count = per == 2 ? c[0] + c[1] : c[0];
+    int larger = before + warp_scan(count) - count;
+    if (larger < remaining && larger + count >= remaining) {
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            if (b == per) break;
+            if (larger + c[b] >= remaining) {
+                sel->prefix = prefix | ((u32)(bins - 1 - per * (int)threadIdx.x - b) << shift);
+                sel->remaining = remaining - larger;
+                sel->whole = larger + c[b] == remaining;
+                break;
+            }
+            larger += c[b];
+        }
+    }
+}
+
+// topk_take_digit: behind a barrier, every thread's prefix, mask and remaining become the
+// pass's; true where the digit's keys are all taken (no finer pass is needed).
+__device__ __forceinline__ bool topk_take_digit(const TopkDigit* sel, int bins, int shift,
+                                                u32& prefix, u32& mask, int& remaining) {
+    __syncthreads();
+    prefix = sel->prefix;
+    remaining = sel->remaining;
+    mask |= (u32)(bins - 1) << shift;
+    return sel->whole;
+}
+
+// The three for one block's bins. Two barriers: every warp finds from the warps' sums the
+// one whose bins hold the digit, and that warp alone scans its threads' counts.
 __device__ __forceinline__ bool topk_select(const int c[2], int bins, int shift, u32& prefix,
                                             u32& mask, int& remaining, int* scratch,
                                             TopkDigit* sel) {
@@ -506,30 +552,10 @@ __device__ __forceinline__ bool topk_select(const int c[2], int bins, int shift,
     const int warp_count = __reduce_add_sync(0xffffffffu, count);
     if (lane == 0) scratch[warp] = warp_count;
     __syncthreads();
-    const int w = scratch[lane], upto = warp_scan(w);  // TOPK_THREADS / 32 == 32 warps
-    const int home = __ffs(__ballot_sync(0xffffffffu, upto >= remaining)) - 1;
-    const int before = __shfl_sync(0xffffffffu, upto - w, home);  // keys in the warps before
-    if (warp == home) {
-        int larger = before + warp_scan(count) - count;
-        if (larger < remaining && larger + count >= remaining) {
-#pragma unroll
-            for (int b = 0; b < 2; b++) {
-                if (b == per) break;
-                if (larger + c[b] >= remaining) {
-                    sel->prefix = prefix | ((u32)(bins - 1 - per * (int)threadIdx.x - b) << shift);
-                    sel->remaining = remaining - larger;
-                    sel->whole = larger + c[b] == remaining;
-                    break;
-                }
-                larger += c[b];
-            }
-        }
-    }
-    __syncthreads();
-    prefix = sel->prefix;
-    remaining = sel->remaining;
-    mask |= (u32)(bins - 1) << shift;
-    return sel->whole;
+    int before;
+    if (warp == topk_home_warp(scratch, remaining, before))
+        topk_warp_digit(c, bins, shift, prefix, remaining, before, sel);
+    return topk_take_digit(sel, bins, shift, prefix, mask, remaining);
 }
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_rows(
@@ -602,6 +628,7 @@ __device__ __forceinline__ void topk_rows_cluster(const float* scores, i64 s_str
     extern __shared__ __align__(16) u32 cached[];  // [min(len, cache_keys)] the keys of the stretch's start
     __shared__ int hist[2][2048];    // by pass parity: the third pass zeroes the first's again
     __shared__ int scratch[64];
+    __shared__ int warp_counts[2][32];  // by pass parity: the block's warp sums of its bins
     __shared__ int warp_gt[32], warp_eq[32];
     __shared__ int block_gt, block_eq, base_gt, base_eq;
     __shared__ TopkDigit sel;
@@ -637,19 +664,40 @@ __device__ __forceinline__ void topk_rows_cluster(const float* scores, i64 s_str
         }
         topk_count<TOPK_THREADS>(row, b0, len, cached, n_cached, pass, prefix, mask, shift, bins,
                                  h);
-        // Every block's counts of this pass are in; the other parity's readers (the pass
-        // before) are past this barrier too.
-        cluster_sync();
+        __syncthreads();
+        // The block's warp sums of its own bins, for the cluster's home warp.
         const int per = bins / TOPK_THREADS;  // 2 or 1
         int c[2] = {0, 0};
 #pragma unroll
-        for (int b = 0; b < 2; b++) {
-            if (b == per) break;
-            const int d = bins - 1 - per * tid - b;
+        for (int b = 0; b < 2; b++)
+            if (b < per) c[b] = h[bins - 1 - per * tid - b];
+        const int count = __reduce_add_sync(0xffffffffu, per == 2 ? c[0] + c[1] : c[0]);
+        if (lane == 0) warp_counts[pass & 1][warp] = count;
+        // Every block's counts and warp sums of this pass are in; the other parity's readers
+        // (the pass before) are past this barrier too.
+        cluster_sync();
+        if (warp == 0) {
+            int w = 0;
 #pragma unroll
-            for (int q = 0; q < C; q++) c[b] += cluster_load(h + d, q);
+            for (int q = 0; q < C; q++) w += cluster_load(&warp_counts[pass & 1][lane], q);
+            scratch[lane] = w;
         }
-        if (topk_select(c, bins, shift, prefix, mask, remaining, scratch, &sel)) break;
+        __syncthreads();
+        // Only the home warp reads every block's bins (its 32 or 64 of them): the remote reads
+        // of a pass fall from 2048 C a block to 96 C.
+        int before;
+        if (warp == topk_home_warp(scratch, remaining, before)) {
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                if (b == per) break;
+                const int d = bins - 1 - per * tid - b;
+                c[b] = 0;
+#pragma unroll
+                for (int q = 0; q < C; q++) c[b] += cluster_load(h + d, q);
+            }
+            topk_warp_digit(c, bins, shift, prefix, remaining, before, &sel);
+        }
+        if (topk_take_digit(&sel, bins, shift, prefix, mask, remaining)) break;
     }
 
     // The placement of topk_rows within the stretch, after the keys of the blocks before it:
