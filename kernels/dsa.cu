@@ -30,9 +30,8 @@
 //   histogram and its warps' sums of it; after a cluster barrier every block adds the
 //   cluster's warp sums (distributed shared memory), and the warp whose bins hold the digit
 //   adds those bins of every block, so all find the same digit and the passes need no other
-//   exchange. The
-//   placement adds the counts of the blocks before it. For decode, where one block per row
-//   leaves the GPU idle and each pass's shared atomics are one SM's work.
+//   exchange. The placement adds the counts of the blocks before it. For decode, where one
+//   block per row leaves the GPU idle and each pass's shared atomics are one SM's work.
 
 #define DSA_KEYS 32  // keys of a tile a lane's turn: a tile is DSA_KEYS * KPL keys
 #define DSA_HC 8  // heads per warp pass
