@@ -31,20 +31,21 @@
 // the partial maxima m are stored back in natural units for the combine.
 //
 // Grid (ceil(H / heads per block), n_splits, T), block MLA_THREADS = 8 warps, dynamic shared
-// memory mla_decode_smem_bytes() (kernels.rs). Two forms: mla_decode_split holds MLA_HB = 32
-// heads as two m16 tiles of 4 warps each (W = 4), mla_decode_split16 one tile of 16 heads on
-// all 8 warps (W = 8: for few heads, as on a tensor-parallel rank, where the first form leaves
-// half of its warps idle). Warp w works on head tile w / W and on
-// part c = w % W of the dims (MlaWarp<W>):
-//   scores S [16 heads, 16 keys] = Q K^T: warp c sums latent dims D c .. D c + D (D = 512 / W)
-//     and, for 16c < dr, rope dims 16c .. 16c + 16 (D / 16 + 1 k16 steps; its Q fragments, hi
-//     and lo, stay in registers); the W partial S of a head tile meet in shared memory and
-//     every warp adds them in the same order, so all W hold bit-identical scores and softmax
-//     state.
-//   out [16 heads, D dims of part c] += P [16, 16 keys] V [16 keys, D dims]: P comes
-//     straight from the score accumulators (the m16n8 C layout of two key tiles is the m16k16
-//     A layout), V is the same shared tile as K, read through ldmatrix.trans.
-// Key tiles of MLA_BK = 16 cache rows (576 dims; the format's missing dims are zero) go as they
+// memory mla_decode_smem_bytes(MLA_BK) (kernels.rs). Two forms: mla_decode_split holds
+// MLA_HB = 32 heads as two m16 tiles of 4 warps each (W = 4), mla_decode_split16 one tile of
+// 16 heads on all 8 warps (W = 8: for few heads, as on a tensor-parallel rank, where the first
+// form leaves half of its warps idle). Warp w works on head tile w / W and on part c = w % W of
+// the dims (MlaWarp<W>):
+//   scores S [16 heads, MLA_BK keys] = Q K^T: warp c sums latent dims D c .. D c + D
+//     (D = 512 / W) and, for 16c < dr, rope dims 16c .. 16c + 16 (D / 16 + 1 k16 steps; its Q
+//     fragments, hi and lo, stay in registers); the W partial S of a head tile meet in shared
+//     memory and every warp adds them in the same order, so all W hold bit-identical scores
+//     and softmax state.
+//   out [16 heads, D dims of part c] += P [16, MLA_BK keys] V [MLA_BK keys, D dims]: P comes
+//     straight from the score accumulators (the m16n8 C layout of two n8 key tiles is the
+//     m16k16 A layout of one k16 step), V is the same shared tile as K, read through
+//     ldmatrix.trans.
+// Key tiles of MLA_BK cache rows (576 dims; the format's missing dims are zero) go as they
 // are, hi and lo planes, into shared memory by cp.async, double-buffered: tile i + 1's copies
 // are issued before the warps work on tile i and waited for after it, so no register holds
 // them and nothing is converted (when the cache was f32 and each tile was split here, the
@@ -53,9 +54,17 @@
 // visible key, so DSA padding tiles cost no math. Invalid keys (past the split, -1 ids,
 // positions after the query) are zero-filled rows scored -inf. dl % 32 == 0, dl <= 512,
 // dr <= 64.
+//
+// MLA_BK, 16 or 32, comes before this file (kernels.rs, mla_keys_per_tile: 32 where a block
+// may take the 166 KB its stages then need, sm_90 and sm_100). A tile's chain (scores, the
+// partials' exchange, softmax, P V, two barriers) is latency: ncu (H100, DS3 at 8K, 16 keys)
+// put it at 7.6 cycles between a warp's instructions with shared memory a third busy and the
+// tensor pipe 27%; 32 keys carry twice the mma work a chain (DS3 8K 47.1 -> 42.4 us).
 
 #define MLA_HB 32
-#define MLA_BK 16
+static_assert(MLA_BK == 16 || MLA_BK == 32, "key tiles of one or two k16 steps");
+#define MLA_NK (MLA_BK / 8)   // n8 key tiles of the scores
+#define MLA_KP (MLA_BK / 16)  // k16 steps of P V
 #define MLA_THREADS 256
 #define MLA_DL_MAX 512
 #define MLA_DR_MAX 64
@@ -149,7 +158,7 @@ struct MlaWarp {
     // Running max, this thread's part of the sum, and out[row][D c + 8n + 2tig + {0, 1}] in
     // o[n][2r], o[n][2r + 1] (row grp + 8r).
     float m[2], l[2], o[NT][4];
-    u32 ph[4], plo[4];  // P of the current key tile as the A fragment of one m16k16 step
+    u32 ph[MLA_KP][4], plo[MLA_KP][4];  // P of the current key tile, A fragments of its k16 steps
 
     __device__ __forceinline__ MlaWarp(int c_, int lane, int dr)
         : c(c_), grp(lane >> 2), tig(lane & 3), rope(16 * c_ < dr) {
@@ -231,34 +240,39 @@ struct MlaWarp {
     }
 
     // This warp's partial scores of the key tile (hi and lo tiles at shared khi, klo; qk_off
-    // the lane's ldmatrix offset) into xw[(c * 2 + n) * 32] (xw: the head tile's partials at
+    // the lane's ldmatrix offset) into xw[(c * MLA_NK + n) * 32] (xw: the head tile's partials at
     // this lane); the three products in separate sums (independent mma chains).
     __device__ __forceinline__ void scores(u32 khi, u32 klo, u32 qk_off, float4* xw) const {
-        float shh[2][4], shl[2][4], slh[2][4];
+        float shh[MLA_NK][4], shl[MLA_NK][4], slh[MLA_NK][4];
 #pragma unroll
-        for (int n = 0; n < 2; n++)
+        for (int n = 0; n < MLA_NK; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) shh[n][e] = shl[n][e] = slh[n][e] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < KL + 1; ks++) {
             if (ks == KL && !rope) break;
             int d0 = ks < KL ? D * c + 16 * ks : MLA_DL_MAX + 16 * c;
-            u32 bh[4], bl[4];
-            mla_ldsm(bh, khi + qk_off + 2 * d0);
-            mla_ldsm(bl, klo + qk_off + 2 * d0);
 #pragma unroll
-            for (int n = 0; n < 2; n++) {
-                mla_mma(shl[n], qh[ks], bl[2 * n], bl[2 * n + 1]);
-                mla_mma(slh[n], qlo[ks], bh[2 * n], bh[2 * n + 1]);
-                mla_mma(shh[n], qh[ks], bh[2 * n], bh[2 * n + 1]);
+            for (int kp = 0; kp < MLA_KP; kp++) {
+                u32 bh[4], bl[4];
+                const u32 at = qk_off + kp * 16 * MLA_ROWB + 2 * d0;
+                mla_ldsm(bh, khi + at);
+                mla_ldsm(bl, klo + at);
+#pragma unroll
+                for (int n2 = 0; n2 < 2; n2++) {
+                    const int n = 2 * kp + n2;
+                    mla_mma(shl[n], qh[ks], bl[2 * n2], bl[2 * n2 + 1]);
+                    mla_mma(slh[n], qlo[ks], bh[2 * n2], bh[2 * n2 + 1]);
+                    mla_mma(shh[n], qh[ks], bh[2 * n2], bh[2 * n2 + 1]);
+                }
             }
         }
 #pragma unroll
-        for (int n = 0; n < 2; n++)
-            xw[(c * 2 + n) * 32] = make_float4(shh[n][0] + (shl[n][0] + slh[n][0]),
-                                               shh[n][1] + (shl[n][1] + slh[n][1]),
-                                               shh[n][2] + (shl[n][2] + slh[n][2]),
-                                               shh[n][3] + (shl[n][3] + slh[n][3]));
+        for (int n = 0; n < MLA_NK; n++)
+            xw[(c * MLA_NK + n) * 32] = make_float4(shh[n][0] + (shl[n][0] + slh[n][0]),
+                                                    shh[n][1] + (shl[n][1] + slh[n][1]),
+                                                    shh[n][2] + (shl[n][2] + slh[n][2]),
+                                                    shh[n][3] + (shl[n][3] + slh[n][3]));
     }
 
     // The tile's full scores from the W warps' partials (added in the order c = 0, 1, .. by
@@ -266,13 +280,13 @@ struct MlaWarp {
     // (0: not visible, scored -inf), the online softmax, and P.
     __device__ __forceinline__ void softmax(const float4* xw, const int* vf, float scale2) {
         // sc[n][e]: row grp + 8 (e >> 1), key 8n + 2tig + (e & 1).
-        float sc[2][4];
+        float sc[MLA_NK][4];
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
+        for (int n = 0; n < MLA_NK; n++) {
             float4 a = xw[n * 32];
 #pragma unroll
             for (int cc = 1; cc < W; cc++) {
-                float4 b = xw[(cc * 2 + n) * 32];
+                float4 b = xw[(cc * MLA_NK + n) * 32];
                 a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
             }
             bool v0 = vf[8 * n + 2 * tig], v1 = vf[8 * n + 2 * tig + 1];
@@ -284,8 +298,10 @@ struct MlaWarp {
         // Per row (a row lives in the 4 lanes of a quad).
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]),
-                             fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+            float mx = fmaxf(sc[0][2 * r], sc[0][2 * r + 1]);
+#pragma unroll
+            for (int n = 1; n < MLA_NK; n++)
+                mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             float mn = fmaxf(m[r], mx);
@@ -293,7 +309,7 @@ struct MlaWarp {
             float base = mn == NEG_INF ? 0.0f : mn;
             float sum = 0.0f;
 #pragma unroll
-            for (int n = 0; n < 2; n++)
+            for (int n = 0; n < MLA_NK; n++)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; e++) {
                     sc[n][e] = ex2_approx(sc[n][e] - base);  // -inf -> 0
@@ -309,29 +325,34 @@ struct MlaWarp {
                 }
             }
         }
-        mla_split2(sc[0][0], sc[0][1], ph[0], plo[0]);
-        mla_split2(sc[0][2], sc[0][3], ph[1], plo[1]);
-        mla_split2(sc[1][0], sc[1][1], ph[2], plo[2]);
-        mla_split2(sc[1][2], sc[1][3], ph[3], plo[3]);
+#pragma unroll
+        for (int kp = 0; kp < MLA_KP; kp++) {
+            mla_split2(sc[2 * kp][0], sc[2 * kp][1], ph[kp][0], plo[kp][0]);
+            mla_split2(sc[2 * kp][2], sc[2 * kp][3], ph[kp][1], plo[kp][1]);
+            mla_split2(sc[2 * kp + 1][0], sc[2 * kp + 1][1], ph[kp][2], plo[kp][2]);
+            mla_split2(sc[2 * kp + 1][2], sc[2 * kp + 1][3], ph[kp][3], plo[kp][3]);
+        }
     }
 
     // out += P V over this warp's dims: V is the key tile, read through ldmatrix.trans at the
     // lane's offset pv_off.
     __device__ __forceinline__ void values(u32 khi, u32 klo, u32 pv_off) {
 #pragma unroll
-        for (int nb = 0; nb < NT / 2; nb++) {
-            u32 a = pv_off + 2 * (D * c + 16 * nb);
-            u32 vh[4], vl[4];
-            mla_ldsm_t(vh, khi + a);
-            mla_ldsm_t(vl, klo + a);
+        for (int kp = 0; kp < MLA_KP; kp++)
 #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                float* on = o[2 * nb + hf];
-                mla_mma(on, ph, vl[2 * hf], vl[2 * hf + 1]);
-                mla_mma(on, plo, vh[2 * hf], vh[2 * hf + 1]);
-                mla_mma(on, ph, vh[2 * hf], vh[2 * hf + 1]);
+            for (int nb = 0; nb < NT / 2; nb++) {
+                u32 a = pv_off + kp * 16 * MLA_ROWB + 2 * (D * c + 16 * nb);
+                u32 vh[4], vl[4];
+                mla_ldsm_t(vh, khi + a);
+                mla_ldsm_t(vl, klo + a);
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    float* on = o[2 * nb + hf];
+                    mla_mma(on, ph[kp], vl[2 * hf], vl[2 * hf + 1]);
+                    mla_mma(on, plo[kp], vh[2 * hf], vh[2 * hf + 1]);
+                    mla_mma(on, ph[kp], vh[2 * hf], vh[2 * hf + 1]);
+                }
             }
-        }
     }
 
     // The split's partial result of heads h_tile .. (or, with one split, the output itself,
@@ -422,33 +443,43 @@ __device__ __forceinline__ void mla_split_body(
     const bool active = h_tile < n_heads;
     const MlaSplit sp = mla_split_of(key_ids, n_ids, pos0, t, split, keys_per_split);
 
-    // Loader: thread tid copies key kr of a tile, 16 threads a key. The first tile's copies
+    // Loader: thread tid copies keys kr, kr + 16 .. of a tile, 16 threads a key. The first tile's copies
     // go out before the query's loads, and all of those before the first use: a short context
     // is a few tiles, where each round trip to memory waited on alone was most of the time
     // (ncu, H200, DS3 at one key: half of the stall samples on the query's conversions).
     const int kr = tid >> 4, sub = tid & 15;
-    int s_next = -1;
+    bool vis_next = false;  // any of this thread's keys of the next tile visible
     if (sp.n_tiles > 0) {
-        s_next = mla_key(sp.ids, sp.j_begin + kr, sp.j_end, sp.last);
-        mla_copy_key(sbase, cache, s_next, kr, sub);
-        if (sub == 0) vflag[kr] = s_next >= 0;
+#pragma unroll
+        for (int kk = kr; kk < MLA_BK; kk += 16) {
+            const int s = mla_key(sp.ids, sp.j_begin + kk, sp.j_end, sp.last);
+            mla_copy_key(sbase, cache, s, kk, sub);
+            if (sub == 0) vflag[kk] = s >= 0;
+            vis_next |= s >= 0;
+        }
     }
     MlaWarp<W> w(warp % W, lane, dr);
     w.load_q(q_lat, ql_tok, q_pe, qp_tok, qp_head, qp_freq, qp_mscale, t, h_tile, n_heads, dl,
              dr, sp.last);
     const u32 qk_off = mla_qk_off(lane), pv_off = mla_pv_off(lane);
     const float scale2 = scale * MLA_LOG2E;
-    float4* xw = xs + (ht * W) * 2 * 32 + lane;  // this head tile's partials, this lane
+    float4* xw = xs + (ht * W) * MLA_NK * 32 + lane;  // this head tile's partials, this lane
 
     cp_wait<0>();
-    int any = __syncthreads_or(s_next >= 0);
+    int any = __syncthreads_or(vis_next);
     for (int it = 0; it < sp.n_tiles; it++) {
         const int cur = it & 1;
         const bool more = it + 1 < sp.n_tiles;
+        vis_next = false;
         if (more) {  // into the stage and flags that tile it - 1 left before the last barrier
-            s_next = mla_key(sp.ids, sp.j_begin + (it + 1) * MLA_BK + kr, sp.j_end, sp.last);
-            mla_copy_key(sbase + (cur ^ 1) * MLA_STAGEB, cache, s_next, kr, sub);
-            if (sub == 0) vflag[(cur ^ 1) * MLA_BK + kr] = s_next >= 0;
+#pragma unroll
+            for (int kk = kr; kk < MLA_BK; kk += 16) {
+                const int j = sp.j_begin + (it + 1) * MLA_BK + kk;
+                const int s = mla_key(sp.ids, j, sp.j_end, sp.last);
+                mla_copy_key(sbase + (cur ^ 1) * MLA_STAGEB, cache, s, kk, sub);
+                if (sub == 0) vflag[(cur ^ 1) * MLA_BK + kk] = s >= 0;
+                vis_next |= s >= 0;
+            }
         }
         if (any) {  // block-uniform
             const u32 khi = sbase + cur * MLA_STAGEB, klo = khi + MLA_TILEB;
@@ -460,7 +491,7 @@ __device__ __forceinline__ void mla_split_body(
             }
         }
         cp_wait<0>();
-        any = __syncthreads_or(more && s_next >= 0);
+        any = __syncthreads_or(vis_next);
     }
     if (active) w.store(h_tile, n_heads, dl, t, split, part_acc, part_ml, out, out_tok);
 }

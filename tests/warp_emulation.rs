@@ -289,7 +289,8 @@ const PIECES: &[Piece] = &[
     Line("matvec.cu", "#define TMA6_STAGE "),
     Kernel("matvec.cu", "matvec_tma_q6_k"),
     Line("mla_decode.cu", "#define MLA_HB "),
-    Line("mla_decode.cu", "#define MLA_BK "),
+    Line("mla_decode.cu", "#define MLA_NK "),
+    Line("mla_decode.cu", "#define MLA_KP "),
     Line("mla_decode.cu", "#define MLA_THREADS "),
     Line("mla_decode.cu", "#define MLA_DL_MAX "),
     Line("mla_decode.cu", "#define MLA_DR_MAX "),
@@ -507,7 +508,7 @@ fn emulated_shared(mut src: String) -> String {
 
 /// Builds tests/warp_emulation/NAME.cpp after block.h and the pieces; None when there is no
 /// C++ compiler.
-fn build(name: &str, dir: &Path) -> Option<PathBuf> {
+fn build(name: &str, dir: &Path, mla_bk: usize) -> Option<PathBuf> {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     if Command::new(&cxx).arg("--version").output().is_err() {
         println!("SKIPPED: no C++ compiler ({cxx}) for the warp emulation");
@@ -515,7 +516,8 @@ fn build(name: &str, dir: &Path) -> Option<PathBuf> {
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let here = root.join("tests/warp_emulation");
-    let mut src = String::from("#include \"block.h\"\n");
+    // MLA_BK comes before mla_decode.cu as kernels.rs's Family::source puts it.
+    let mut src = format!("#include \"block.h\"\n#define MLA_BK {mla_bk}\n");
     for piece in PIECES {
         let (Def(file, head) | Line(file, head) | Kernel(file, head)) = piece;
         let text = std::fs::read_to_string(root.join("kernels").join(file)).unwrap();
@@ -639,13 +641,19 @@ struct Emulation {
 impl Emulation {
     /// None (after printing SKIPPED) without a C++ compiler.
     fn build(name: &str) -> Option<Emulation> {
+        Self::build_with_mla_bk(name, 16)
+    }
+
+    /// The same, with mla_decode.cu's key tiles of `mla_bk` keys (kernels.rs,
+    /// mla_keys_per_tile).
+    fn build_with_mla_bk(name: &str, mla_bk: usize) -> Option<Emulation> {
         // Tests of one process (cargo test's threads) may build the same harness at once.
         static BUILDS: AtomicUsize = AtomicUsize::new(0);
         let n = BUILDS.fetch_add(1, Ordering::Relaxed);
         let dir =
             std::env::temp_dir().join(format!("mla-emulation-{name}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let bin = build(name, &dir)?;
+        let bin = build(name, &dir, mla_bk)?;
         Some(Emulation { dir, bin })
     }
     fn run(&self, args: Args) -> Vec<f32> {
@@ -1687,11 +1695,22 @@ fn check_mla_decode(
 }
 
 #[test]
-fn mla_decode_kernels_match_f64() {
-    let Some(h) = Emulation::build("mla_decode") else {
+fn mla_decode_kernels_on_16_key_tiles_match_f64() {
+    check_mla_decode_kernels(16);
+}
+
+#[test]
+fn mla_decode_kernels_on_32_key_tiles_match_f64() {
+    check_mla_decode_kernels(32);
+}
+
+/// Both split forms (and the combine) on key tiles of `bk` keys, over splits shorter than a
+/// tile, of one and of several, with DSA's invisible keys and empty tiles.
+fn check_mla_decode_kernels(bk: usize) {
+    let Some(h) = Emulation::build_with_mla_bk("mla_decode", bk) else {
         return;
     };
-    let smem = mla_decode_smem_bytes();
+    let smem = mla_decode_smem_bytes(bk);
     let split = ("mla_decode_split", 0, MLA_HB, MLA_THREADS, smem);
     let split16 = ("mla_decode_split16", 1, 16, MLA_THREADS, smem);
     let case = |heads, pos0, dsa, rope, per| MlaCase {
@@ -1708,8 +1727,9 @@ fn mla_decode_kernels_match_f64() {
     check_mla_decode(&h, split, &case(32, 21, false, true, 64), 41);
     check_mla_decode(&h, split16, &case(16, 45, true, false, 16), 42);
     check_mla_decode(&h, split16, &case(20, 30, false, true, 7), 43);
-    // Six key tiles in one split (stages refilled); DSA's invisible keys and empty tiles, in
-    // splits of one tile and of three; 4 splits of 16 where token 0's last has no key.
+    // 96 keys in one split, six tiles of 16 or three of 32 (stages refilled); DSA's invisible
+    // keys and empty tiles, in splits of 7 and 40 keys; 4 splits of 16 where token 0's last has
+    // no key.
     check_mla_decode(&h, split, &case(32, 80, false, true, 96), 44);
     check_mla_decode(&h, split, &case(32, 30, true, true, 7), 45);
     check_mla_decode(&h, split, &case(32, 60, true, false, 40), 46);

@@ -11,7 +11,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::error::{check, CudaError};
-use super::kernels::{chain_clock, family_of, max_dynamic_smem, Family, FAMILIES};
+use super::kernels::{
+    chain_clock, family_of, max_dynamic_smem, mla_keys_per_tile, Family, FAMILIES,
+};
 use super::nvrtc::cached_cubin;
 
 /// A raw device address (CUdeviceptr) handed to a kernel; 0 means "absent" for optional
@@ -26,6 +28,9 @@ pub struct Gpu {
     pick_stream: Arc<CudaStream>,
     /// "sm_90", "sm_120": the architecture kernels are compiled for.
     pub arch: String,
+    /// Keys a shared tile of the MLA decode split kernels as compiled for `arch` (kernels.rs,
+    /// mla_keys_per_tile: 32 on sm_90 and sm_100, else 16).
+    pub mla_bk: usize,
     pub name: String,
     pub multiprocessors: usize,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
@@ -179,6 +184,7 @@ impl Gpu {
             None
         };
         let bulk_copies = major >= 9 && std::env::var("MLA_BULK").map_or(true, |v| v != "0");
+        let arch = format!("sm_{major}{minor}");
         Ok(Gpu {
             dependent_launch,
             bulk_copies,
@@ -188,7 +194,8 @@ impl Gpu {
             dsa_mma: std::env::var("MLA_DSA_MMA").map_or(true, |v| v != "0"),
             attention_mma: std::env::var("MLA_ATT_MMA").map_or(true, |v| v != "0"),
             name: ctx.name()?,
-            arch: format!("sm_{major}{minor}"),
+            mla_bk: mla_keys_per_tile(&arch),
+            arch,
             multiprocessors,
             stream,
             pick_stream,
@@ -264,7 +271,7 @@ impl Gpu {
             what: "no kernel family defines it".into(),
         })?;
         let f = self.module(family)?.load_function(kernel)?;
-        let dynamic = max_dynamic_smem(kernel);
+        let dynamic = max_dynamic_smem(kernel, &self.arch);
         if dynamic > 48 * 1024 {
             // Above 48 KiB a kernel must opt in to dynamic shared memory.
             f.set_attribute(

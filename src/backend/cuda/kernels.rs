@@ -24,11 +24,14 @@ pub fn chain_clock() -> bool {
 }
 
 impl Family {
-    /// The full program text NVRTC compiles.
-    pub fn source(&self) -> String {
+    /// The full program text NVRTC compiles for `arch` ("sm_90").
+    pub fn source(&self, arch: &str) -> String {
         let mut s = String::new();
         if chain_clock() {
             s.push_str("#define MLA_CHAIN_CLOCK\n");
+        }
+        if self.name == "mla_decode" {
+            s.push_str(&format!("#define MLA_BK {}\n", mla_keys_per_tile(arch)));
         }
         s.push_str(COMMON);
         if self.quant {
@@ -92,8 +95,36 @@ pub fn family_of(kernel: &str) -> Option<&'static Family> {
 }
 
 /// SM120's limit on shared memory per block (static + dynamic), which every kernel keeps on
-/// every architecture so that what runs on the H200 also runs on an RTX PRO 6000.
+/// every architecture so that what runs on the H200 also runs on an RTX PRO 6000; only
+/// mla_decode's key tiles grow where more is there (`shared_memory_limit`).
 pub const SHARED_MEMORY_LIMIT: usize = 99 * 1024;
+
+/// The most shared memory a block of a kernel compiled for `arch` may take: 227 KiB on sm_90
+/// and sm_100 (Hopper, datacenter Blackwell), SM120's 99 KiB elsewhere (sm_80's 163 KiB is not
+/// used: its kernels are SM120's).
+pub fn shared_memory_limit(arch: &str) -> usize {
+    let major = arch
+        .strip_prefix("sm_")
+        .and_then(|n| n.get(..n.len().saturating_sub(1)))
+        .and_then(|m| m.parse::<u32>().ok());
+    match major {
+        Some(9 | 10) => 227 * 1024,
+        _ => SHARED_MEMORY_LIMIT,
+    }
+}
+
+/// Keys a shared tile of mla_decode_split's forms compiled for `arch` (the kernel's MLA_BK):
+/// 32 where their stages fit a block (166 KB, with room for the static rest), else 16. A key
+/// tile's chain is latency, and 32 keys carry twice its mma work: H100, DS3 at 8K 47.1 ->
+/// 42.4 us, at 32K 137.4 -> 121.3; GLM-5 at 8K 31.9 -> 29.2; one tensor-parallel rank's rows
+/// 1-11% faster or the same (fifty-ninth look).
+pub fn mla_keys_per_tile(arch: &str) -> usize {
+    if mla_decode_smem_bytes(32) + 8 * 1024 <= shared_memory_limit(arch) {
+        32
+    } else {
+        16
+    }
+}
 
 // Tile sizes shared with attention.cu (ATT_BQ, ATT_BK, ATT_THREADS).
 pub const ATT_BQ: usize = 64;
@@ -110,22 +141,21 @@ pub const MLA_DR_MAX: usize = 64;
 /// parts, then as many lo parts, c_kv from dim 0 and k_pe from dim LATENT_ROPE_AT, zeros between.
 pub const LATENT_DIMS: usize = MLA_DL_MAX + MLA_DR_MAX;
 pub const LATENT_ROPE_AT: usize = MLA_DL_MAX;
-/// Heads per block of mla_decode_split (two m16 tiles; mla_decode_split16: one), keys per
-/// shared tile, threads.
+/// Heads per block of mla_decode_split (two m16 tiles; mla_decode_split16: one), threads.
 pub const MLA_HB: usize = 32;
-pub const MLA_BK: usize = 16;
 pub const MLA_THREADS: u32 = 256;
 /// Most sequence splits mla_decode_combine merges (its shared split weights).
 pub const MLA_MAX_SPLITS: usize = 1024;
 /// Most threads of mla_decode_combine (groups of threads sum every group-th split).
 pub const MLA_COMBINE_THREADS: u32 = 512;
 
-/// Dynamic shared memory of mla_decode_split (and split16, split16x2): two stages of a hi and a lo bf16
-/// key tile (MLA_BK rows of MLA_DL_MAX + MLA_DR_MAX dims, padded by 8), the partial scores of
-/// the 8 warps (f32 [16 heads, MLA_BK keys] each), and the key flags of both stages.
-pub fn mla_decode_smem_bytes() -> usize {
+/// Dynamic shared memory of mla_decode_split (and split16, split16x2) on key tiles of `bk`
+/// keys: two stages of a hi and a lo bf16 key tile (bk rows of MLA_DL_MAX + MLA_DR_MAX dims,
+/// padded by 8), the partial scores of the 8 warps (f32 [16 heads, bk keys] each), and the key
+/// flags of both stages.
+pub fn mla_decode_smem_bytes(bk: usize) -> usize {
     let row = 2 * (MLA_DL_MAX + MLA_DR_MAX + 8);
-    2 * 2 * MLA_BK * row + 4 * (8 * 16 * MLA_BK) + 4 * 2 * MLA_BK
+    2 * 2 * bk * row + 4 * (8 * 16 * bk) + 4 * 2 * bk
 }
 
 /// Dynamic shared memory of attention_prefill: q tile and k tile (rows padded by 4 floats),
@@ -224,8 +254,9 @@ pub fn dependent_launch_helps(kernel: &str) -> bool {
     !kernel.starts_with("mla_decode") && kernel != "matvec_int_q6_k"
 }
 
-/// The largest dynamic shared memory each kernel that uses it is ever launched with.
-pub fn max_dynamic_smem(kernel: &str) -> usize {
+/// The largest dynamic shared memory each kernel that uses it is ever launched with, compiled
+/// for `arch`.
+pub fn max_dynamic_smem(kernel: &str, arch: &str) -> usize {
     match kernel {
         "attention_prefill" => attention_smem_bytes(ATT_DQK_MAX, ATT_DV_MAX),
         k if k.starts_with("attention_mma_") => ATT_MMA_FORMS
@@ -241,7 +272,7 @@ pub fn max_dynamic_smem(kernel: &str) -> usize {
         "topk_rows" => 4 * TOPK_CACHE_KEYS,
         "topk_rows_cluster4" | "topk_rows_cluster8" => 4 * TOPK_CLUSTER_CACHE_KEYS,
         "mla_decode_split" | "mla_decode_split16" | "mla_decode_split16x2" => {
-            mla_decode_smem_bytes()
+            mla_decode_smem_bytes(mla_keys_per_tile(arch))
         }
         k if k.starts_with("matmul_cp_") => matmul_cp_smem_bytes(k),
         "matvec_tc8_q4_k" => super::ops::tc_smem_bytes(super::ops::TC_LONG_K_MAX),

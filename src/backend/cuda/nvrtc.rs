@@ -55,7 +55,7 @@ pub fn compile_cubin(family: &Family, arch: &str) -> Result<Vec<u8>, CudaError> 
         error,
         log,
     };
-    let src = CString::new(family.source()).expect("kernel sources hold no NUL");
+    let src = CString::new(family.source(arch)).expect("kernel sources hold no NUL");
     let name = CString::new(format!("{}.cu", family.name)).expect("no NUL");
     let prog = nvrtc::create_program(&src, Some(&name))
         .map_err(|e| compile_err(format!("{e:?}"), String::new()))?;
@@ -119,7 +119,7 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 pub fn cached_cubin(family: &Family, arch: &str) -> Result<Vec<u8>, CudaError> {
     let (major, minor) = nvrtc_version()?;
     let key = fnv1a(&[
-        family.source().as_bytes(),
+        family.source(arch).as_bytes(),
         options(arch).join(" ").as_bytes(),
         format!("{major}.{minor}").as_bytes(),
     ]);

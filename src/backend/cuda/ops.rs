@@ -2010,7 +2010,7 @@ pub struct MlaDecode {
 }
 
 use super::kernels::{
-    mla_decode_smem_bytes, MLA_BK, MLA_COMBINE_THREADS, MLA_HB, MLA_MAX_SPLITS, MLA_THREADS,
+    mla_decode_smem_bytes, MLA_COMBINE_THREADS, MLA_HB, MLA_MAX_SPLITS, MLA_THREADS,
 };
 
 /// The MLA decode pair takes programmatic dependent launch up to this many split blocks (a
@@ -2018,9 +2018,9 @@ use super::kernels::{
 /// SMs take nothing from anyone.
 const MLA_PDL_MAX_BLOCKS: u32 = 32;
 
-/// Keys a split (at one block an SM) from which few heads take mla_decode_split16x2: 16 tiles
-/// (DS3's 16 heads at 32K have 256, at 8K 64).
-const MLA_X2_KEYS: usize = 16 * MLA_BK;
+/// Keys a split (at one block an SM) from which few heads take mla_decode_split16x2 (DS3's
+/// 16 heads at 32K have 256, at 8K 64).
+const MLA_X2_KEYS: usize = 256;
 
 /// The most floats of split partials `mla_decode` keeps between calls (64 MiB; one decode
 /// token needs about multiprocessors * 32 * dl, 8.6 MB on an H200); a larger call (many
@@ -2030,20 +2030,23 @@ const MLA_WORK_KEEP: usize = 16 << 20;
 impl Gpu {
     /// The split kernel for up to `n_keys` keys and `heads` heads, and its heads per block:
     /// mla_decode_split16 (16 heads on all 8 warps, each with half the dims of the other
-    /// form) for few heads (a tensor-parallel rank) and for short splits, where a block's
-    /// one or two key tiles are latency, else mla_decode_split (32 heads). Lab, H200: 16
+    /// form) for few heads (a tensor-parallel rank) and for splits of at most 32 keys, where a
+    /// block's one or two key tiles are latency, else mla_decode_split (32 heads). Lab, H200: 16
     /// heads at 8K 23.2 -> 21.0 us; GLM-5's 64 heads over 2048 DSA keys 22.2 -> 20.1 us, 1K
     /// 20.4 -> 16.5 us; longer splits of many heads lose (GLM-5 8K 34.7 -> 41.6 us).
     ///
     /// Few heads with long splits (at least MLA_X2_KEYS keys a split at one block an SM) take
     /// mla_decode_split16x2, the same form held to 128 registers, two blocks an SM on the H200:
     /// one tensor-parallel rank's 16 heads (DS3) at 32K 42.4 -> 38.8 us, GLM-5's 8 at 32K
-    /// 40.1 -> 35.9, where at 8K it lost (20.8 -> 21.9, 19.0 -> 19.8; bench, the same calls).
+    /// 40.1 -> 35.9, where at 8K it lost (20.8 -> 21.9, 19.0 -> 19.8; bench, the same calls;
+    /// key tiles of 16). On key tiles of 32 (sm_90) its 166 KB hold it to one block an SM,
+    /// where it took the rank rows at 32K no slower than two of 16 keys (H100: DS3 44.0 ->
+    /// 43.0 us, GLM-5 40.7 -> 40.9).
     pub fn mla_decode_form(&self, n_keys: usize, heads: usize) -> (&'static str, usize) {
         let (_, per) = self.splits_of(n_keys, heads, MLA_HB, 1);
         if heads <= 16 && self.splits_of(n_keys, heads, 16, 1).1 >= MLA_X2_KEYS {
             ("mla_decode_split16x2", 16)
-        } else if heads <= 16 || per <= 2 * MLA_BK {
+        } else if heads <= 16 || per <= 32 {
             ("mla_decode_split16", 16)
         } else {
             ("mla_decode_split", MLA_HB)
@@ -2055,7 +2058,7 @@ impl Gpu {
     pub fn mla_decode_splits(&self, n_keys: usize, heads: usize) -> (usize, usize) {
         let (kernel, per_block) = self.mla_decode_form(n_keys, heads);
         let per_sm = if kernel == "mla_decode_split16x2" {
-            self.blocks_per_sm(kernel, MLA_THREADS, mla_decode_smem_bytes())
+            self.blocks_per_sm(kernel, MLA_THREADS, mla_decode_smem_bytes(self.mla_bk))
                 .unwrap_or(1)
                 .max(1)
         } else {
@@ -2066,7 +2069,7 @@ impl Gpu {
 
     /// Splits for heads in groups of `per_block`: `per_sm` blocks of the split kernel per
     /// multiprocessor (the forms but split16x2 hold up to 217 registers a thread, so one block
-    /// fits an SM), keys per split a multiple of the key tile (MLA_BK), at most
+    /// fits an SM), keys per split a multiple of the key tile (`mla_bk`), at most
     /// MLA_MAX_SPLITS splits (what mla_decode_combine merges).
     fn splits_of(
         &self,
@@ -2079,8 +2082,9 @@ impl Gpu {
         let want = (self.multiprocessors * per_sm)
             .div_ceil(groups)
             .clamp(1, MLA_MAX_SPLITS);
-        let splits = want.min(n_keys.div_ceil(MLA_BK)).max(1);
-        let per = (n_keys.div_ceil(splits).div_ceil(MLA_BK) * MLA_BK).max(MLA_BK);
+        let bk = self.mla_bk;
+        let splits = want.min(n_keys.div_ceil(bk)).max(1);
+        let per = (n_keys.div_ceil(splits).div_ceil(bk) * bk).max(bk);
         (n_keys.div_ceil(per).max(1), per)
     }
 
@@ -2165,7 +2169,7 @@ impl Gpu {
         // dependent_launch_helps: the pair measured slower with it on a full GPU).
         let pdl = self.dependent_launch && grid.0 * grid.1 * grid.2 <= MLA_PDL_MAX_BLOCKS;
         launch!(@dependent pdl, self, kernel, grid, MLA_THREADS,
-            mla_decode_smem_bytes() as u32;
+            mla_decode_smem_bytes(self.mla_bk) as u32;
             a.q_lat, a.ql_tok as i64, a.q_pe, a.qp_tok as i64, a.qp_head as i32, a.qp_rope.0,
             a.qp_rope.1, a.cache, a.dl as i32, a.dr as i32, a.heads as i32, a.key_ids,
             a.n_ids as i32, a.pos0 as i32, per as i32, a.scale, pa, pm, a.out, a.out_tok as i64);
