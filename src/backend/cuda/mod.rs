@@ -5,8 +5,9 @@
 //!
 //! [`Cuda`] implements the model's `Backend` trait on top of them. [`device::Gpu`] is one device with its stream and compiled kernels; [`ops`] has one
 //! function per kernel; [`nvrtc`] compiles and caches; [`kernels`] lists the families and
-//! their shared-memory needs (at most 99 KiB per block everywhere, SM120's limit; tensor
-//! cores only through `mma.sync`, which sm_80 to sm_120 all have).
+//! their shared-memory needs (at most 99 KiB per block everywhere, SM120's limit, but MLA
+//! decode's larger key tiles on sm_90 and sm_100; tensor cores only through `mma.sync`, which
+//! sm_80 to sm_120 all have).
 
 pub mod backend;
 pub mod device;
