@@ -1735,8 +1735,11 @@ fn check_mla_decode_kernels(bk: usize) {
     check_mla_decode(&h, split, &case(32, 60, true, false, 40), 46);
     check_mla_decode(&h, split, &case(32, 47, false, false, 16), 47);
     // 82 splits of one key: the combine's groups (16) take whole rounds of 4 splits, then the
-    // rest, past the 4 rows each thread loaded before the weights.
-    check_mla_decode(&h, split, &case(32, 80, false, false, 1), 49);
+    // rest, past the 4 rows each thread loaded before the weights. The combine does not see
+    // the tiles, and these 164 blocks are most of the test's time: on one tile size only.
+    if bk == 16 {
+        check_mla_decode(&h, split, &case(32, 80, false, false, 1), 49);
+    }
     let narrow = MlaCase {
         dl: 128,
         dr: 32,
