@@ -9,7 +9,8 @@
 //! MLA_REQUIRE_NVRTC=1 (set by .ci/nvrtc-check, which installs it).
 
 use mla_engine::backend::cuda::kernels::{
-    family_of, max_dynamic_smem, shared_memory_limit, FAMILIES, SHARED_MEMORY_LIMIT,
+    family_of, max_dynamic_smem, mla_decode_smem_bytes, mla_keys_per_tile, shared_memory_limit,
+    FAMILIES, SHARED_MEMORY_LIMIT,
 };
 use mla_engine::backend::cuda::nvrtc::{
     cached_cubin, compile_cubin, nvrtc_available, nvrtc_version, static_shared_bytes,
@@ -97,6 +98,24 @@ fn check_arch(arch: &str) -> String {
         }
     }
     report
+}
+
+/// MLA decode's key tiles grow to 32 keys only where a block holds their shared memory: on
+/// Hopper (where they were measured faster) and datacenter Blackwell, not on SM120 or Ada.
+#[test]
+fn mla_key_tiles_fit_each_arch() {
+    for arch in [
+        "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "sm_121",
+    ] {
+        let bk = mla_keys_per_tile(arch);
+        assert!(
+            mla_decode_smem_bytes(bk) <= shared_memory_limit(arch),
+            "{arch}: tiles of {bk} keys take {} bytes",
+            mla_decode_smem_bytes(bk)
+        );
+        let wide = arch == "sm_90" || arch == "sm_100";
+        assert_eq!(bk, if wide { 32 } else { 16 }, "{arch}");
+    }
 }
 
 #[test]
