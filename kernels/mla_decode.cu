@@ -240,8 +240,8 @@ struct MlaWarp {
     }
 
     // This warp's partial scores of the key tile (hi and lo tiles at shared khi, klo; qk_off
-    // the lane's ldmatrix offset) into xw[(c * MLA_NK + n) * 32] (xw: the head tile's partials at
-    // this lane); the three products in separate sums (independent mma chains).
+    // the lane's ldmatrix offset) into xw[(c * MLA_NK + n) * 32] (xw: the head tile's partials
+    // at this lane); the three products in separate sums (independent mma chains).
     __device__ __forceinline__ void scores(u32 khi, u32 klo, u32 qk_off, float4* xw) const {
         float shh[MLA_NK][4], shl[MLA_NK][4], slh[MLA_NK][4];
 #pragma unroll
@@ -443,10 +443,10 @@ __device__ __forceinline__ void mla_split_body(
     const bool active = h_tile < n_heads;
     const MlaSplit sp = mla_split_of(key_ids, n_ids, pos0, t, split, keys_per_split);
 
-    // Loader: thread tid copies keys kr, kr + 16 .. of a tile, 16 threads a key. The first tile's copies
-    // go out before the query's loads, and all of those before the first use: a short context
-    // is a few tiles, where each round trip to memory waited on alone was most of the time
-    // (ncu, H200, DS3 at one key: half of the stall samples on the query's conversions).
+    // Loader: thread tid copies keys kr, kr + 16 .. of a tile, 16 threads a key. The first
+    // tile's copies go out before the query's loads, and all of those before the first use: a
+    // short context is a few tiles, where each round trip to memory waited on alone was most of
+    // the time (ncu, H200, DS3 at one key: half of the stall samples on the query's conversions).
     const int kr = tid >> 4, sub = tid & 15;
     bool vis_next = false;  // any of this thread's keys of the next tile visible
     if (sp.n_tiles > 0) {
